@@ -1,0 +1,62 @@
+"""The ``p2psync`` command.
+
+Parsing happens before anything heavy is imported: each subcommand module
+exposes ``add_parser(subparsers)`` (cheap: argparse only) and ``run(args)``
+(which imports torch and friends inside), so ``p2psync --help`` answers fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# Subcommand modules under p2psync.cli, in help order.
+COMMANDS = ["demo", "delta", "keygen"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="p2psync",
+        description="Bit-exact sparse weight sync for RL post-training over peer-to-peer relay trees.",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default INFO)")
+    parser.add_argument("--log-json", action="store_true", help="log JSON lines instead of human text")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        importlib.import_module(f"p2psync.cli.{name}").add_parser(sub)
+    return parser
+
+
+def _install_logging(level: str, as_json: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if as_json:
+        from p2psync.logs import JsonFormatter
+
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _install_logging(args.log_level, args.log_json)
+    from p2psync.errors import P2PSyncError
+
+    try:
+        rc = args.run(args)
+    except P2PSyncError as exc:
+        print(f"p2psync: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,25 @@
+"""``p2psync keygen``: an Ed25519 key pair for the trainer."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("keygen", help="make the trainer's Ed25519 signing key pair")
+    p.add_argument("-o", "--output", default=".", help="directory for NAME.key and NAME.pub (default .)")
+    p.add_argument("--name", default="trainer", help="file stem (default trainer)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from p2psync import keys
+
+    priv = keys.generate()
+    priv_path, pub_path = keys.write_pair(priv, Path(args.output), args.name)
+    print(f"private key: {priv_path} (keep it on the trainer only)")
+    print(f"public key:  {pub_path} (give it to every node)")
+    print(f"key id:      {keys.key_id(priv.public_key())}")
+    return 0

@@ -1,0 +1,1 @@
+"""Bit-exact sparse delta and snapshot codec (see ``segment`` for the wire layout)."""

@@ -1,0 +1,258 @@
+"""Encoding a state change (delta) or a whole state (snapshot) into chunks.
+
+Work is split into jobs of at most ``segment_elements`` elements of one tensor;
+jobs run on ``threads`` threads (the numba kernels, numpy and zstd release the
+GIL) and their segments are packed into chunks in job order, so the bytes out
+do not depend on the thread count. A job holds only buffers sized by its own
+changes: encoding allocates nothing proportional to the model.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from p2psync import dtypes
+from p2psync.codec import kernels
+from p2psync.codec.segment import (
+    SegmentStats,
+    encode_delta_segment,
+    encode_raw_segment,
+    zigzag,
+)
+from p2psync.errors import ConfigError
+from p2psync.state import ModelState, TensorSpec, check_table, fold_root, tensor_seed
+
+CHUNK_MAGIC = b"P2C1"
+_CHUNK_HEAD = 8  # magic + u32 segment count
+_SEG_PREFIX = 4  # u32 length before each segment
+# Room kept in a chunk for a segment's header and context table (f64 has 2048 contexts).
+_SEGMENT_OVERHEAD = 64 + 7 * 2048
+MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+@dataclass(frozen=True)
+class CodecOptions:
+    chunk_size: int = 4 << 20
+    """Upper bound of a chunk in bytes; every chunk but the last is filled close to it."""
+    threads: int = 2
+    """Worker threads for encoding and decoding."""
+    segment_elements: int = 1 << 23
+    """Largest element range one segment covers (bounds decode work per segment)."""
+    zstd_level: int = 3
+    """zstd level for residual planes and snapshot payloads (0 stores them raw)."""
+
+    def __post_init__(self) -> None:
+        if not 64 << 10 <= self.chunk_size <= 256 << 20:
+            raise ConfigError("chunk_size", f"must be between 64 KiB and 256 MiB, got {self.chunk_size}")
+        if self.threads < 1:
+            raise ConfigError("threads", "must be at least 1")
+        if not 1024 <= self.segment_elements <= 1 << 30:
+            raise ConfigError("segment_elements", "must be between 1024 and 2**30")
+        if not 0 <= self.zstd_level <= 22:
+            raise ConfigError("zstd_level", "must be between 0 and 22")
+
+    def max_changes(self, width: int) -> int:
+        # Worst case per change: the word itself plus up to ~5 bytes of Rice code.
+        return max(1, min(self.segment_elements, (self.chunk_size - _CHUNK_HEAD - _SEGMENT_OVERHEAD) // (width + 6)))
+
+    def raw_elements(self, width: int) -> int:
+        return max(1, min(self.segment_elements, (self.chunk_size - _CHUNK_HEAD - 64) // width))
+
+
+@dataclass
+class EncodedArtifact:
+    """Chunks plus what the manifest needs to say about them."""
+
+    kind: str
+    specs: list[TensorSpec]
+    chunks: list[bytes]
+    base_fingerprint: str | None
+    target_fingerprint: str
+    target_sums: list[tuple[int, int]]
+    changed: list[int] = field(default_factory=list)
+    stats: SegmentStats = field(default_factory=SegmentStats)
+
+
+def pack_chunks(segments: Iterable[bytes], chunk_size: int) -> Iterator[bytes]:
+    """Greedy in-order packing of segments into chunks of at most ``chunk_size`` bytes."""
+    batch: list[bytes] = []
+    size = _CHUNK_HEAD
+    for seg in segments:
+        need = _SEG_PREFIX + len(seg)
+        if _CHUNK_HEAD + need > chunk_size:
+            raise AssertionError("segment larger than a chunk")  # prevented by CodecOptions bounds
+        if batch and size + need > chunk_size:
+            yield _chunk(batch)
+            batch, size = [], _CHUNK_HEAD
+        batch.append(seg)
+        size += need
+    if batch:
+        yield _chunk(batch)
+
+
+def _chunk(segs: list[bytes]) -> bytes:
+    parts = [CHUNK_MAGIC, struct.pack("<I", len(segs))]
+    for s in segs:
+        parts.append(struct.pack("<I", len(s)))
+        parts.append(s)
+    return b"".join(parts)
+
+
+# --- delta jobs --------------------------------------------------------------------------
+@dataclass
+class _JobResult:
+    tensor: int
+    segments: list[bytes]
+    stats: SegmentStats
+    hash_delta: tuple[int, int]
+
+
+def _finish_segment(tensor, start, stop, old, new_words, pos, ctx, rank, seed, level, out: _JobResult) -> None:
+    old_w = old[pos]
+    seg, st = encode_delta_segment(tensor, start, stop, ctx, rank, zigzag(new_words - old_w), level)
+    out.segments.append(seg)
+    out.stats.add(st)
+    oa, ob = kernels.hash_sparse(pos, old_w, seed)
+    na, nb = kernels.hash_sparse(pos, new_words, seed)
+    a, b = out.hash_delta
+    out.hash_delta = ((a - int(oa) + int(na)) & MASK64, (b - int(ob) + int(nb)) & MASK64)
+
+
+def _scan_job(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.ndarray, s: int, e: int, opts: CodecOptions):
+    d = dtypes.from_code(spec.dtype)
+    cap = min(opts.max_changes(d.width), e - s)
+    pos_b = np.empty(cap, dtype=np.int64)
+    ctx_b = np.empty(cap, dtype=np.uint16)
+    rank_b = np.empty(cap, dtype=np.int64)
+    counts = np.empty(d.exp_mask + 1, dtype=np.int64)
+    seed = tensor_seed(spec.name)
+    out = _JobResult(tensor, [], SegmentStats(), (0, 0))
+    at = s
+    while at < e:
+        stop, n = kernels.scan_changes(old, new, at, e, d.exp_shift, d.exp_mask, cap, pos_b, ctx_b, rank_b, counts)
+        if n:
+            pos = pos_b[:n].copy()
+            _finish_segment(tensor, at, stop, old, new[pos], pos, ctx_b[:n], rank_b[:n], seed, opts.zstd_level, out)
+        at = stop
+    return out
+
+
+def _sparse_job(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.ndarray, vals: np.ndarray, s: int, e: int,
+                opts: CodecOptions):
+    """Same segments as :func:`_scan_job`, from positions found elsewhere (e.g. on a GPU)."""
+    d = dtypes.from_code(spec.dtype)
+    cap = opts.max_changes(d.width)
+    counts = np.empty(d.exp_mask + 1, dtype=np.int64)
+    seed = tensor_seed(spec.name)
+    out = _JobResult(tensor, [], SegmentStats(), (0, 0))
+    lo, hi = np.searchsorted(pos, [s, e])
+    at = s
+    for a in range(lo, hi, cap):
+        b = min(hi, a + cap)
+        stop = int(pos[b]) if b < hi else e
+        p = pos[a:b]
+        ctx = np.empty(b - a, dtype=np.uint16)
+        rank = np.empty(b - a, dtype=np.int64)
+        kernels.rank_given(old, p, at, d.exp_shift, d.exp_mask, ctx, rank, counts)
+        _finish_segment(tensor, at, stop, old, vals[a:b], p, ctx, rank, seed, opts.zstd_level, out)
+        at = stop
+    return out
+
+
+def _ranges(n: int, step: int) -> list[tuple[int, int]]:
+    return [(s, min(n, s + step)) for s in range(0, n, step)]
+
+
+def _run(jobs, opts: CodecOptions) -> Iterator[_JobResult]:
+    if opts.threads == 1:
+        for fn, args in jobs:
+            yield fn(*args)
+        return
+    with ThreadPoolExecutor(opts.threads, thread_name_prefix="p2psync-encode") as pool:
+        # Bounded look-ahead keeps memory flat while both threads stay busy.
+        pending = []
+        for fn, args in jobs:
+            pending.append(pool.submit(fn, *args))
+            if len(pending) > 4 * opts.threads:
+                yield pending.pop(0).result()
+        for f in pending:
+            yield f.result()
+
+
+def _collect(kind: str, base: ModelState, results: Iterator[_JobResult], opts: CodecOptions) -> EncodedArtifact:
+    sums = base.tensor_sums(opts.threads)
+    base_fp = fold_root(base.table_hash, sums)
+    changed = [0] * len(base.specs)
+    stats = SegmentStats()
+
+    def segments() -> Iterator[bytes]:
+        for r in results:
+            a, b = sums[r.tensor]
+            sums[r.tensor] = ((a + r.hash_delta[0]) & MASK64, (b + r.hash_delta[1]) & MASK64)
+            changed[r.tensor] += r.stats.changed
+            stats.add(r.stats)
+            yield from r.segments
+
+    chunks = list(pack_chunks(segments(), opts.chunk_size))
+    return EncodedArtifact(kind, list(base.specs), chunks, base_fp, fold_root(base.table_hash, sums), sums,
+                           changed, stats)
+
+
+def encode_delta(base: ModelState, new: ModelState, opts: CodecOptions | None = None) -> EncodedArtifact:
+    """Chunks that turn ``base`` into ``new`` bit-exactly. Both must share one tensor table."""
+    opts = opts or CodecOptions()
+    check_table(new.specs, base.specs)
+    jobs = []
+    for i, spec in enumerate(base.specs):
+        old_w, new_w = base.words(spec.name), new.words(spec.name)
+        for s, e in _ranges(spec.numel, opts.segment_elements):
+            jobs.append((_scan_job, (i, spec, old_w, new_w, s, e, opts)))
+    return _collect("delta", base, _run(jobs, opts), opts)
+
+
+def encode_delta_sparse(
+    base: ModelState, changes: dict[str, tuple[np.ndarray, np.ndarray]], opts: CodecOptions | None = None
+) -> EncodedArtifact:
+    """Like :func:`encode_delta` from already extracted changes: ``name -> (sorted positions, new words)``.
+
+    Produces byte-identical chunks to :func:`encode_delta` for the same change.
+    """
+    opts = opts or CodecOptions()
+    unknown = [n for n in changes if n not in base.index]
+    if unknown:
+        check_table(base.specs + [TensorSpec(n, "U8", ()) for n in unknown], base.specs)
+    jobs = []
+    for i, spec in enumerate(base.specs):
+        if spec.name not in changes:
+            continue
+        pos, vals = changes[spec.name]
+        pos = np.asarray(pos, dtype=np.int64)
+        vals = np.asarray(vals).view(dtypes.from_code(spec.dtype).word)
+        if pos.shape[0] == 0:
+            continue
+        for s, e in _ranges(spec.numel, opts.segment_elements):
+            jobs.append((_sparse_job, (i, spec, base.words(spec.name), pos, vals, s, e, opts)))
+    return _collect("delta", base, _run(jobs, opts), opts)
+
+
+def encode_snapshot(state: ModelState, opts: CodecOptions | None = None) -> EncodedArtifact:
+    """Chunks holding every word of ``state``."""
+    opts = opts or CodecOptions()
+
+    def job(i: int, spec: TensorSpec, s: int, e: int) -> _JobResult:
+        seg, st = encode_raw_segment(i, s, state.words(spec.name)[s:e], opts.zstd_level)
+        return _JobResult(i, [seg], st, (0, 0))
+
+    jobs = []
+    for i, spec in enumerate(state.specs):
+        step = opts.raw_elements(dtypes.from_code(spec.dtype).width)
+        for s, e in _ranges(spec.numel, step):
+            jobs.append((job, (i, spec, s, e)))
+    art = _collect("snapshot", state, _run(jobs, opts), opts)
+    art.base_fingerprint = None
+    return art

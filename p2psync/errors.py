@@ -1,0 +1,121 @@
+"""One error hierarchy for everything p2psync raises on purpose.
+
+Every error carries a one-line message a user understands plus structured
+fields, so that callers that recover deliberately (re-fetch, re-parent, skip a
+peer) can act on the fields instead of parsing text.
+"""
+
+from __future__ import annotations
+
+
+class P2PSyncError(Exception):
+    """Base of every error p2psync raises on purpose."""
+
+
+class ConfigError(P2PSyncError, ValueError):
+    """A configuration value is invalid; ``field`` names it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class CodecError(P2PSyncError):
+    """Bytes that do not decode: malformed, truncated or out-of-range content."""
+
+
+class TruncatedError(CodecError):
+    """The input ended before the structure it announced was complete."""
+
+
+class FormatVersionError(CodecError):
+    """The artifact was written by a format version this build cannot read."""
+
+    def __init__(self, found: int, supported: int) -> None:
+        super().__init__(f"unsupported format version {found} (this build reads version {supported})")
+        self.found = found
+        self.supported = supported
+
+
+class IntegrityError(P2PSyncError):
+    """Content does not match what the signed manifest promises."""
+
+
+class ChunkHashMismatch(IntegrityError):
+    """A chunk's xxh3-128 differs from the manifest; ``index`` says which chunk."""
+
+    def __init__(self, index: int, expected: str, actual: str) -> None:
+        super().__init__(f"chunk {index} is corrupt: hash {actual} != manifest {expected}")
+        self.index = index
+        self.expected = expected
+        self.actual = actual
+
+
+class FingerprintMismatch(IntegrityError):
+    """The state a delta produces is not the state the manifest names."""
+
+    def __init__(self, expected: str, actual: str) -> None:
+        super().__init__(f"result fingerprint {actual} != manifest target {expected}; nothing was applied")
+        self.expected = expected
+        self.actual = actual
+
+
+class SignatureError(IntegrityError):
+    """The manifest is unsigned, signed by another key, or its signature is forged."""
+
+
+class WrongBase(P2PSyncError):
+    """A delta was offered to a state other than its base."""
+
+    def __init__(self, expected: str, actual: str, base_version: int | None = None) -> None:
+        where = f" (version {base_version})" if base_version is not None else ""
+        super().__init__(
+            f"wrong base: delta needs base fingerprint {expected}{where}, state has {actual}; nothing was applied"
+        )
+        self.expected = expected
+        self.actual = actual
+        self.base_version = base_version
+
+
+class TensorTableMismatch(P2PSyncError):
+    """The tensor table of an artifact and of a state differ (names, dtypes or shapes)."""
+
+    def __init__(
+        self,
+        unknown: list[str] | None = None,
+        missing: list[str] | None = None,
+        reshaped: list[str] | None = None,
+        retyped: list[str] | None = None,
+    ) -> None:
+        self.unknown = sorted(unknown or [])
+        self.missing = sorted(missing or [])
+        self.reshaped = sorted(reshaped or [])
+        self.retyped = sorted(retyped or [])
+        parts = []
+        for label, names in (
+            ("unknown", self.unknown),
+            ("missing", self.missing),
+            ("reshaped", self.reshaped),
+            ("retyped", self.retyped),
+        ):
+            if names:
+                shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+                parts.append(f"{label}: {shown}")
+        super().__init__("tensor table mismatch (" + "; ".join(parts or ["order differs"]) + ")")
+
+
+class PeerUnreachable(P2PSyncError):
+    """A peer did not answer or answered with an error."""
+
+    def __init__(self, peer: str, reason: str) -> None:
+        super().__init__(f"peer {peer} unreachable: {reason}")
+        self.peer = peer
+        self.reason = reason
+
+
+class LeaseExpired(P2PSyncError):
+    """A lease was used after it expired or was taken by another holder."""
+
+    def __init__(self, work_id: str) -> None:
+        super().__init__(f"lease on work {work_id} expired")
+        self.work_id = work_id

@@ -1,0 +1,210 @@
+"""A model state: an ordered table of tensors, viewed as raw words, with its fingerprint.
+
+The fingerprint is what every node compares to know it holds exactly the
+trainer's bits. Per tensor it is a pair of 64-bit sums of element hashes
+``h(tensor, position, word)``; the root folds the table hash and every tensor's
+sums with xxh3-128. Because the per-tensor value is a sum, a delta updates it
+by subtracting the hashes of the old words and adding those of the new ones,
+in time proportional to the changed elements; :meth:`ModelState.audit`
+recomputes it from every element.
+
+This is an integrity check against accidents (bugs, wrong bases, bit rot), not
+a cryptographic commitment: authenticity comes from the signed manifest and its
+per-chunk hashes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import xxhash
+
+from p2psync import dtypes
+from p2psync.codec import kernels
+from p2psync.errors import TensorTableMismatch
+
+if TYPE_CHECKING:
+    import torch
+
+# Fingerprints hash in ranges of this many elements so that threads can share a tensor.
+_HASH_RANGE = 1 << 24
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str
+    """safetensors dtype code."""
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtypes.from_code(self.dtype).width
+
+    def to_json(self) -> list:
+        return [self.name, self.dtype, list(self.shape)]
+
+
+def table_hash(specs: Iterable[TensorSpec]) -> str:
+    """xxh3-128 of the canonical tensor table (order matters)."""
+    text = json.dumps([s.to_json() for s in specs], separators=(",", ":"), ensure_ascii=True)
+    return xxhash.xxh3_128_hexdigest(text.encode())
+
+
+def tensor_seed(name: str) -> np.uint64:
+    return np.uint64(xxhash.xxh3_64_intdigest(name.encode(), seed=0x5032505359))
+
+
+def check_table(expected: list[TensorSpec], actual: list[TensorSpec]) -> None:
+    """Raise :class:`TensorTableMismatch` naming every difference, or return."""
+    if expected == actual:
+        return
+    exp = {s.name: s for s in expected}
+    act = {s.name: s for s in actual}
+    unknown = [n for n in exp if n not in act]
+    missing = [n for n in act if n not in exp]
+    reshaped = [n for n in exp if n in act and exp[n].shape != act[n].shape]
+    retyped = [n for n in exp if n in act and exp[n].dtype != act[n].dtype]
+    raise TensorTableMismatch(unknown=unknown, missing=missing, reshaped=reshaped, retyped=retyped)
+
+
+def fold_root(thash: str, sums: Iterable[tuple[int, int]]) -> str:
+    h = xxhash.xxh3_128(bytes.fromhex(thash))
+    buf = bytearray()
+    for a, b in sums:
+        buf += int(a).to_bytes(8, "little") + int(b).to_bytes(8, "little")
+    h.update(bytes(buf))
+    return h.hexdigest()
+
+
+def hash_words(words: np.ndarray, seed: np.uint64, pool: ThreadPoolExecutor | None = None) -> tuple[int, int]:
+    n = words.shape[0]
+    ranges = [(s, min(n, s + _HASH_RANGE)) for s in range(0, n, _HASH_RANGE)] or [(0, 0)]
+    if pool is None or len(ranges) == 1:
+        parts = [kernels.hash_range(words, s, e, seed) for s, e in ranges]
+    else:
+        parts = list(pool.map(lambda r: kernels.hash_range(words, r[0], r[1], seed), ranges))
+    a = sum(int(p[0]) for p in parts) & 0xFFFFFFFFFFFFFFFF
+    b = sum(int(p[1]) for p in parts) & 0xFFFFFFFFFFFFFFFF
+    return a, b
+
+
+class ModelState:
+    """An ordered table of contiguous CPU tensors and its incrementally maintained fingerprint.
+
+    Contract: ``fingerprint`` always describes the current bits of the tensors, as long
+    as they are changed only through :meth:`apply_sparse` (the codec's apply path) or
+    followed by :meth:`invalidate`.
+    """
+
+    def __init__(self, tensors: Mapping[str, "torch.Tensor"] | Iterable[tuple[str, "torch.Tensor"]]):
+        items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
+        self._tensors: dict[str, "torch.Tensor"] = {}
+        self._words: dict[str, np.ndarray] = {}
+        specs = []
+        for name, t in items:
+            if name in self._tensors:
+                raise ValueError(f"duplicate tensor name {name!r}")
+            t = t.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            if not t.is_contiguous():
+                t = t.contiguous()
+            self._tensors[name] = t
+            self._words[name] = dtypes.words_of(t)
+            specs.append(TensorSpec(name, dtypes.from_torch(t.dtype).code, tuple(int(s) for s in t.shape)))
+        self.specs: list[TensorSpec] = specs
+        self.index: dict[str, int] = {s.name: i for i, s in enumerate(specs)}
+        self.table_hash = table_hash(specs)
+        self._sums: list[tuple[int, int]] | None = None
+
+    # --- access -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def tensor(self, name: str) -> "torch.Tensor":
+        return self._tensors[name]
+
+    def words(self, name: str) -> np.ndarray:
+        return self._words[name]
+
+    def tensors(self) -> dict[str, "torch.Tensor"]:
+        return dict(self._tensors)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.specs)
+
+    # --- fingerprint --------------------------------------------------------------------
+    def _compute_sums(self, threads: int) -> list[tuple[int, int]]:
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            return [hash_words(self._words[s.name], tensor_seed(s.name), pool) for s in self.specs]
+
+    def tensor_sums(self, threads: int = 2) -> list[tuple[int, int]]:
+        if self._sums is None:
+            self._sums = self._compute_sums(threads)
+        return list(self._sums)
+
+    @property
+    def fingerprint(self) -> str:
+        return fold_root(self.table_hash, self.tensor_sums())
+
+    def audit(self, threads: int = 2) -> str:
+        """Recompute the fingerprint from every element (ignores the cached sums)."""
+        return fold_root(self.table_hash, self._compute_sums(threads))
+
+    def invalidate(self) -> None:
+        """Forget the cached fingerprint after the tensors were changed behind our back."""
+        self._sums = None
+
+    def updated_sums(self, changes: Mapping[int, tuple[np.ndarray, np.ndarray]]) -> list[tuple[int, int]]:
+        """Per-tensor sums after replacing the words at the given positions.
+
+        ``changes[i] = (positions, new_words)`` for tensor index ``i``; the state is not touched.
+        """
+        sums = self.tensor_sums()
+        for i, (pos, new) in changes.items():
+            spec = self.specs[i]
+            seed = tensor_seed(spec.name)
+            old = self._words[spec.name][pos]
+            oa, ob = kernels.hash_sparse(pos, old, seed)
+            na, nb = kernels.hash_sparse(pos, new, seed)
+            a, b = sums[i]
+            sums[i] = ((a - int(oa) + int(na)) & 0xFFFFFFFFFFFFFFFF, (b - int(ob) + int(nb)) & 0xFFFFFFFFFFFFFFFF)
+        return sums
+
+    def apply_sparse(
+        self, changes: Mapping[int, tuple[np.ndarray, np.ndarray]], sums: list[tuple[int, int]] | None = None
+    ) -> None:
+        """Write the new words in place and adopt ``sums`` (from :meth:`updated_sums`)."""
+        if sums is None:
+            sums = self.updated_sums(changes)
+        for i, (pos, new) in changes.items():
+            self._words[self.specs[i].name][pos] = new
+        self._sums = sums
+
+    def clone(self) -> "ModelState":
+        c = ModelState((n, t.clone()) for n, t in self._tensors.items())
+        c._sums = None if self._sums is None else list(self._sums)
+        return c
+
+    @classmethod
+    def empty_like(cls, specs: list[TensorSpec]) -> "ModelState":
+        import torch
+
+        return cls((s.name, torch.empty(s.shape, dtype=dtypes.from_code(s.dtype).torch_dtype())) for s in specs)
