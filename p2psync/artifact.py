@@ -40,6 +40,7 @@ MANIFEST_MAGIC = b"P2SM"
 FILE_MAGIC = b"P2SA"
 MAX_MANIFEST_BYTES = 64 << 20
 MAX_CHUNK_BYTES = 256 << 20
+MAX_TENSOR_ELEMENTS = 1 << 40
 _HEX32 = set("0123456789abcdef")
 
 
@@ -139,7 +140,7 @@ class Manifest:
                 return
             raise SignatureError("manifest is unsigned; refusing it (opt out explicitly to accept unsigned artifacts)")
         if self.key_id != keys.key_id(public):
-            raise SignatureError(f"manifest signed by key {self.key_id or '?'}, expected {keys.key_id(public)}")
+            raise SignatureError(f"manifest signed by another key ({self.key_id or '?'}, expected {keys.key_id(public)})")
         keys.verify(public, self.signature, self.signed_bytes())
 
     @classmethod
@@ -164,7 +165,7 @@ class Manifest:
                 "manifest: trailing bytes")
         try:
             body = json.loads(data[10:end].decode("ascii"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise CodecError(f"manifest: body is not valid JSON ({exc})") from None
         m = _from_body(body, data[end + 1 :], version)
         if m.signed_bytes() != data[:end]:
@@ -202,7 +203,10 @@ def _from_body(body: Any, signature: bytes, version: int) -> Manifest:
                 and isinstance(t[2], list) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                                                    for s in t[2])):
             raise CodecError(f"manifest: bad tensor entry {str(t)[:80]}")
-        tensors.append(TensorSpec(t[0], t[1], tuple(t[2])))
+        spec = TensorSpec(t[0], t[1], tuple(t[2]))
+        if spec.numel > MAX_TENSOR_ELEMENTS or len(spec.shape) > 16:
+            raise CodecError(f"manifest: tensor {spec.name[:40]!r} is implausibly large")
+        tensors.append(spec)
     if len({t.name for t in tensors}) != len(tensors):
         raise CodecError("manifest: duplicate tensor names")
     chunks = []
@@ -239,6 +243,8 @@ def _from_body(body: Any, signature: bytes, version: int) -> Manifest:
     _hex(m.target_fingerprint, "target_fingerprint")
     if _field(body, "tensor_table_hash", str) != m.tensor_table_hash:
         raise CodecError("manifest: tensor_table_hash does not match its tensor table")
+    if m.target_version < 0 or (m.base_version is not None and m.base_version < 0) or m.chunk_size <= 0:
+        raise CodecError("manifest: versions must be >= 0 and chunk_size > 0")
     if kind == "delta" and (m.base_version is None or m.base_fingerprint is None):
         raise CodecError("manifest: a delta must name its base version and fingerprint")
     if m.changed and len(m.changed) != len(m.tensors):

@@ -199,7 +199,10 @@ class ModelState:
         self._sums = sums
 
     def clone(self) -> "ModelState":
-        c = ModelState((n, t.clone()) for n, t in self._tensors.items())
+        """A copy of the raw words (torch's own clone would normalise e.g. bool bytes)."""
+        c = ModelState.empty_like(self.specs)
+        for name, w in self._words.items():
+            c._words[name][:] = w
         c._sums = None if self._sums is None else list(self._sums)
         return c
 

@@ -60,7 +60,7 @@ def _decode_delta(p: ParsedSegment, spec: TensorSpec, old: np.ndarray) -> tuple[
     assert p.table is not None and p.unary is not None and p.rem is not None and p.res is not None
     if any(c > d.exp_mask for c, _, _ in p.table):
         raise CodecError("segment: context out of range for its dtype")
-    ranks = decode_ranks(p.table, p.unary, p.rem, p.n)
+    ranks = decode_ranks(p.table, p.unary, p.rem, p.n, p.stop - p.start)
     width = d.exp_mask + 1
     next_rank = np.full(width, -1, dtype=np.int64)
     next_idx = np.zeros(width, dtype=np.int64)

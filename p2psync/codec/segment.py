@@ -113,8 +113,12 @@ def encode_ranks(ctx: np.ndarray, rank: np.ndarray) -> tuple[bytes, bytes, bytes
     return bytes(table), unary, rem
 
 
-def decode_ranks(table: list[tuple[int, int, int]], unary: memoryview, rem: memoryview, n: int) -> np.ndarray:
-    """Inverse of :func:`encode_ranks`: the ranks, grouped by context in table order."""
+def decode_ranks(
+    table: list[tuple[int, int, int]], unary: memoryview, rem: memoryview, n: int, span: int
+) -> np.ndarray:
+    """Inverse of :func:`encode_ranks`: the ranks, grouped by context in table order.
+
+    ``span`` is the segment's element count: no context can hold a rank at or beyond it."""
     ubits = np.unpackbits(np.frombuffer(unary, dtype=np.uint8))
     zeros = np.flatnonzero(ubits == 0)
     if zeros.shape[0] < n:
@@ -140,8 +144,9 @@ def decode_ranks(table: list[tuple[int, int, int]], unary: memoryview, rem: memo
             gaps = (qq << np.uint64(k)) | rr
         else:
             gaps = qq
-        if gaps.shape[0] and int(gaps.max()) >= 1 << 40:
-            raise CodecError("segment: rank gap out of range")
+        # Ranks of one context are strictly increasing and below span: bound before summing.
+        if gaps.shape[0] and (int(gaps.max()) >= span or float(gaps.sum(dtype=np.float64)) + cnt > span):
+            raise CodecError("segment: rank gaps exceed the segment")
         ranks[off_n : off_n + cnt] = np.cumsum(gaps.astype(np.int64) + 1) - 1
         off_n += cnt
         off_b += cnt * k
@@ -257,7 +262,7 @@ def parse_segment(buf: memoryview) -> ParsedSegment:
         raise CodecError("segment: context counts do not add up")
     if n > stop - start:
         raise CodecError("segment: more changes than elements")
-    if any(k > _MAX_RICE_K for _, _, k in table) or len({c for c, _, _ in table}) != n_ctx:
+    if any(k > _MAX_RICE_K or cnt == 0 for _, cnt, k in table) or len({c for c, _, _ in table}) != n_ctx:
         raise CodecError("segment: bad context table")
     ulen, rlen, res_codec, reslen = r.unpack("IIBI")
     head = r.pos

@@ -1,0 +1,319 @@
+"""Typed configuration of a ``p2psync node``: a TOML file plus ``--section.field=value`` overrides.
+
+Layout of the TOML file (every key optional except where a role needs it)::
+
+    id = "relay-a1"
+    role = "relay"                 # trainer | relay | rollout
+    region = "eu-west"
+    data_dir = "/var/lib/p2psync/relay-a1"
+    cluster_token = "..."          # or cluster_token_file = "..."
+    trainer_public_key = "trainer.pub"
+    parents = ["http://10.0.0.1:7070", "http://10.0.0.2:7070"]
+
+    [listen]
+    host = "0.0.0.0"
+    port = 7070                    # 0: pick a free port (printed on stdout)
+    advertise = "http://10.0.0.3:7070"
+
+    [limits]
+    parallel_streams = 4
+    stall_timeout = 10.0
+
+Validation happens once, in :meth:`NodeConfig.validate`, and raises
+:class:`~p2psync.errors.ConfigError` naming the field (``limits.stall_timeout``).
+This module imports nothing heavy, so the CLI can parse before it loads torch.
+"""
+
+from __future__ import annotations
+
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from p2psync.errors import ConfigError
+
+ROLES = ("trainer", "relay", "rollout")
+
+
+@dataclass
+class ListenConfig:
+    host: str = "127.0.0.1"
+    """Interface to bind."""
+    port: int = 0
+    """TCP port; 0 lets the OS choose (the node prints the bound address on stdout)."""
+    advertise: str = ""
+    """URL other nodes use to reach this one; empty: ``http://host:bound_port``."""
+
+
+@dataclass
+class LimitsConfig:
+    max_header_bytes: int = 8190
+    """Longest request line or header field accepted (longer: 400 from the HTTP parser)."""
+    max_body_bytes: int = 64 << 10
+    """Largest request body accepted; a larger Content-Length gets 413 before it is read."""
+    idle_timeout: float = 30.0
+    """Seconds a connection may sit without a request, or a response write may block, before it is cut."""
+    parallel_streams: int = 4
+    """Chunks fetched at once from the parent."""
+    stall_timeout: float = 10.0
+    """Seconds without progress from a parent before it is replaced by the next candidate."""
+    chunk_wait_timeout: float = 10.0
+    """Seconds a child waiting for a chunk this node is still fetching waits before getting 503."""
+    retry_after: float = 1.0
+    """Seconds a failed parent is skipped before it is tried again."""
+    avoid_seconds: float = 300.0
+    """Seconds a parent that served a corrupt chunk is avoided."""
+    sse_keepalive: float = 5.0
+    """Seconds between keep-alive comments on the head event stream."""
+    poll_interval: float = 5.0
+    """Seconds between catalogue polls of the parent, a backstop for a lost event."""
+
+
+@dataclass
+class StoreConfig:
+    keep_deltas: int = 64
+    """Newest deltas always kept; older ones go once a newer snapshot or state checkpoint covers them."""
+    snapshot_interval: int = 10
+    """Trainer: sign a snapshot manifest every this many versions (0: never)."""
+    snapshot_chunk_size: int = 1 << 20
+    """Chunk size of trainer-signed snapshots (raw, so any node holding the weights can rebuild them)."""
+    materialise_snapshots: bool | None = None
+    """Rebuild trainer-signed snapshots from the weights held; default: relays and the trainer."""
+    checkpoint_interval: int = 10
+    """Write the applied state to disk every this many versions (and on shutdown); 0: only on shutdown."""
+    fsync: bool = False
+    """fsync every file before it is renamed into place (durable across power loss, slower)."""
+
+
+@dataclass
+class TestingConfig:
+    corrupt_served_chunks: bool = False
+    """TEST ONLY: flip a byte in every chunk this node serves, to exercise detection by children."""
+
+
+@dataclass
+class NodeConfig:
+    """Everything a node needs to start. Build with :func:`load`; call :meth:`validate` before use."""
+
+    id: str = "node"
+    """Node id, unique in the cluster; appears in logs, status and peers' metrics."""
+    role: str = "rollout"
+    """``trainer`` (root, only publisher), ``relay`` (forwards), or ``rollout`` (applies, may forward)."""
+    region: str = "default"
+    """Region label; the planner uses it to send each delta once per region."""
+    data_dir: str = ""
+    """Directory of the version store and state checkpoint (created if missing)."""
+    cluster_token: str = ""
+    """Shared secret every request must carry as ``Authorization: Bearer <token>``."""
+    cluster_token_file: str = ""
+    """File holding the cluster token (used when ``cluster_token`` is empty)."""
+    trainer_public_key: str = ""
+    """PEM file of the trainer's Ed25519 public key; every manifest must verify against it."""
+    trainer_private_key: str = ""
+    """Trainer only: PEM private key used to sign the snapshot manifests the node makes."""
+    parents: list[str] = field(default_factory=list)
+    """Candidate parent URLs, most preferred first; the trainer has none."""
+    listen: ListenConfig = field(default_factory=ListenConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    testing: TestingConfig = field(default_factory=TestingConfig)
+
+    @property
+    def materialise(self) -> bool:
+        m = self.store.materialise_snapshots
+        return self.role != "rollout" if m is None else m
+
+    def token(self) -> str:
+        if self.cluster_token:
+            return self.cluster_token
+        try:
+            return Path(self.cluster_token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError("cluster_token_file", f"cannot read {self.cluster_token_file}: {exc.strerror}") from None
+
+    def validate(self) -> "NodeConfig":
+        """Raise :class:`ConfigError` for the first invalid field; return self."""
+        if not self.id or any(c.isspace() or c in "/\\" for c in self.id):
+            raise ConfigError("id", f"must be non-empty without spaces or slashes, got {self.id!r}")
+        if self.role not in ROLES:
+            raise ConfigError("role", f"must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.data_dir:
+            raise ConfigError("data_dir", "is required")
+        if not self.cluster_token and not self.cluster_token_file:
+            raise ConfigError("cluster_token", "is required (or cluster_token_file)")
+        if self.cluster_token and len(self.cluster_token) < 8:
+            raise ConfigError("cluster_token", "must be at least 8 characters")
+        if not self.trainer_public_key:
+            raise ConfigError("trainer_public_key", "is required: every node verifies manifests")
+        if self.trainer_private_key and self.role != "trainer":
+            raise ConfigError("trainer_private_key", "only the trainer may hold the signing key")
+        if self.role == "trainer" and self.parents:
+            raise ConfigError("parents", "the trainer is the root and has no parents")
+        if self.role != "trainer" and not self.parents:
+            raise ConfigError("parents", f"a {self.role} needs at least one candidate parent")
+        for p in self.parents:
+            if not (p.startswith("http://") or p.startswith("https://")):
+                raise ConfigError("parents", f"{p!r} is not an http(s) URL")
+        if not 0 <= self.listen.port <= 65535:
+            raise ConfigError("listen.port", f"must be 0..65535, got {self.listen.port}")
+        if self.listen.advertise and not self.listen.advertise.startswith(("http://", "https://")):
+            raise ConfigError("listen.advertise", "must be an http(s) URL")
+        lim = self.limits
+        for name in ("max_header_bytes", "max_body_bytes", "parallel_streams"):
+            if getattr(lim, name) < 1:
+                raise ConfigError(f"limits.{name}", "must be at least 1")
+        if lim.max_header_bytes < 256:
+            raise ConfigError("limits.max_header_bytes", "must be at least 256")
+        for name in ("idle_timeout", "stall_timeout", "chunk_wait_timeout", "retry_after", "avoid_seconds",
+                     "sse_keepalive", "poll_interval"):
+            if not getattr(lim, name) > 0:
+                raise ConfigError(f"limits.{name}", "must be > 0")
+        if lim.parallel_streams > 64:
+            raise ConfigError("limits.parallel_streams", "must be at most 64")
+        st = self.store
+        for name in ("keep_deltas", "snapshot_interval", "checkpoint_interval"):
+            if getattr(st, name) < 0:
+                raise ConfigError(f"store.{name}", "must be >= 0")
+        if not 64 << 10 <= st.snapshot_chunk_size <= 256 << 20:
+            raise ConfigError("store.snapshot_chunk_size", "must be between 64 KiB and 256 MiB")
+        return self
+
+
+# --- loading -------------------------------------------------------------------------------
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _coerce(name: str, tp: Any, value: Any) -> Any:
+    tp, optional = _unwrap_optional(tp)
+    if value is None and optional:
+        return None
+    if typing.get_origin(tp) is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(name, f"must be a list of strings, got {value!r}")
+        return list(value)
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if not isinstance(value, bool):
+            raise ConfigError(name, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, str):
+            try:
+                return int(value, 0)
+            except ValueError:
+                raise ConfigError(name, f"must be an integer, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(name, f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                raise ConfigError(name, f"must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(name, f"must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(name, f"must be a string, got {value!r}")
+        return value
+    raise ConfigError(name, f"unsupported field type {tp!r}")  # pragma: no cover - programming error
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(path, "unknown setting")
+        tp = hints[key]
+        if isinstance(tp, type) and is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(path, "must be a table")
+            kwargs[key] = _build(tp, value, f"{path}.")
+        else:
+            kwargs[key] = _coerce(path, tp, value)
+    return cls(**kwargs)
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """``["--limits.stall_timeout=3", "--parents", "http://a,http://b"]`` -> nested dict of raw values.
+
+    A value that parses as a TOML value (number, bool, array, quoted string) is taken as such,
+    anything else as a plain string; the field's type decides the final conversion.
+    """
+    out: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) < 3:
+            raise ConfigError(arg, "expected --section.field=value")
+        key, eq, raw = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(args):
+                raise ConfigError(key, "missing value")
+            raw = args[i + 1]
+            i += 1
+        i += 1
+        key = key.replace("-", "_")
+        try:
+            value: Any = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        node = out
+        parts = key.split(".")
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(key, "conflicts with another override")
+        node[parts[-1]] = value
+    return out
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in over.items():
+        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
+def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None,
+         **direct: Any) -> NodeConfig:
+    """TOML file (optional), then overrides, then ``direct`` keyword values; validated.
+
+    Relative paths in the file (data_dir, keys, token file) are resolved against the file's folder.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+        base = Path(path).resolve().parent
+        for key in ("data_dir", "trainer_public_key", "trainer_private_key", "cluster_token_file"):
+            if isinstance(data.get(key), str) and data[key] and not Path(data[key]).is_absolute():
+                data[key] = str(base / data[key])
+    if overrides:
+        data = _merge(data, parse_overrides(overrides) if isinstance(overrides, list) else overrides)
+    data = _merge(data, {k: v for k, v in direct.items() if v is not None})
+    return _build(NodeConfig, data).validate()
+
+
+def with_overrides(cfg: NodeConfig, **changes: Any) -> NodeConfig:
+    """A validated copy with top-level fields replaced."""
+    return replace(cfg, **changes).validate()

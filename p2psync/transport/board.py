@@ -1,0 +1,60 @@
+"""Artifacts in flight, so that a relay can serve chunk i the moment it is verified (cut-through)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Flight:
+    n_chunks: int
+    events: dict[int, asyncio.Event] = field(default_factory=dict)
+
+
+class Board:
+    """Which artifacts are being fetched, and a way to wait for one of their chunks.
+
+    Contract: :meth:`arrived` is called only after the chunk was verified and stored, so
+    a waiter woken by it can read the chunk from the store.
+    """
+
+    def __init__(self) -> None:
+        self._flights: dict[str, _Flight] = {}
+
+    def begin(self, aid: str, n_chunks: int) -> None:
+        self._flights.setdefault(aid, _Flight(n_chunks))
+
+    def active(self, aid: str) -> bool:
+        return aid in self._flights
+
+    @property
+    def ids(self) -> list[str]:
+        return list(self._flights)
+
+    def arrived(self, aid: str, index: int) -> None:
+        f = self._flights.get(aid)
+        if f is not None:
+            f.events.setdefault(index, asyncio.Event()).set()
+
+    def end(self, aid: str) -> None:
+        """The fetch finished or was abandoned: wake every waiter (they re-check the store)."""
+        f = self._flights.pop(aid, None)
+        if f is not None:
+            for ev in f.events.values():
+                ev.set()
+            for i in range(f.n_chunks):
+                f.events.setdefault(i, asyncio.Event()).set()
+
+    async def wait(self, aid: str, index: int, timeout: float) -> bool:
+        """Wait until chunk ``index`` of ``aid`` arrived or its flight ended; False on timeout."""
+        f = self._flights.get(aid)
+        if f is None:
+            return True
+        ev = f.events.setdefault(index, asyncio.Event())
+        try:
+            async with asyncio.timeout(timeout):
+                await ev.wait()
+        except TimeoutError:
+            return False
+        return True

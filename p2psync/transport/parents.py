@@ -1,0 +1,63 @@
+"""Choice of the parent to pull from (sans-IO: takes ``now``, touches no socket).
+
+Contract: :meth:`ParentSet.current` returns the most preferred candidate that is
+neither resting after a failure nor avoided for serving corrupt data; when all
+are out, the one that comes back first. Chunks already held are never tied to a
+parent, so switching loses nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ParentSet:
+    candidates: list[str]
+    """Candidate parent URLs, most preferred first."""
+    retry_after: float
+    """Seconds a failed parent rests."""
+    avoid_seconds: float
+    """Seconds a parent that served corrupt data is avoided."""
+    _down_until: dict[str, float] = field(default_factory=dict)
+    _avoid_until: dict[str, float] = field(default_factory=dict)
+    _last: str | None = None
+    switches: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.candidates:
+            raise ValueError("parents: at least one candidate is needed")
+        self.candidates = [c.rstrip("/") for c in self.candidates]
+
+    def _out_until(self, url: str) -> float:
+        return max(self._down_until.get(url, 0.0), self._avoid_until.get(url, 0.0))
+
+    def current(self, now: float) -> str:
+        for url in self.candidates:
+            if self._out_until(url) <= now:
+                return self._note(url)
+        return self._note(min(self.candidates, key=self._out_until))
+
+    def wait_time(self, now: float) -> float:
+        """Seconds until :meth:`current` has a candidate that is not out (0 if one is ready)."""
+        return max(0.0, min(self._out_until(u) for u in self.candidates) - now)
+
+    def _note(self, url: str) -> str:
+        if self._last is not None and url != self._last:
+            self.switches += 1
+        self._last = url
+        return url
+
+    def failed(self, url: str, now: float) -> None:
+        """``url`` errored, stalled or lacked what we asked for: rest it."""
+        self._down_until[url] = now + self.retry_after
+
+    def corrupt(self, url: str, now: float) -> None:
+        """``url`` served data that failed verification: avoid it for longer."""
+        self._avoid_until[url] = now + self.avoid_seconds
+
+    def ok(self, url: str) -> None:
+        self._down_until.pop(url, None)
+
+    def avoided(self, now: float) -> list[str]:
+        return [u for u in self.candidates if self._avoid_until.get(u, 0.0) > now]

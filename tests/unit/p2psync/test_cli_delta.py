@@ -1,0 +1,128 @@
+"""``p2psync keygen`` and ``p2psync delta encode|apply|inspect`` on real checkpoint files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from p2psync.cli import main
+
+
+def weights(seed: int, change: bool) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    w = {
+        "model.embed.weight": (torch.randn(500, 64, generator=g) * 0.02).to(torch.bfloat16),
+        "model.layers.0.mlp.weight": (torch.randn(128, 64, generator=g) * 0.02).to(torch.bfloat16),
+        "model.norm.weight": torch.ones(64, dtype=torch.float32),
+        "model.step": torch.tensor(7, dtype=torch.int64),
+    }
+    if change:
+        g2 = torch.Generator().manual_seed(seed)
+        for k in ("model.embed.weight", "model.layers.0.mlp.weight"):
+            upd = w[k].float() + 1e-3 * torch.randn(w[k].shape, generator=g2)
+            w[k] = upd.to(torch.bfloat16)
+        w["model.norm.weight"][3] = float("nan")
+        w["model.step"] += 1
+    return w
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
+        assert a[k].view(-1).view(torch.uint8).equal(b[k].view(-1).view(torch.uint8)), k
+
+
+@pytest.fixture
+def keypair(tmp_path: Path) -> tuple[Path, Path]:
+    assert main(["keygen", "-o", str(tmp_path / "keys")]) == 0
+    return tmp_path / "keys" / "trainer.key", tmp_path / "keys" / "trainer.pub"
+
+
+def test_single_file_roundtrip_and_inspect(tmp_path, keypair, capsys):
+    key, pub = keypair
+    save_file(weights(0, False), tmp_path / "base.safetensors")
+    save_file(weights(1, True), tmp_path / "new.safetensors")
+    d = tmp_path / "step.p2s"
+    assert main(["delta", "encode", str(tmp_path / "base.safetensors"), str(tmp_path / "new.safetensors"), "-o",
+                 str(d), "--key", str(key), "--base-version", "5"]) == 0
+    assert main(["delta", "apply", str(tmp_path / "base.safetensors"), str(d), "-o", str(tmp_path / "out.safetensors"),
+                 "--pubkey", str(pub)]) == 0
+    assert_bit_identical(load_file(tmp_path / "out.safetensors"), load_file(tmp_path / "new.safetensors"))
+    capsys.readouterr()
+    assert main(["delta", "inspect", str(d), "--json", "--pubkey", str(pub)]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["base_version"] == 5 and rep["target_version"] == 6
+    assert rep["signature"].startswith("valid")
+    assert rep["ratio"] > 1 and rep["stream_bytes"]["positions"] > 0
+    changed = {t["name"]: t["changed"] for t in rep["tensors"]}
+    assert changed["model.norm.weight"] == 1 and changed["model.step"] == 1
+    assert main(["delta", "inspect", str(d)]) == 0
+    assert "signed by" in capsys.readouterr().out
+
+
+def test_sharded_folder_keeps_layout_and_config(tmp_path, keypair):
+    key, pub = keypair
+    for name, change in (("base", False), ("new", True)):
+        folder = tmp_path / name
+        folder.mkdir()
+        w = weights(2, change)
+        shard1 = {k: v for k, v in w.items() if "embed" in k}
+        shard2 = {k: v for k, v in w.items() if "embed" not in k}
+        save_file(shard1, folder / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+        save_file(shard2, folder / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+        index = {"metadata": {}, "weight_map": {**{k: "model-00001-of-00002.safetensors" for k in shard1},
+                                                **{k: "model-00002-of-00002.safetensors" for k in shard2}}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+        (folder / "config.json").write_text('{"model_type": "qwen3"}')
+    d = tmp_path / "d.p2s"
+    assert main(["delta", "encode", str(tmp_path / "base"), str(tmp_path / "new"), "-o", str(d), "--key", str(key)]) == 0
+    out = tmp_path / "out"
+    assert main(["delta", "apply", str(tmp_path / "base"), str(d), "-o", str(out), "--pubkey", str(pub)]) == 0
+    assert (out / "config.json").read_text() == '{"model_type": "qwen3"}'
+    for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        assert_bit_identical(load_file(out / shard), load_file(tmp_path / "new" / shard))
+    assert json.loads((out / "model.safetensors.index.json").read_text())["weight_map"].keys() == \
+        json.loads((tmp_path / "new" / "model.safetensors.index.json").read_text())["weight_map"].keys()
+
+
+def test_unsigned_forged_and_wrong_base_are_refused_without_output(tmp_path, keypair, capsys):
+    key, pub = keypair
+    save_file(weights(0, False), tmp_path / "base.safetensors")
+    save_file(weights(1, True), tmp_path / "new.safetensors")
+    base, new = str(tmp_path / "base.safetensors"), str(tmp_path / "new.safetensors")
+    unsigned, signed = tmp_path / "u.p2s", tmp_path / "s.p2s"
+    assert main(["delta", "encode", base, new, "-o", str(unsigned)]) == 0
+    assert main(["delta", "encode", base, new, "-o", str(signed), "--key", str(key)]) == 0
+    out = tmp_path / "out.safetensors"
+
+    assert main(["delta", "apply", base, str(unsigned), "-o", str(out), "--pubkey", str(pub)]) == 1
+    assert "unsigned" in capsys.readouterr().err and not out.exists()
+    assert main(["delta", "apply", base, str(signed), "-o", str(out)]) == 1
+    assert "no public key" in capsys.readouterr().err and not out.exists()
+
+    raw = bytearray(signed.read_bytes())
+    i = raw.index(b'"target_version":1')
+    raw[i + len(b'"target_version":')] = ord("2")  # forge the version, keep the old signature
+    forged = tmp_path / "f.p2s"
+    forged.write_bytes(bytes(raw))
+    assert main(["delta", "apply", base, str(forged), "-o", str(out), "--pubkey", str(pub)]) == 1
+    assert "signature" in capsys.readouterr().err and not out.exists()
+
+    assert main(["delta", "apply", new, str(signed), "-o", str(out), "--pubkey", str(pub)]) == 1
+    assert "wrong base" in capsys.readouterr().err and not out.exists()
+
+    assert main(["delta", "apply", base, str(unsigned), "-o", str(out), "--insecure-allow-unsigned"]) == 0
+    assert_bit_identical(load_file(out), load_file(new))
+
+
+def test_help_answers_without_importing_torch():
+    code = "import sys; from p2psync.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
