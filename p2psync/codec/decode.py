@@ -24,6 +24,7 @@ from p2psync.codec.segment import (
     ParsedSegment,
     SegmentStats,
     decode_ranks,
+    decode_residuals,
     parse_segment,
     unpack_payload,
     unplanes,
@@ -58,7 +59,7 @@ def chunk_stats(chunk: bytes | memoryview) -> SegmentStats:
 def _decode_delta(p: ParsedSegment, spec: TensorSpec, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     d = dtypes.from_code(spec.dtype)
     assert p.table is not None and p.unary is not None and p.rem is not None and p.res is not None
-    if any(c > d.exp_mask for c, _, _ in p.table):
+    if any(t[0] > d.exp_mask for t in p.table):
         raise CodecError("segment: context out of range for its dtype")
     ranks = decode_ranks(p.table, p.unary, p.rem, p.n, p.stop - p.start)
     width = d.exp_mask + 1
@@ -66,7 +67,7 @@ def _decode_delta(p: ParsedSegment, spec: TensorSpec, old: np.ndarray) -> tuple[
     next_idx = np.zeros(width, dtype=np.int64)
     end_idx = np.zeros(width, dtype=np.int64)
     off = 0
-    for c, cnt, _ in p.table:
+    for c, cnt, _, _ in p.table:
         next_idx[c] = off
         end_idx[c] = off + cnt
         next_rank[c] = ranks[off]
@@ -77,8 +78,10 @@ def _decode_delta(p: ParsedSegment, spec: TensorSpec, old: np.ndarray) -> tuple[
                                 end_idx, p.n, pos, counts)
     if found != p.n:
         raise CodecError(f"segment of {spec.name}: {p.n - found} changes fall outside the range")
-    zres = unplanes(unpack_payload(p.res_codec, p.res, p.n * d.width), p.n, d.word)
-    return pos, old[pos] + unzigzag(zres)
+    old_w = old[pos]
+    ctx = (old_w >> d.word.type(d.exp_shift)) & d.word.type(d.exp_mask) if d.exp_mask else np.zeros(p.n, np.int64)
+    zres = decode_residuals(p.res, ctx, {t[0]: t[3] for t in p.table}, d.word)
+    return pos, old_w + unzigzag(zres)
 
 
 class Applier:

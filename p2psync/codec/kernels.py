@@ -128,3 +128,100 @@ def hash_sparse(positions, values, seed):
         a += _mix64(w + m)
         b += _mix64((w ^ _GOLD) + ((m << _S32) | (m >> _S32)))
     return a, b
+
+
+# --- Rice coding of rank gaps ------------------------------------------------------------
+# Per context group: gaps between consecutive ranks; quotient (gap >> k) in unary (ones, then a
+# zero) into one stream, k low bits MSB-first into another. Bits are packed MSB-first.
+
+
+@njit(nogil=True, cache=True)
+def rice_plan(rank_s, starts, ends, max_k, ks_out):
+    """Choose k per group (cheapest of a few around log2(mean gap)); returns (unary bits, rem bits)."""
+    ubits = 0
+    rbits = 0
+    for g in range(starts.shape[0]):
+        a = starts[g]
+        b = ends[g]
+        n = b - a
+        total = rank_s[b - 1] - (b - a) + 1  # sum of gaps: last rank minus (n - 1) separators
+        mean = total / n
+        guess = 0
+        while guess < max_k and (1 << (guess + 1)) <= mean + 1.0:
+            guess += 1
+        best_k = 0
+        best = -1
+        for k in range(max(0, guess - 2), min(max_k, guess + 2) + 1):
+            cost = n * (k + 1)
+            prev = -1
+            for j in range(a, b):
+                cost += (rank_s[j] - prev - 1) >> k
+                prev = rank_s[j]
+            if best < 0 or cost < best:
+                best = cost
+                best_k = k
+        ks_out[g] = best_k
+        ubits += best - n * best_k
+        rbits += n * best_k
+    return ubits, rbits
+
+
+@njit(nogil=True, cache=True)
+def rice_write(rank_s, starts, ends, ks, ubuf, rbuf):
+    up = 0
+    rp = 0
+    for g in range(starts.shape[0]):
+        k = ks[g]
+        prev = -1
+        for j in range(starts[g], ends[g]):
+            gap = rank_s[j] - prev - 1
+            prev = rank_s[j]
+            q = gap >> k
+            for _ in range(q):
+                ubuf[up >> 3] |= np.uint8(0x80 >> (up & 7))
+                up += 1
+            up += 1  # the terminating zero
+            for b in range(k - 1, -1, -1):
+                if (gap >> b) & 1:
+                    rbuf[rp >> 3] |= np.uint8(0x80 >> (rp & 7))
+                rp += 1
+
+
+@njit(nogil=True, cache=True)
+def rice_read(ubuf, rbuf, counts, ks, span, ranks_out):
+    """Inverse of :func:`rice_write`. Returns 0, or a negative code if the streams are malformed."""
+    up = 0
+    rp = 0
+    ulen = ubuf.shape[0] * 8
+    rlen = rbuf.shape[0] * 8
+    o = 0
+    for g in range(counts.shape[0]):
+        k = ks[g]
+        r = -1
+        for _ in range(counts[g]):
+            q = 0
+            while True:
+                if up >= ulen:
+                    return -1
+                bit = (ubuf[up >> 3] >> (7 - (up & 7))) & 1
+                up += 1
+                if bit == 0:
+                    break
+                q += 1
+                if q > span:
+                    return -2
+            if rp + k > rlen:
+                return -3
+            rem = 0
+            for _ in range(k):
+                rem = (rem << 1) | ((rbuf[rp >> 3] >> (7 - (rp & 7))) & 1)
+                rp += 1
+            gap = (q << k) | rem
+            r += gap + 1
+            if r >= span:
+                return -2
+            ranks_out[o] = r
+            o += 1
+    if (up + 7) // 8 != ubuf.shape[0] or (rp + 7) // 8 != rbuf.shape[0]:
+        return -4
+    return 0

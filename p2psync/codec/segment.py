@@ -9,18 +9,24 @@ makes every chunk independently decodable. Layout (little-endian)::
   delta:
     u32 n              changed elements in the range
     u16 n_ctx          contexts with at least one change, then per context:
-      u16 ctx, u32 count, u8 k          (k: Rice parameter of its rank gaps)
-    u32 unary_len, u32 rem_len, u8 res_codec, u32 res_len
+      u16 ctx, u32 count, u8 k, u8 model   (k: Rice parameter of its rank gaps;
+                                            model: residual frequency table it uses)
+    u32 unary_len, u32 rem_len
     unary bytes        Rice quotients, unary (q ones then a zero), all contexts in order
     rem bytes          Rice remainders, k bits each, MSB first
-    res bytes          zigzag(new - old) as byte planes (plane 0 = low bytes), raw or zstd
+    residual tables    see ``rans``: u8 count, then per table a symbol mask and frequencies
+    u32 len, bytes     rANS stream of min(zigzag(new - old), 31), in position order,
+                       each coded with the table of its position's context
+    u8 codec, u32 len  escapes: zigzag residuals >= 31, as byte planes, raw or zstd
   raw:
     u8 codec, u32 len  payload: the words as byte planes, raw or zstd
 
 Positions are coded per context as gaps between ranks (see ``kernels``): inside
 one exponent class changes are close to independent with one rate, so a
 geometric (Rice) code per class costs close to the conditional entropy, which
-is what beats coding positions as if every element were alike.
+is what beats coding positions as if every element were alike. Residuals use
+the same context: how many ULPs a change moves depends on how the update
+compares with the element's ULP, i.e. on its exponent.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
+from p2psync.codec import kernels, rans
 from p2psync.codec.wire import Reader
 from p2psync.errors import CodecError
 
@@ -40,6 +47,9 @@ CODEC_RAW = 0
 CODEC_ZSTD = 1
 _HEAD = struct.Struct("<BIQQ")
 _MAX_RICE_K = 40
+# Contexts are merged (neighbouring exponents first) until a residual table covers this many
+# changes: a table costs up to ~70 bytes, so smaller groups would pay more than they save.
+MIN_CHANGES_PER_MODEL = 4096
 
 
 @dataclass
@@ -58,98 +68,58 @@ class SegmentStats:
         self.changed += other.changed
 
 
-# --- Rice coding of rank gaps ------------------------------------------------------------
-def _best_k(gaps: np.ndarray) -> int:
-    n = gaps.shape[0]
-    mean = float(gaps.mean()) if n else 0.0
-    guess = max(0, int(np.log2(mean + 1.0)))
-    best_k, best_cost = 0, None
-    for k in range(max(0, guess - 2), min(_MAX_RICE_K, guess + 3) + 1):
-        cost = n * (k + 1) + int((gaps >> np.uint64(k)).sum())
-        if best_cost is None or cost < best_cost:
-            best_k, best_cost = k, cost
-    return best_k
+# --- Rice coding of rank gaps (bit loops in ``kernels``) ---------------------------------
+def assign_models(ctx_ids: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Model index per context (contexts sorted ascending): runs of neighbours with enough changes."""
+    model = np.zeros(ctx_ids.shape[0], dtype=np.int64)
+    current, acc = 0, 0
+    for i, c in enumerate(counts):
+        if acc >= MIN_CHANGES_PER_MODEL and current < 254:
+            current, acc = current + 1, 0
+        model[i] = current
+        acc += int(c)
+    if acc < MIN_CHANGES_PER_MODEL and current > 0:  # fold a small tail into its neighbour
+        model[model == current] = current - 1
+    return model
 
 
-def _unary_bits(q: np.ndarray) -> np.ndarray:
-    ends = np.cumsum(q + np.uint64(1), dtype=np.uint64)
-    total = int(ends[-1]) if q.shape[0] else 0
-    bits = np.ones(total, dtype=np.uint8)
-    if total:
-        bits[(ends - np.uint64(1)).astype(np.int64)] = 0
-    return bits
-
-
-def _rem_bits(r: np.ndarray, k: int) -> np.ndarray:
-    if k == 0 or r.shape[0] == 0:
-        return np.zeros(0, dtype=np.uint8)
-    shifts = np.arange(k - 1, -1, -1, dtype=np.uint64)
-    return ((r[:, None] >> shifts) & np.uint64(1)).astype(np.uint8).ravel()
-
-
-def encode_ranks(ctx: np.ndarray, rank: np.ndarray) -> tuple[bytes, bytes, bytes]:
-    """(context table, unary stream, remainder stream) for changes given as (context, rank)."""
+def encode_ranks(ctx: np.ndarray, rank: np.ndarray) -> tuple[bytes, bytes, bytes, dict[int, int]]:
+    """(context table, unary stream, remainder stream, context -> model) for (context, rank) pairs."""
     if ctx.shape[0] == 0:
-        return b"", b"", b""
+        return b"", b"", b"", {}
     order = np.argsort(ctx, kind="stable")
     ctx_s = ctx[order]
-    rank_s = rank[order].astype(np.uint64)
+    rank_s = rank[order].astype(np.int64)
     bounds = np.flatnonzero(np.diff(ctx_s)) + 1
     starts = np.concatenate(([0], bounds)).astype(np.int64)
     ends = np.concatenate((bounds, [ctx_s.shape[0]])).astype(np.int64)
-    table = bytearray()
-    qs, rems = [], []
-    for a, b in zip(starts, ends):
-        r = rank_s[a:b]
-        gaps = np.empty_like(r)
-        gaps[0] = r[0]
-        gaps[1:] = r[1:] - r[:-1] - np.uint64(1)
-        k = _best_k(gaps)
-        table += struct.pack("<HIB", int(ctx_s[a]), int(b - a), k)
-        qs.append(gaps >> np.uint64(k))
-        rems.append(_rem_bits(gaps & np.uint64((1 << k) - 1), k))
-    unary = np.packbits(_unary_bits(np.concatenate(qs))).tobytes()
-    rem = np.packbits(np.concatenate(rems)).tobytes() if rems else b""
-    return bytes(table), unary, rem
+    models = assign_models(ctx_s[starts], ends - starts)
+    ks = np.empty(starts.shape[0], dtype=np.int64)
+    ubits, rbits = kernels.rice_plan(rank_s, starts, ends, _MAX_RICE_K, ks)
+    ubuf = np.zeros((ubits + 7) // 8, dtype=np.uint8)
+    rbuf = np.zeros((rbits + 7) // 8, dtype=np.uint8)
+    kernels.rice_write(rank_s, starts, ends, ks, ubuf, rbuf)
+    table = np.zeros(starts.shape[0], dtype=[("ctx", "<u2"), ("count", "<u4"), ("k", "u1"), ("model", "u1")])
+    table["ctx"] = ctx_s[starts]
+    table["count"] = ends - starts
+    table["k"] = ks
+    table["model"] = models
+    return table.tobytes(), ubuf.tobytes(), rbuf.tobytes(), {int(c): int(m) for c, m in zip(table["ctx"], models)}
 
 
 def decode_ranks(
-    table: list[tuple[int, int, int]], unary: memoryview, rem: memoryview, n: int, span: int
+    table: list[tuple[int, int, int, int]], unary: memoryview, rem: memoryview, n: int, span: int
 ) -> np.ndarray:
     """Inverse of :func:`encode_ranks`: the ranks, grouped by context in table order.
 
     ``span`` is the segment's element count: no context can hold a rank at or beyond it."""
-    ubits = np.unpackbits(np.frombuffer(unary, dtype=np.uint8))
-    zeros = np.flatnonzero(ubits == 0)
-    if zeros.shape[0] < n:
-        raise CodecError("segment: unary stream too short")
-    zeros = zeros[:n]
-    used = (int(zeros[-1]) + 8) // 8 if n else 0
-    if used != len(unary):
-        raise CodecError("segment: unary stream has trailing bytes")
-    q = np.diff(zeros, prepend=-1).astype(np.uint64) - np.uint64(1)
-    rbits = np.unpackbits(np.frombuffer(rem, dtype=np.uint8))
-    need = sum(cnt * k for _, cnt, k in table)
-    if (need + 7) // 8 != len(rem):
-        raise CodecError("segment: remainder stream length does not match its table")
+    counts = np.array([t[1] for t in table], dtype=np.int64)
+    ks = np.array([t[2] for t in table], dtype=np.int64)
     ranks = np.empty(n, dtype=np.int64)
-    off_n = 0
-    off_b = 0
-    for _, cnt, k in table:
-        qq = q[off_n : off_n + cnt]
-        if k:
-            bits = rbits[off_b : off_b + cnt * k].reshape(cnt, k).astype(np.uint64)
-            weights = np.uint64(1) << np.arange(k - 1, -1, -1, dtype=np.uint64)
-            rr = (bits * weights).sum(axis=1, dtype=np.uint64)
-            gaps = (qq << np.uint64(k)) | rr
-        else:
-            gaps = qq
-        # Ranks of one context are strictly increasing and below span: bound before summing.
-        if gaps.shape[0] and (int(gaps.max()) >= span or float(gaps.sum(dtype=np.float64)) + cnt > span):
-            raise CodecError("segment: rank gaps exceed the segment")
-        ranks[off_n : off_n + cnt] = np.cumsum(gaps.astype(np.int64) + 1) - 1
-        off_n += cnt
-        off_b += cnt * k
+    status = kernels.rice_read(np.frombuffer(unary, dtype=np.uint8), np.frombuffer(rem, dtype=np.uint8), counts, ks,
+                               span, ranks)
+    if status != 0:
+        raise CodecError(f"segment: position streams are malformed (code {status})")
     return ranks
 
 
@@ -207,17 +177,61 @@ def unpack_payload(codec: int, data: memoryview, size: int) -> bytes | memoryvie
 
 
 # --- whole segments ----------------------------------------------------------------------
+def encode_residuals(ctx: np.ndarray, zres: np.ndarray, model_of_ctx: dict[int, int], level: int) -> bytes:
+    """Residual section: tables, rANS stream, escapes (``zres`` in position order)."""
+    lut = np.zeros(max(model_of_ctx) + 1, dtype=np.int64)
+    for c, m in model_of_ctx.items():
+        lut[c] = m
+    model_of = lut[ctx.astype(np.int64)]
+    big = zres >= rans.ESCAPE
+    symbols = np.where(big, rans.ESCAPE, zres).astype(np.uint8)
+    n_models = int(lut.max()) + 1
+    freqs = np.stack([rans.quantize(np.bincount(symbols[model_of == m], minlength=rans.ALPHABET))
+                      for m in range(n_models)])
+    stream = rans.encode(symbols, model_of, freqs)
+    esc_codec, esc = pack_payload(planes(zres[big]), level)
+    return b"".join((rans.encode_models(freqs), struct.pack("<I", len(stream)), stream,
+                     struct.pack("<BI", esc_codec, len(esc)), esc))
+
+
 def encode_delta_segment(
     tensor: int, start: int, stop: int, ctx: np.ndarray, rank: np.ndarray, zres: np.ndarray, level: int
 ) -> tuple[bytes, SegmentStats]:
-    """``zres`` are the zigzagged residuals in position order."""
+    """``ctx``/``rank``/``zres`` per change in position order; ``zres`` zigzagged residuals."""
     n = int(rank.shape[0])
-    table, unary, rem = encode_ranks(ctx, rank)
-    res_codec, res = pack_payload(planes(zres), level)
-    head = _HEAD.pack(KIND_DELTA, tensor, start, stop) + struct.pack("<IH", n, len(table) // 7)
-    head += table + struct.pack("<IIBI", len(unary), len(rem), res_codec, len(res))
+    table, unary, rem, model_of_ctx = encode_ranks(ctx, rank)
+    res = encode_residuals(ctx, zres, model_of_ctx, level)
+    head = _HEAD.pack(KIND_DELTA, tensor, start, stop) + struct.pack("<IH", n, len(table) // 8)
+    head += table + struct.pack("<II", len(unary), len(rem))
     stats = SegmentStats(header=len(head), positions=len(unary) + len(rem), residuals=len(res), changed=n)
     return b"".join((head, unary, rem, res)), stats
+
+
+def decode_residuals(res: memoryview, ctx: np.ndarray, model_of_ctx: dict[int, int], word: np.dtype) -> np.ndarray:
+    """Zigzagged residuals in position order, given each position's context."""
+    r = Reader(res, "residuals")
+    freqs = rans.read_models(r)
+    if max(model_of_ctx.values(), default=0) >= freqs.shape[0]:
+        raise CodecError("residuals: context names a missing table")
+    stream = r.take(r.u32())
+    esc_codec, esc_len = r.unpack("BI")
+    esc = r.take(esc_len)
+    r.done()
+    lut = np.zeros(max(model_of_ctx, default=0) + 1, dtype=np.int64)
+    for c, m in model_of_ctx.items():
+        lut[c] = m
+    model_of = lut[ctx.astype(np.int64)]
+    symbols = rans.decode(stream, model_of, freqs)
+    z = symbols.astype(word)
+    big = np.flatnonzero(symbols == rans.ESCAPE)
+    if big.shape[0]:
+        vals = unplanes(unpack_payload(esc_codec, esc, big.shape[0] * word.itemsize), big.shape[0], word)
+        if int(vals.min()) < rans.ESCAPE:
+            raise CodecError("residuals: escaped value is small enough to be a symbol")
+        z[big] = vals
+    elif esc_len or esc_codec not in (CODEC_RAW, CODEC_ZSTD):
+        raise CodecError("residuals: escapes present but no escape symbol")
+    return z
 
 
 def encode_raw_segment(tensor: int, start: int, words: np.ndarray, level: int) -> tuple[bytes, SegmentStats]:
@@ -233,11 +247,12 @@ class ParsedSegment:
     start: int
     stop: int
     n: int = 0
-    table: list[tuple[int, int, int]] | None = None
+    table: list[tuple[int, int, int, int]] | None = None
     unary: memoryview | None = None
     rem: memoryview | None = None
     res_codec: int = 0
     res: memoryview | None = None
+    """delta: the residual section; raw: the payload."""
     stats: SegmentStats | None = None
 
 
@@ -257,18 +272,18 @@ def parse_segment(buf: memoryview) -> ParsedSegment:
     if kind != KIND_DELTA:
         raise CodecError(f"segment: unknown kind {kind}")
     n, n_ctx = r.unpack("IH")
-    table = [r.unpack("HIB") for _ in range(n_ctx)]
-    if sum(c for _, c, _ in table) != n:
+    table = [r.unpack("HIBB") for _ in range(n_ctx)]
+    if sum(t[1] for t in table) != n:
         raise CodecError("segment: context counts do not add up")
     if n > stop - start:
         raise CodecError("segment: more changes than elements")
-    if any(k > _MAX_RICE_K or cnt == 0 for _, cnt, k in table) or len({c for c, _, _ in table}) != n_ctx:
+    if any(t[2] > _MAX_RICE_K or t[1] == 0 for t in table) or len({t[0] for t in table}) != n_ctx:
         raise CodecError("segment: bad context table")
-    ulen, rlen, res_codec, reslen = r.unpack("IIBI")
+    ulen, rlen = r.unpack("II")
     head = r.pos
-    unary, rem, res = r.take(ulen), r.take(rlen), r.take(reslen)
-    r.done()
+    unary, rem = r.take(ulen), r.take(rlen)
+    res = r.take(len(r.buf) - r.pos)
     return ParsedSegment(
-        kind, tensor, start, stop, n, table, unary, rem, res_codec, res,
-        SegmentStats(header=head, positions=ulen + rlen, residuals=reslen, changed=n),
+        kind, tensor, start, stop, n, table, unary, rem, 0, res,
+        SegmentStats(header=head, positions=ulen + rlen, residuals=len(res), changed=n),
     )

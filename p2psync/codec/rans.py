@@ -1,0 +1,157 @@
+"""Static rANS entropy coding of small symbols (numba), for residuals conditioned on context.
+
+Why not zstd: residuals are mostly +-1 ULP, about 1.4 bits of information per
+change given the base value's exponent; zstd's Huffman literals cannot go below
+one bit per symbol and pay a table per frame, which cost about 2.6 bits. A
+range-style coder with one frequency table per context gets within a few
+percent of the conditional entropy.
+
+Coder: 32-bit state, byte-wise renormalisation, 12-bit probabilities. The
+encoder runs backwards over the symbols so the decoder reads forwards.
+Frequency tables travel with the data: ``u32 mask`` of present symbols, then
+``u16`` frequency per present symbol (they sum to 4096).
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+from numba import njit
+
+from p2psync.codec.wire import Reader
+from p2psync.errors import CodecError
+
+SCALE_BITS = 12
+M = 1 << SCALE_BITS
+ALPHABET = 32
+ESCAPE = ALPHABET - 1
+_L = 1 << 23
+
+
+@njit(nogil=True, cache=True)
+def _encode(symbols, model_of, starts, freqs, out):
+    """Encode backwards into ``out`` (filled from its end); returns the first used index or -1."""
+    x = np.uint32(_L)
+    o = out.shape[0]
+    for j in range(symbols.shape[0] - 1, -1, -1):
+        m = model_of[j]
+        s = symbols[j]
+        f = np.uint32(freqs[m, s])
+        x_max = np.uint32(((_L >> SCALE_BITS) << 8)) * f
+        while x >= x_max:
+            o -= 1
+            if o < 0:
+                return -1
+            out[o] = np.uint8(x & np.uint32(0xFF))
+            x = x >> np.uint32(8)
+        x = ((x // f) << np.uint32(SCALE_BITS)) + (x % f) + np.uint32(starts[m, s])
+    for _ in range(4):
+        o -= 1
+        if o < 0:
+            return -1
+        out[o] = np.uint8(x & np.uint32(0xFF))
+        x = x >> np.uint32(8)
+    return o
+
+
+@njit(nogil=True, cache=True)
+def _decode(buf, model_of, starts, freqs, lookup, out):
+    """Returns the number of bytes consumed, or -1 if the stream is malformed."""
+    n_in = buf.shape[0]
+    if n_in < 4:
+        return -1
+    x = np.uint32(0)
+    for i in range(4):
+        x = (x << np.uint32(8)) | np.uint32(buf[i])
+    p = 4
+    mask = np.uint32(M - 1)
+    for j in range(out.shape[0]):
+        m = model_of[j]
+        slot = x & mask
+        s = lookup[m, slot]
+        out[j] = s
+        x = np.uint32(freqs[m, s]) * (x >> np.uint32(SCALE_BITS)) + slot - np.uint32(starts[m, s])
+        while x < np.uint32(_L):
+            if p >= n_in:
+                return -1
+            x = (x << np.uint32(8)) | np.uint32(buf[p])
+            p += 1
+    if x != np.uint32(_L):
+        return -1
+    return p
+
+
+def quantize(counts: np.ndarray) -> np.ndarray:
+    """Frequencies summing to M with every present symbol >= 1."""
+    total = int(counts.sum())
+    f = np.where(counts > 0, np.maximum(1, np.round(counts * (M / total))), 0).astype(np.int64)
+    diff = M - int(f.sum())
+    order = np.argsort(-f)
+    i = 0
+    while diff != 0:
+        s = order[i % len(order)]
+        if diff > 0:
+            f[s] += diff
+            diff = 0
+        elif f[s] > 1:
+            take = min(f[s] - 1, -diff)
+            f[s] -= take
+            diff += take
+        i += 1
+    return f
+
+
+def _tables(freqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    starts = np.zeros_like(freqs)
+    starts[:, 1:] = np.cumsum(freqs, axis=1)[:, :-1]
+    return starts.astype(np.uint32), freqs.astype(np.uint32)
+
+
+def encode_models(freqs: np.ndarray) -> bytes:
+    out = bytearray(struct.pack("<B", freqs.shape[0]))
+    for row in freqs:
+        present = np.flatnonzero(row)
+        mask = 0
+        for s in present:
+            mask |= 1 << int(s)
+        out += struct.pack("<I", mask) + row[present].astype("<u2").tobytes()
+    return bytes(out)
+
+
+def read_models(r: Reader) -> np.ndarray:
+    n = r.u8()
+    if n == 0:
+        raise CodecError("residuals: no frequency table")
+    freqs = np.zeros((n, ALPHABET), dtype=np.int64)
+    for i in range(n):
+        mask = r.u32()
+        present = [s for s in range(ALPHABET) if mask >> s & 1]
+        vals = np.frombuffer(r.take(2 * len(present)), dtype="<u2")
+        freqs[i, present] = vals
+        if int(freqs[i].sum()) != M or (len(present) and int(vals.min()) == 0):
+            raise CodecError("residuals: frequency table does not sum to 4096")
+    return freqs
+
+
+def encode(symbols: np.ndarray, model_of: np.ndarray, freqs: np.ndarray) -> bytes:
+    starts, f = _tables(freqs)
+    cap = 16 + symbols.shape[0] * 2
+    while True:
+        out = np.empty(cap, dtype=np.uint8)
+        o = _encode(symbols.astype(np.uint8), model_of.astype(np.int64), starts, f, out)
+        if o >= 0:
+            return out[o:].tobytes()
+        cap *= 2
+
+
+def decode(buf: memoryview, model_of: np.ndarray, freqs: np.ndarray) -> np.ndarray:
+    starts, f = _tables(freqs)
+    lookup = np.zeros((freqs.shape[0], M), dtype=np.uint8)
+    for m in range(freqs.shape[0]):
+        lookup[m] = np.repeat(np.arange(ALPHABET, dtype=np.uint8), freqs[m])
+    out = np.empty(model_of.shape[0], dtype=np.uint8)
+    used = _decode(np.frombuffer(buf, dtype=np.uint8), model_of.astype(np.int64), starts, f, lookup, out)
+    if used != len(buf):
+        raise CodecError("residuals: entropy-coded stream is malformed")
+    return out
