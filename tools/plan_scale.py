@@ -1,0 +1,226 @@
+"""Scale study of the planner: tree quality in the flow simulator, planning time, re-planning moves.
+
+    .venv/bin/python tools/plan_scale.py            # writes docs/benchmarks/topology.md and its PNGs
+
+1. 4 regions x 8 machines (+ trainer), realistic capacities (intra 10 Gbit/s,
+   inter 0.2-1 Gbit/s, trainer uplink 1 Gbit/s, dc/cloud/edge machines),
+   several seeds, with and without measured pairs: simulated completion of
+   the planned tree vs the lower bounds, the star, fixed tiers and a random tree.
+2. 10,000 machines in 20 regions: planning time.
+3. One failure at that scale (the busiest relay, and a random machine):
+   nodes moved by re-planning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from topology.baselines import fixed_tiers_tree, flow_lower_bound, random_tree, star_tree, tree_lower_bound  # noqa: E402
+from topology.planner import PlannerConfig, moved_nodes, plan  # noqa: E402
+from topology.replan import replan  # noqa: E402
+from topology.simulator import simulate  # noqa: E402
+from topology.synthetic import synthetic_model  # noqa: E402
+from topology.viz import draw_plan  # noqa: E402
+
+SCHEMES = ("planned", "star", "fixed tiers", "random")
+
+
+def small_study(seeds: list[int], cfg: PlannerConfig) -> list[dict]:
+    rows = []
+    for measured in (0.0, 0.3):
+        for seed in seeds:
+            m = synthetic_model(4, 8, seed=seed, measured_fraction=measured)
+            t0 = time.perf_counter()
+            p = plan(m, cfg)
+            plan_s = time.perf_counter() - t0
+            trees = {"planned": p.parents, "star": star_tree(m), "fixed tiers": fixed_tiers_tree(m),
+                     "random": random_tree(m, seed, cfg.max_degree)}
+            sim = {k: simulate(m, v, cfg.payload_bytes, cfg.chunk_bytes).makespan_s for k, v in trees.items()}
+            rows.append({
+                "seed": seed, "measured": measured, "plan_s": plan_s, "est": p.est_completion_s, **sim,
+                "tree_lb": tree_lower_bound(m, cfg.payload_bytes).completion_s,
+                "flow_lb": flow_lower_bound(m, cfg.payload_bytes).completion_s,
+                "model": m, "plan": p,
+            })
+    return rows
+
+
+def big_study(cfg: PlannerConfig, repeats: int) -> dict:
+    m = synthetic_model(20, 500, seed=0)
+    times = []
+    p = None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        p = plan(m, cfg)
+        times.append(time.perf_counter() - t0)
+    assert p is not None
+    ch = p.children()
+    depth = p.depths()
+    busiest = max(p.parents, key=lambda n: (len(ch[n]), -depth[n], n))
+    victims = {"busiest relay": busiest, "random machine": random.Random(1).choice(sorted(p.parents))}
+    failures = {}
+    for label, victim in victims.items():
+        t0 = time.perf_counter()
+        q = replan(p, m.without_nodes([victim]), cfg)
+        dt = time.perf_counter() - t0
+        moved = moved_nodes(p, q)
+        failures[label] = {"victim": victim, "children": len(ch[victim]), "moved": len(moved),
+                           "frac": len(moved) / len(q.parents), "est_before": p.est_completion_s,
+                           "est_after": q.est_completion_s, "replan_s": dt}
+    return {"nodes": len(m), "times": times, "est": p.est_completion_s, "max_depth": max(depth.values()),
+            "entries": sum(1 for c, x in p.parents.items() if p.regions[c] != p.regions[x]), "failures": failures}
+
+
+def chart(rows: list[dict], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    sel = [r for r in rows if r["measured"] == 0.0]
+    fig = Figure(figsize=(9, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    names = ["lower bound\n(any scheme)", "lower bound\n(any tree)", "planned", "fixed tiers", "random", "star"]
+    keys = ["flow_lb", "tree_lb", "planned", "fixed tiers", "random", "star"]
+    colours = ["#bbbbbb", "#888888", "#2ca02c", "#ff7f0e", "#9467bd", "#d62728"]
+    width = 0.8 / len(sel)
+    for i, r in enumerate(sel):
+        xs = [k + (i - (len(sel) - 1) / 2) * width for k in range(len(keys))]
+        ax.bar(xs, [r[k] for k in keys], width=width * 0.95, color=colours, edgecolor="white")
+    for k, key in enumerate(keys):
+        med = statistics.median(r[key] for r in sel)
+        ax.text(k, med * 1.15, f"{med:.1f} s", ha="center", fontsize=8)
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(keys)))
+    ax.set_xticklabels(names, fontsize=8)
+    ax.set_ylabel("time until the last node holds it (s, log)")
+    ax.set_title(f"4 regions x 8 machines, 256 MiB artifact, simulated; one bar per seed ({len(sel)} seeds)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def report(rows: list[dict], big: dict, cfg: PlannerConfig, command: str, out: Path) -> str:
+    lines = [
+        "# Topology planner: scale study",
+        "",
+        f"Command: `{command}` (about 30 s). Machine: 2-core VM shared with other work "
+        f"(Python {platform.python_version()}, {platform.machine()}); times are wall clock and noisy.",
+        "",
+        "Model (`topology/synthetic.py`): trainer with a 1 Gbit/s uplink in region r00; 8 machines per "
+        "region, classes dc (10/10 Gbit/s up/down, 50 %), cloud (5/10, 30 %), edge (1/2.5, 20 %); "
+        "10 Gbit/s per flow inside a region; every ordered region pair 0.2-1 Gbit/s (drawn per direction; "
+        "also the pipe's shared capacity), RTT 20-150 ms between regions. \"measured 30 %\": 30 % of the "
+        "pairs carry a probe-like measurement (estimate x U(0.9, 1.1)), so links are asymmetric and noisy. "
+        f"Artifact {cfg.payload_bytes // 2**20} MiB in {cfg.chunk_bytes // 2**20} MiB chunks, max degree {cfg.max_degree}.",
+        "",
+        "Simulated time (s) until the last node holds the artifact (`topology/simulator.py`: max-min fair "
+        "flows, chunk cut-through, half-RTT delay per hop). *Tree bound*: no single-parent tree can beat it "
+        "(best path bottleneck and delay per node, sharing ignored). *Flow bound*: no scheme at all can "
+        "(max-flow into each region, e.g. striping chunks over several parents).",
+        "",
+        "| pairs measured | seed | planned | tree bound | planned / tree bound | flow bound | star | star / planned | fixed tiers | random | plan time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {int(r['measured'] * 100)} % | {r['seed']} | {r['planned']:.2f} | {r['tree_lb']:.2f} | "
+            f"**{r['planned'] / r['tree_lb']:.3f}x** | {r['flow_lb']:.2f} | {r['star']:.1f} | "
+            f"**{r['star'] / r['planned']:.1f}x** | {r['fixed tiers']:.2f} | {r['random']:.2f} | {r['plan_s'] * 1e3:.0f} ms |"
+        )
+    ratios = [r["planned"] / r["tree_lb"] for r in rows]
+    speedups = [r["star"] / r["planned"] for r in rows]
+    flow = [r["planned"] / r["flow_lb"] for r in rows]
+    tiers = [r["fixed tiers"] / r["planned"] for r in rows]
+    by_flavour = {}
+    for r in rows:
+        by_flavour.setdefault(r["measured"], []).append(r["planned"] / r["tree_lb"])
+    lines += [""]
+    for measured, rs in by_flavour.items():
+        lines.append(
+            f"- Planned vs tree bound, {int(measured * 100)} % of pairs measured: worst {max(rs):.3f}x, "
+            f"median {statistics.median(rs):.3f}x (target <= 1.1x: {'met' if max(rs) <= 1.1 else 'MISSED'})."
+        )
+    if max(ratios) > 1.1:
+        lines.append(
+            "  Where it is missed: with noisy measurements the bound may combine, hop by hop, whichever "
+            "particular machine pairs happened to measure fast (up to +10 %), while the planner only "
+            "uses the entry machines of already attached regions as sources of an inter-region hop. "
+            "Letting every gateway candidate of an attached region act as a source would close part "
+            "of this; not done yet."
+        )
+    lines += [
+        f"- Planned vs star (the trainer's 1 Gbit/s uplink is the star's bottleneck: 32 x 256 MiB through it): "
+        f"at least {min(speedups):.1f}x faster, median {statistics.median(speedups):.1f}x "
+        f"(target >= 3x: {'met' if min(speedups) >= 3 else 'MISSED'}).",
+        f"- Fixed tiers are {min(tiers):.1f}-{max(tiers):.1f}x slower than the planned tree: the trainer feeds "
+        "every middle server itself, so its uplink is split four ways, and the middle server is not chosen "
+        "by bandwidth.",
+        f"- Planned vs flow bound: {min(flow):.2f}-{max(flow):.2f}x. That gap is what a single-parent tree "
+        "leaves on the table when a region's best single inbound path is slower than the sum of its inbound "
+        "links; only multi-parent striping could close it. Not attempted here.",
+        "",
+        "![4x8 simulated completion per scheme](topology_4x8.png)",
+        "",
+        "The planned tree for seed 0 (no measurements), as `p2psync viz` draws it:",
+        "",
+        "![planned tree, 4x8 seed 0](topology_tree_4x8.png)",
+        "",
+        f"## {big['nodes'] - 1:,} machines in 20 regions",
+        "",
+        f"- Planning time: {', '.join(f'{t:.2f} s' for t in big['times'])} "
+        f"(target <= 5 s: {'met' if max(big['times']) <= 5 else 'MISSED'}). "
+        f"Estimated completion {big['est']:.2f} s for 256 MiB; tree depth {big['max_depth']}; "
+        f"{big['entries']} edges cross regions (one per region).",
+        "- The simulator is not run at this size (its cost grows with nodes x chunks); the figure is the "
+        "planner's estimate, which tracked the simulator within a few percent on the 4x8 runs above.",
+        "",
+        "| one failure | victim | its children | nodes moved | share of nodes | estimate before -> after | re-plan time |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, f in big["failures"].items():
+        lines.append(
+            f"| {label} | {f['victim']} | {f['children']} | {f['moved']} | **{f['frac']:.2%}** | "
+            f"{f['est_before']:.2f} s -> {f['est_after']:.2f} s | {f['replan_s']:.2f} s |"
+        )
+    worst = max(f["frac"] for f in big["failures"].values())
+    lines += [
+        "",
+        f"Target <= 5 % of the nodes moved: {'met' if worst <= 0.05 else 'MISSED'}. Only the failed node's "
+        "children move (its strongest child takes its place, the others go below it); the re-plan time "
+        "includes building a fresh plan to check that the repaired tree is not more than 1.5x worse.",
+        "",
+    ]
+    text = "\n".join(lines)
+    out.write_text(text)
+    return text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=3, help="planning-time repeats at 10,000 nodes")
+    ap.add_argument("--out-dir", default=str(ROOT / "docs" / "benchmarks"))
+    args = ap.parse_args()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = PlannerConfig()
+    rows = small_study(list(range(args.seeds)), cfg)
+    chart(rows, out / "topology_4x8.png")
+    first = rows[0]
+    draw_plan(first["plan"], out / "topology_tree_4x8.png", first["model"])
+    big = big_study(cfg, args.repeats)
+    command = "python tools/plan_scale.py" + ("" if args.seeds == 5 and args.repeats == 3 else f" --seeds {args.seeds} --repeats {args.repeats}")
+    print(report(rows, big, cfg, command, out / "topology.md"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""Trees to compare the planner with, and lower bounds on the completion time.
+
+Baselines (each a child -> parent map rooted at the trainer):
+
+- :func:`star_tree`: every node pulls from the trainer.
+- :func:`random_tree`: nodes join in random order under a random node that
+  already holds a place (degree-limited), blind to bandwidth.
+- :func:`fixed_tiers_tree`: one fixed middle server per region (the first
+  ``relay`` of the region, else its first machine by id) pulls from the
+  trainer and serves every other machine of its region, as shardcast-style
+  deployments are set up by hand.
+
+Lower bounds, in the simulator's model (see :mod:`topology.simulator`), for
+the time until the last node holds the artifact:
+
+- :func:`tree_lower_bound`: in a tree each node gets everything over one
+  path from the trainer, so no tree beats, for any node v, the minimum over
+  paths P of ``payload / bottleneck(P) + delay(P)``: each hop capped by pair
+  bandwidth, sender uplink, receiver downlink and inter-region pipe, each
+  hop delaying every byte by half its RTT. Sharing is ignored, so the bound
+  is optimistic wherever paths must share a link.
+- :func:`flow_lower_bound`: no scheme at all (striping chunks over several
+  parents included) beats ``payload / min(maxflow(v), downlink(v)) +
+  delay(v)``, with ``delay(v)`` the smallest delay over paths and
+  ``maxflow(v)`` the max-flow from the trainer to v's region in a relaxed
+  graph of regions (capacity inside a region unlimited, so the bound stays
+  valid). It is the one to quote when asking what multi-parent striping
+  could gain.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+from dataclasses import dataclass
+
+import networkx as nx
+
+from topology.model import NetworkModel
+
+
+def star_tree(model: NetworkModel) -> dict[str, str]:
+    return {n: model.trainer for n in model.node_ids if n != model.trainer}
+
+
+def random_tree(model: NetworkModel, seed: int = 0, max_degree: int | None = 8) -> dict[str, str]:
+    rng = random.Random(seed)
+    others = sorted(n for n in model.node_ids if n != model.trainer)
+    rng.shuffle(others)
+    placed = [model.trainer]
+    degree = {model.trainer: 0}
+    parents = {}
+    for n in others:
+        open_ = [p for p in placed if max_degree is None or degree[p] < max_degree]
+        p = rng.choice(open_)
+        parents[n] = p
+        degree[p] += 1
+        degree[n] = 0
+        placed.append(n)
+    return parents
+
+
+def fixed_tiers_tree(model: NetworkModel) -> dict[str, str]:
+    parents = {}
+    for region, ids in model.by_region().items():
+        machines = sorted(n for n in ids if n != model.trainer)
+        if not machines:
+            continue
+        relays = [n for n in machines if model.node(n).role == "relay"]
+        middle = (relays or machines)[0]
+        parents[middle] = model.trainer
+        for n in machines:
+            if n != middle:
+                parents[n] = middle
+    return parents
+
+
+@dataclass(frozen=True)
+class LowerBound:
+    completion_s: float
+    """The bound on the time until the last node holds the artifact."""
+    per_node_s: dict[str, float]
+    bottleneck_bps: dict[str, float]
+    """The rate each node cannot exceed under this bound."""
+
+
+def _edge_cap(model: NetworkModel, u: str, v: str) -> float:
+    su, sv = model.node(u), model.node(v)
+    c = min(model.bandwidth(u, v), su.uplink_bps, sv.downlink_bps)
+    cap = model.link_capacity(su.region, sv.region)
+    return c if cap is None else min(c, cap)
+
+
+def _delay_paths(model: NetworkModel) -> dict[str, float]:
+    """Smallest one-way delay (half-RTT sum) from the trainer to every node (Dijkstra over all pairs)."""
+    ids = model.node_ids
+    dist = {model.trainer: 0.0}
+    heap = [(0.0, model.trainer)]
+    while heap:
+        d, u = heapq.heappop(heap)
+        if d > dist.get(u, math.inf):
+            continue
+        for v in ids:
+            if v != u:
+                nd = d + model.rtt(u, v) / 2
+                if nd < dist.get(v, math.inf):
+                    dist[v] = nd
+                    heapq.heappush(heap, (nd, v))
+    return dist
+
+
+def tree_lower_bound(model: NetworkModel, payload_bytes: int, max_thresholds: int = 64) -> LowerBound:
+    """See the module docstring. O(thresholds x n^2): meant for up to a few thousand nodes.
+
+    For a threshold w, the paths whose every hop carries at least w form a
+    subgraph; the smallest delay to v in it plus ``payload / w`` bounds every
+    path with bottleneck w. Taking every distinct hop capacity as a threshold
+    gives the exact minimum of ``payload / bottleneck + delay`` over paths;
+    with more than ``max_thresholds`` distinct values they are bucketed and
+    each bucket is charged at its upper end, which keeps the bound valid.
+    """
+    ids = model.node_ids
+    t = model.trainer
+    cap = {(u, v): _edge_cap(model, u, v) for u in ids for v in ids if u != v and v != t}
+    values = sorted(set(cap.values()))
+    if len(values) > max_thresholds:
+        lo, hi = values[0], values[-1]
+        steps = [lo * (hi / lo) ** (i / (max_thresholds - 1)) for i in range(max_thresholds)]
+        thresholds = [(w, nxt) for w, nxt in zip(steps, [*steps[1:], hi])]
+    else:
+        thresholds = [(w, w) for w in values]
+    bits = payload_bytes * 8.0
+    best = {n: math.inf for n in ids if n != t}
+    rate = {n: 0.0 for n in ids if n != t}
+    for w, charged in thresholds:
+        dist = {t: 0.0}
+        heap = [(0.0, t)]
+        while heap:
+            d, u = heapq.heappop(heap)
+            if d > dist.get(u, math.inf):
+                continue
+            for v in ids:
+                if v != u and v != t and cap[(u, v)] >= w:
+                    nd = d + model.rtt(u, v) / 2
+                    if nd < dist.get(v, math.inf):
+                        dist[v] = nd
+                        heapq.heappush(heap, (nd, v))
+        for v, d in dist.items():
+            if v != t and bits / charged + d < best[v]:
+                best[v] = bits / charged + d
+                rate[v] = charged
+    per = {t: 0.0, **best}
+    return LowerBound(max(per.values()), per, rate)
+
+
+def flow_lower_bound(model: NetworkModel, payload_bytes: int) -> LowerBound:
+    """See the module docstring."""
+    g = nx.DiGraph()
+    t = model.trainer
+    root_region = model.region_of(t)
+    by_region = model.by_region()
+    up_sum = {r: sum(model.node(n).uplink_bps for n in ids if n != t) for r, ids in by_region.items()}
+    # The trainer's uplink feeds its own region and, directly, the pipes out of it.
+    g.add_edge("T", "T:up", capacity=model.node(t).uplink_bps)
+    g.add_edge("T:up", f"in:{root_region}")
+    g.add_edge("T:up", f"out:{root_region}")
+    for r in by_region:
+        # Traffic leaving a region goes out through its machines' uplinks (the trainer's own
+        # uplink is the edge above, so it is not counted twice).
+        g.add_edge(f"in:{r}", f"out:{r}", capacity=up_sum[r])
+    for a in by_region:
+        for b in by_region:
+            if a != b:
+                cap = model.link_capacity(a, b)
+                g.add_edge(f"out:{a}", f"in:{b}", capacity=up_sum[a] if cap is None else cap)
+    flow = {r: nx.maximum_flow_value(g, "T", f"in:{r}") for r in by_region}
+    lat = _delay_paths(model)
+    rate = {n: min(flow[model.region_of(n)], model.node(n).downlink_bps) for n in model.node_ids if n != t}
+    rate[t] = math.inf
+    return _bound(model, payload_bytes, rate, lat)
+
+
+def _bound(model: NetworkModel, payload_bytes: int, rate: dict[str, float], lat: dict[str, float]) -> LowerBound:
+    bits = payload_bytes * 8.0
+    per = {}
+    for n in model.node_ids:
+        if n == model.trainer:
+            per[n] = 0.0
+        else:
+            per[n] = lat[n] + (bits / rate[n] if rate.get(n, 0.0) > 0 else math.inf)
+    return LowerBound(max(per.values()), per, {n: r for n, r in rate.items() if n != model.trainer})

@@ -1,0 +1,435 @@
+"""The network model the planner and the simulator work on.
+
+A model is a set of nodes (id, region, role, uplink and downlink capacity in
+bits/s, an optional node class), region-level figures (the bandwidth one flow
+gets and the RTT inside a region and between two regions, optionally the
+aggregate capacity of an inter-region pipe), and measured per-pair links
+(bandwidth in bits/s, RTT in seconds). Links are directed: ``a -> b`` is what
+``b`` gets when it pulls from ``a``, and may differ from ``b -> a``.
+
+Contract:
+
+- ``bandwidth(a, b)`` and ``rtt(a, b)`` answer for every ordered pair of
+  distinct nodes: the measurement when there is one, otherwise an estimate from
+  the region-level figures capped by ``a``'s uplink and ``b``'s downlink.
+- Exactly one node has role ``trainer``; it is the root of every plan.
+- Loading a file that does not follow the schema raises ``ValueError``
+  (a :class:`p2psync.errors.ConfigError`) whose message starts with the field,
+  e.g. ``nodes[3].uplink_bps: must be a positive number``.
+
+Probing (which needs live nodes) produces a list of :class:`Measurement`; the
+function :func:`model_from_measurements` turns it into a model of this schema,
+so ``p2psync plan --probe`` and ``p2psync plan --from FILE`` plan from the same
+object.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from p2psync.errors import ConfigError
+
+FORMAT_VERSION = 1
+ROLES = ("trainer", "relay", "rollout")
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One machine that holds (or relays) artifacts."""
+
+    id: str
+    region: str
+    role: str
+    """``trainer`` (the root, exactly one), ``relay`` (serves, runs no engine) or ``rollout``."""
+    uplink_bps: float
+    """What the node can send in total, over all its children, in bits/s."""
+    downlink_bps: float
+    """What the node can receive in total, in bits/s."""
+    node_class: str | None = None
+    """Free-form machine class (``dc``, ``edge``...); informative only."""
+
+
+@dataclass(frozen=True)
+class Region:
+    """Figures for pairs of nodes inside one region that were not measured."""
+
+    name: str
+    intra_bandwidth_bps: float
+    """What one flow between two nodes of the region gets."""
+    intra_rtt_s: float
+
+
+@dataclass(frozen=True)
+class RegionLink:
+    """Figures for flows from region ``src`` to region ``dst`` (directed)."""
+
+    src: str
+    dst: str
+    bandwidth_bps: float
+    """What one flow from a node in ``src`` to a node in ``dst`` gets (typical, per flow)."""
+    rtt_s: float
+    capacity_bps: float | None = None
+    """Aggregate capacity of the ``src -> dst`` pipe, shared by all its flows; None: not a shared bottleneck."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured directed pair: ``dst`` pulling from ``src``."""
+
+    src: str
+    dst: str
+    bandwidth_bps: float
+    rtt_s: float
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Figures used where neither a measurement nor a region-level figure exists."""
+
+    intra_bandwidth_bps: float = 10e9
+    intra_rtt_s: float = 0.0005
+    inter_bandwidth_bps: float = 0.5e9
+    inter_rtt_s: float = 0.05
+
+
+class NetworkModel:
+    """Nodes, region-level figures and measured links; read-only once built.
+
+    ``graph`` is a networkx DiGraph whose nodes carry the :class:`NodeSpec`
+    fields as attributes and whose edges are the measured links
+    (``bandwidth_bps``, ``rtt_s``). Unmeasured pairs are not edges; ask
+    :meth:`bandwidth` and :meth:`rtt`, which estimate them.
+    """
+
+    def __init__(
+        self,
+        nodes: Iterable[NodeSpec],
+        links: Iterable[Measurement] = (),
+        regions: Iterable[Region] = (),
+        region_links: Iterable[RegionLink] = (),
+        defaults: Defaults = Defaults(),
+    ) -> None:
+        self.defaults = defaults
+        self._spec: dict[str, NodeSpec] = {}
+        for i, n in enumerate(nodes):
+            _check_node(n, f"nodes[{i}]")
+            if n.id in self._spec:
+                raise ConfigError(f"nodes[{i}].id", f"duplicate node id {n.id!r}")
+            self._spec[n.id] = n
+        trainers = [n.id for n in self._spec.values() if n.role == "trainer"]
+        if len(trainers) != 1:
+            raise ConfigError("nodes", f"exactly one node must have role 'trainer', found {len(trainers)}")
+        self.trainer: str = trainers[0]
+        self.regions: dict[str, Region] = {}
+        for i, r in enumerate(regions):
+            _positive(r.intra_bandwidth_bps, f"regions[{i}].intra_bandwidth_bps")
+            _non_negative(r.intra_rtt_s, f"regions[{i}].intra_rtt_s")
+            self.regions[r.name] = r
+        self.region_links: dict[tuple[str, str], RegionLink] = {}
+        for i, rl in enumerate(region_links):
+            if rl.src == rl.dst:
+                raise ConfigError(f"region_links[{i}].dst", "must differ from src (use regions[] for intra-region figures)")
+            _positive(rl.bandwidth_bps, f"region_links[{i}].bandwidth_bps")
+            _non_negative(rl.rtt_s, f"region_links[{i}].rtt_s")
+            if rl.capacity_bps is not None:
+                _positive(rl.capacity_bps, f"region_links[{i}].capacity_bps")
+            self.region_links[(rl.src, rl.dst)] = rl
+        self._measured: dict[str, dict[str, tuple[float, float]]] = {}
+        self.graph = nx.DiGraph()
+        for n in self._spec.values():
+            self.graph.add_node(
+                n.id, region=n.region, role=n.role, uplink_bps=n.uplink_bps,
+                downlink_bps=n.downlink_bps, node_class=n.node_class,
+            )
+        for i, m in enumerate(links):
+            for end in ("src", "dst"):
+                if getattr(m, end) not in self._spec:
+                    raise ConfigError(f"links[{i}].{end}", f"unknown node {getattr(m, end)!r}")
+            if m.src == m.dst:
+                raise ConfigError(f"links[{i}].dst", "a link needs two distinct nodes")
+            _positive(m.bandwidth_bps, f"links[{i}].bandwidth_bps")
+            _non_negative(m.rtt_s, f"links[{i}].rtt_s")
+            self._measured.setdefault(m.src, {})[m.dst] = (m.bandwidth_bps, m.rtt_s)
+            self.graph.add_edge(m.src, m.dst, bandwidth_bps=m.bandwidth_bps, rtt_s=m.rtt_s)
+        self._by_region: dict[str, list[str]] = {}
+        for n in self._spec.values():
+            self._by_region.setdefault(n.region, []).append(n.id)
+        # bandwidth() runs in the planner's inner loops: precompute what an estimate needs.
+        self._ends = {n.id: (n.uplink_bps, n.downlink_bps, n.region) for n in self._spec.values()}
+        names = set(self._by_region) | set(self.regions)
+        self._region_bw = {(a, b): self.region_bandwidth(a, b) for a in names for b in names}
+
+    # ---- nodes ---------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._spec)
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._spec
+
+    @property
+    def node_ids(self) -> list[str]:
+        return list(self._spec)
+
+    def node(self, node_id: str) -> NodeSpec:
+        return self._spec[node_id]
+
+    def nodes(self) -> list[NodeSpec]:
+        return list(self._spec.values())
+
+    def region_of(self, node_id: str) -> str:
+        return self._spec[node_id].region
+
+    def by_region(self) -> dict[str, list[str]]:
+        """Region name -> node ids in insertion order (the trainer's region included)."""
+        return {r: list(ids) for r, ids in self._by_region.items()}
+
+    def region_names(self) -> list[str]:
+        return list(self._by_region)
+
+    # ---- links ---------------------------------------------------------------------------
+
+    def is_measured(self, src: str, dst: str) -> bool:
+        return dst in self._measured.get(src, {})
+
+    def measurements(self) -> list[Measurement]:
+        return [Measurement(a, b, bw, rtt) for a, row in self._measured.items() for b, (bw, rtt) in row.items()]
+
+    def region_bandwidth(self, src_region: str, dst_region: str) -> float:
+        """Per-flow bandwidth between two regions (or inside one) from region-level figures."""
+        if src_region == dst_region:
+            r = self.regions.get(src_region)
+            return r.intra_bandwidth_bps if r else self.defaults.intra_bandwidth_bps
+        rl = self.region_links.get((src_region, dst_region))
+        return rl.bandwidth_bps if rl else self.defaults.inter_bandwidth_bps
+
+    def region_rtt(self, src_region: str, dst_region: str) -> float:
+        if src_region == dst_region:
+            r = self.regions.get(src_region)
+            return r.intra_rtt_s if r else self.defaults.intra_rtt_s
+        rl = self.region_links.get((src_region, dst_region))
+        return rl.rtt_s if rl else self.defaults.inter_rtt_s
+
+    def link_capacity(self, src_region: str, dst_region: str) -> float | None:
+        """Aggregate capacity of the inter-region pipe ``src -> dst``; None when it is not a shared bottleneck."""
+        if src_region == dst_region:
+            return None
+        rl = self.region_links.get((src_region, dst_region))
+        return rl.capacity_bps if rl else None
+
+    def bandwidth(self, src: str, dst: str) -> float:
+        """What one flow ``src -> dst`` gets alone: measured, or estimated (region figure capped by the ends)."""
+        row = self._measured.get(src)
+        if row is not None:
+            hit = row.get(dst)
+            if hit is not None:
+                return hit[0]
+        up, _, ra = self._ends[src]
+        _, down, rb = self._ends[dst]
+        bw = self._region_bw[(ra, rb)]
+        return min(up, down, bw)
+
+    def rtt(self, src: str, dst: str) -> float:
+        row = self._measured.get(src)
+        if row is not None:
+            hit = row.get(dst)
+            if hit is not None:
+                return hit[1]
+        return self.region_rtt(self._spec[src].region, self._spec[dst].region)
+
+    # ---- membership changes (a new model; this one is unchanged) -------------------------
+
+    def with_nodes(self, added: Iterable[NodeSpec], links: Iterable[Measurement] = ()) -> NetworkModel:
+        """This model plus ``added`` nodes (and measurements involving them)."""
+        return NetworkModel(
+            [*self._spec.values(), *added], [*self.measurements(), *links],
+            self.regions.values(), self.region_links.values(), self.defaults,
+        )
+
+    def without_nodes(self, removed: Iterable[str]) -> NetworkModel:
+        """This model less the ``removed`` nodes and every measurement touching them."""
+        gone = set(removed)
+        if self.trainer in gone:
+            raise ValueError("the trainer cannot leave the model")
+        return NetworkModel(
+            [n for n in self._spec.values() if n.id not in gone],
+            [m for m in self.measurements() if m.src not in gone and m.dst not in gone],
+            self.regions.values(), self.region_links.values(), self.defaults,
+        )
+
+    # ---- JSON ----------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "defaults": vars(self.defaults).copy(),
+            "nodes": [
+                {k: v for k, v in vars(n).items() if not (k == "node_class" and v is None)}
+                for n in self._spec.values()
+            ],
+            "regions": [vars(r).copy() for r in self.regions.values()],
+            "region_links": [
+                {k: v for k, v in vars(rl).items() if not (k == "capacity_bps" and v is None)}
+                for rl in self.region_links.values()
+            ],
+            "links": [vars(m).copy() for m in self.measurements()],
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> NetworkModel:
+        """Parse the dict :meth:`to_json` writes; ``ValueError`` names the first bad field."""
+        if not isinstance(data, dict):
+            raise ConfigError("<root>", "a network model must be a JSON object")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ConfigError("format_version", f"unsupported model format version {version!r} (this build reads {FORMAT_VERSION})")
+        d = data.get("defaults", {})
+        if not isinstance(d, dict):
+            raise ConfigError("defaults", "must be an object")
+        defaults = Defaults(**{
+            k: _num(d, k, "defaults", default=getattr(Defaults, k)) for k in Defaults.__dataclass_fields__
+        })
+        nodes = []
+        for i, o in enumerate(_list(data, "nodes", required=True)):
+            where = f"nodes[{i}]"
+            _obj(o, where)
+            role = _str(o, "role", where)
+            if role not in ROLES:
+                raise ConfigError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+            cls_ = o.get("node_class")
+            if cls_ is not None and not isinstance(cls_, str):
+                raise ConfigError(f"{where}.node_class", "must be a string or absent")
+            nodes.append(NodeSpec(
+                _str(o, "id", where), _str(o, "region", where), role,
+                _num(o, "uplink_bps", where), _num(o, "downlink_bps", where), cls_,
+            ))
+        regions = []
+        for i, o in enumerate(_list(data, "regions")):
+            where = f"regions[{i}]"
+            _obj(o, where)
+            regions.append(Region(_str(o, "name", where), _num(o, "intra_bandwidth_bps", where), _num(o, "intra_rtt_s", where)))
+        region_links = []
+        for i, o in enumerate(_list(data, "region_links")):
+            where = f"region_links[{i}]"
+            _obj(o, where)
+            cap = o.get("capacity_bps")
+            region_links.append(RegionLink(
+                _str(o, "src", where), _str(o, "dst", where), _num(o, "bandwidth_bps", where),
+                _num(o, "rtt_s", where), None if cap is None else _num(o, "capacity_bps", where),
+            ))
+        links = []
+        for i, o in enumerate(_list(data, "links")):
+            where = f"links[{i}]"
+            _obj(o, where)
+            links.append(Measurement(_str(o, "src", where), _str(o, "dst", where), _num(o, "bandwidth_bps", where), _num(o, "rtt_s", where)))
+        return cls(nodes, links, regions, region_links, defaults)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> NetworkModel:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(str(path), f"not valid JSON ({exc})") from exc
+        return cls.from_json(data)
+
+
+def model_from_measurements(
+    nodes: Iterable[NodeSpec],
+    measurements: Iterable[Measurement],
+    defaults: Defaults = Defaults(),
+) -> NetworkModel:
+    """Build a model from what a probe run measured.
+
+    At scale a probe measures a sample of pairs inside each region and a few
+    representatives across regions; the region-level figures that estimate
+    the other pairs are the medians of the measured pairs of that region (or
+    region pair). Regions or region pairs with no measurement fall back to
+    ``defaults``. Aggregate pipe capacities cannot be inferred from single
+    flows, so region links get ``capacity_bps=None``.
+    """
+    nodes = list(nodes)
+    measurements = list(measurements)
+    region = {n.id: n.region for n in nodes}
+    bw: dict[tuple[str, str], list[float]] = {}
+    rtt: dict[tuple[str, str], list[float]] = {}
+    for i, m in enumerate(measurements):
+        for end in ("src", "dst"):
+            if getattr(m, end) not in region:
+                raise ConfigError(f"measurements[{i}].{end}", f"unknown node {getattr(m, end)!r}")
+        key = (region[m.src], region[m.dst])
+        bw.setdefault(key, []).append(m.bandwidth_bps)
+        rtt.setdefault(key, []).append(m.rtt_s)
+    regions = [Region(a, statistics.median(v), statistics.median(rtt[(a, b)])) for (a, b), v in bw.items() if a == b]
+    links = [RegionLink(a, b, statistics.median(v), statistics.median(rtt[(a, b)])) for (a, b), v in bw.items() if a != b]
+    return NetworkModel(nodes, measurements, regions, links, defaults)
+
+
+# ---- validation helpers ------------------------------------------------------------------
+
+
+def _check_node(n: NodeSpec, where: str) -> None:
+    if not isinstance(n.id, str) or not n.id:
+        raise ConfigError(f"{where}.id", "must be a non-empty string")
+    if n.role not in ROLES:
+        raise ConfigError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {n.role!r}")
+    _positive(n.uplink_bps, f"{where}.uplink_bps")
+    _positive(n.downlink_bps, f"{where}.downlink_bps")
+
+
+def _positive(x: Any, where: str) -> None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
+        raise ConfigError(where, f"must be a positive finite number, got {x!r}")
+
+
+def _non_negative(x: Any, where: str) -> None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
+        raise ConfigError(where, f"must be a non-negative finite number, got {x!r}")
+
+
+def _obj(o: Any, where: str) -> None:
+    if not isinstance(o, dict):
+        raise ConfigError(where, "must be an object")
+
+
+def _list(data: Mapping[str, Any], key: str, required: bool = False) -> list[Any]:
+    if key not in data:
+        if required:
+            raise ConfigError(key, "missing")
+        return []
+    v = data[key]
+    if not isinstance(v, list):
+        raise ConfigError(key, "must be a list")
+    return v
+
+
+def _str(o: Mapping[str, Any], key: str, where: str) -> str:
+    v = o.get(key)
+    if not isinstance(v, str) or not v:
+        raise ConfigError(f"{where}.{key}", "missing" if v is None else f"must be a non-empty string, got {v!r}")
+    return v
+
+
+def _num(o: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
+    v = o.get(key, default)
+    if v is None:
+        raise ConfigError(f"{where}.{key}", "missing")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise ConfigError(f"{where}.{key}", f"must be a non-negative finite number, got {v!r}")
+    return float(v)
+
+
+__all__ = [
+    "FORMAT_VERSION", "ROLES", "Defaults", "Measurement", "NetworkModel", "NodeSpec", "Region", "RegionLink",
+    "model_from_measurements",
+]

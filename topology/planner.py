@@ -1,0 +1,449 @@
+"""The planner: a bandwidth-weighted, degree-limited dissemination tree rooted at the trainer.
+
+Pure and deterministic: the same model, config and seed give the same plan;
+nothing here does I/O or reads a clock.
+
+How a plan is built (each step scored with :func:`topology.tree.estimate`):
+
+1. **Backbone.** Every region gets one entry node (chosen among its
+   ``gateways_per_region`` strongest machines) attached to a *source*: the
+   trainer or the entry of a region already attached. Regions are attached
+   greedily, widest path first (highest rate, then lowest path RTT), so a
+   region is chained behind another when that inter-region link beats what
+   the trainer's uplink can still give it. Each attachment reserves the rate
+   it uses on the source's uplink and on the inter-region pipe, so later
+   attachments see what is left.
+2. **Fan-out inside a region.** Starting from the entry (and, in the
+   trainer's region, the trainer), machines are attached breadth first,
+   strongest uplink first, so strong machines become relays near the top and
+   weak ones leaves. A relay takes ``floor(spare uplink / target rate)``
+   children (at most ``max_degree``), with the target rate the entry's rate;
+   halved targets (more fan-out, less depth) are tried too and the best
+   local estimate wins.
+3. **Second entry points.** While the region that finishes last can be
+   improved by giving it a second entry (its next strongest machine, attached
+   to the best remaining source, the region's machines split between the two
+   subtrees), that is done.
+4. **Fallbacks.** Each node gets a ranked list of nodes to fail over to; see
+   :func:`rank_fallbacks`.
+
+Two reservation policies for the backbone are tried (reserve the full rate;
+reserve no more than the slowest region's rate, which leaves room on a fast
+trainer for direct children) and the plan with the lower estimate is kept.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from p2psync.errors import ConfigError
+from topology.model import NetworkModel
+from topology.tree import Plan, bfs_order, children_of, depths_of, edge_share, estimate
+
+_TARGET_DIVISORS = (1.0, 2.0, 4.0)
+# Fallback candidates considered per node: the shallowest machines of its region, then of the tree.
+_FALLBACK_POOL = (8, 4)
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """What the planner optimises for and the knobs that bound the tree."""
+
+    payload_bytes: int = 256 * 2**20
+    """Size of the artifact the plan is scored for (a typical delta)."""
+    chunk_bytes: int = 4 * 2**20
+    """Chunk size: the unit a relay forwards once it has verified it."""
+    max_degree: int = 8
+    """Most children a node serves at once."""
+    gateways_per_region: int = 3
+    """How many of a region's strongest machines are considered as its entry."""
+    fallbacks: int = 3
+    """Length of each node's ranked fail-over list."""
+    second_entries: bool = True
+    """Whether a region may get a second entry point when that lowers the estimate."""
+    seed: int = 0
+    """Breaks ties between equally strong machines."""
+
+    def __post_init__(self) -> None:
+        for name in ("payload_bytes", "chunk_bytes", "max_degree", "gateways_per_region"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(name, f"must be a positive integer, got {v!r}")
+        if isinstance(self.fallbacks, bool) or not isinstance(self.fallbacks, int) or self.fallbacks < 0:
+            raise ConfigError("fallbacks", f"must be a non-negative integer, got {self.fallbacks!r}")
+
+
+class _Builder:
+    """Mutable tree under construction; one per attempt."""
+
+    def __init__(self, model: NetworkModel, cfg: PlannerConfig, rank: Mapping[str, int], by_eta: bool) -> None:
+        self.m = model
+        self.by_eta = by_eta
+        self.bits = cfg.payload_bytes * 8.0
+        self.cfg = cfg
+        self.root = model.trainer
+        self.rank = rank
+        self.parents: dict[str, str] = {}
+        self.children: dict[str, list[str]] = {n: [] for n in model.node_ids}
+        self.reserved: dict[str, float] = {n: 0.0 for n in model.node_ids}
+        self.pipe_reserved: dict[tuple[str, str], float] = {}
+        self.rate: dict[str, float] = {self.root: math.inf}
+        self.lat: dict[str, float] = {self.root: 0.0}
+        self.entries: dict[str, list[str]] = {}
+        self.sources: list[str] = [self.root]
+        self.serve: dict[str, float] = {}
+
+    def attach(self, child: str, parent: str) -> None:
+        self.parents[child] = parent
+        self.children[parent].append(child)
+
+    def detach(self, child: str) -> None:
+        self.children[self.parents.pop(child)].remove(child)
+
+    def strength(self, n: str) -> tuple[float, float, int]:
+        s = self.m.node(n)
+        return (-s.uplink_bps, -s.downlink_bps, self.rank[n])
+
+    # ---- backbone ----------------------------------------------------------------------
+
+    def offer(self, src: str, dst: str) -> float:
+        """Rate ``dst`` would get from ``src`` given what is already reserved."""
+        m = self.m
+        if len(self.children[src]) >= self.cfg.max_degree:
+            return 0.0
+        r = min(self.rate[src], m.bandwidth(src, dst), m.node(dst).downlink_bps,
+                m.node(src).uplink_bps - self.reserved[src])
+        a, b = m.region_of(src), m.region_of(dst)
+        cap = m.link_capacity(a, b)
+        if cap is not None:
+            r = min(r, cap - self.pipe_reserved.get((a, b), 0.0))
+        return max(r, 0.0)
+
+    def link(self, src: str, dst: str, rate: float, reserve_cap: float) -> None:
+        self.attach(dst, src)
+        self.rate[dst] = rate
+        self.lat[dst] = self.lat[src] + self.m.rtt(src, dst) / 2
+        used = min(rate, reserve_cap)
+        self.reserved[src] += used
+        a, b = self.m.region_of(src), self.m.region_of(dst)
+        if a != b:
+            self.pipe_reserved[(a, b)] = self.pipe_reserved.get((a, b), 0.0) + used
+
+    def best_source(self, gateways: list[str], exclude_region: str | None = None) -> tuple[float, str, str] | None:
+        best: tuple[float, float, int, str, str] | None = None
+        for g in gateways:
+            for s in self.sources:
+                if exclude_region is not None and s != self.root and self.m.region_of(s) == exclude_region:
+                    continue
+                r = self.offer(s, g)
+                if r <= 0:
+                    continue
+                key = (*self.score(r, s, g), r, s, g)
+                if best is None or key[:4] > best[:4]:
+                    best = key
+        return None if best is None else (best[4], best[5], best[6])
+
+    def score(self, r: float, s: str, g: str) -> tuple[float, float, float, int]:
+        """Larger is better: widest first (then lowest delay), or earliest estimated arrival first.
+
+        Ties go to the gateway that can serve its region best (see ``backbone``).
+        """
+        lat = self.lat[s] + self.m.rtt(s, g) / 2
+        up = self.serve.get(g, 0.0)
+        if self.by_eta:
+            return (-(self.bits / r + lat), r, up, -self.rank[g])
+        return (r, -lat, up, -self.rank[g])
+
+    def backbone(self, reserve_cap: float) -> None:
+        m, cfg = self.m, self.cfg
+        gateways: dict[str, list[str]] = {}
+        for region, ids in m.by_region().items():
+            cands = sorted((n for n in ids if n != self.root), key=self.strength)
+            if cands:
+                gateways[region] = cands[: cfg.gateways_per_region]
+        # How well a gateway serves its own region: the median bandwidth to a sample of the
+        # region's machines, capped by its uplink (measured links may be asymmetric).
+        for region, gws in gateways.items():
+            sample = sorted((n for n in m.by_region()[region] if n != self.root), key=self.strength)[:16]
+            for g in gws:
+                bws = sorted(m.bandwidth(g, x) for x in sample if x != g) or [m.node(g).uplink_bps]
+                self.serve[g] = min(m.node(g).uplink_bps, bws[len(bws) // 2])
+        pending = dict(gateways)
+        while pending:
+            best: tuple[float, float, int, str, str, str] | None = None
+            for region, gws in pending.items():
+                hit = self.best_source(gws)
+                if hit is None:
+                    continue
+                r, s, g = hit
+                key = (*self.score(r, s, g), region, s, g)
+                if best is None or key[:4] > best[:4]:
+                    best = key
+            if best is None:
+                # Every source is saturated: attach the strongest remaining gateway to the
+                # source with the most spare uplink, accepting a shared (slower) link.
+                region, gws = next(iter(pending.items()))
+                s = max(self.sources, key=lambda x: (m.node(x).uplink_bps - self.reserved[x]) / (1 + len(self.children[x])))
+                r = min(m.bandwidth(s, gws[0]), m.node(s).uplink_bps / (1 + len(self.children[s])))
+                best = (*self.score(r, s, gws[0]), region, s, gws[0])
+            region, s, g = best[4:]
+            r = self.offer(s, g) or min(m.bandwidth(s, g), m.node(s).uplink_bps / (1 + len(self.children[s])))
+            self.link(s, g, r, reserve_cap)
+            self.entries[region] = [g]
+            self.sources.append(g)
+            del pending[region]
+
+    # ---- fan-out inside a region -------------------------------------------------------
+
+    def slots(self, p: str, target: float) -> int:
+        spare = self.m.node(p).uplink_bps - self.reserved[p]
+        free = self.cfg.max_degree - len(self.children[p])
+        return max(0, min(free, int(spare / target + 1e-9)))
+
+    def fan_out(self, region: str, heads: list[str], members: list[str], target: float) -> None:
+        """Attach ``members`` (strongest first) breadth first below ``heads``."""
+        m = self.m
+        queue: list[list] = [[h, self.slots(h, target)] for h in heads]
+        queue = [q for q in queue if q[1] > 0] or [[heads[-1], 1]]
+        qi = 0
+        attached = list(heads)
+        for c in members:
+            while qi < len(queue) and queue[qi][1] <= 0:
+                qi += 1
+            if qi == len(queue):
+                # No relay has a free slot at this target: give one to whichever attached
+                # machine keeps the largest share, degree cap permitting.
+                open_ = [n for n in attached if len(self.children[n]) < self.cfg.max_degree] or attached
+                p = max(open_, key=lambda n: ((m.node(n).uplink_bps - self.reserved[n]) / (1 + len(self.children[n])), -self.rank[n]))
+                queue.append([p, 1])
+            # Prefer, among the next few open relays, the first whose measured link carries the target.
+            pick, best_bw = qi, -1.0
+            j, seen = qi, 0
+            while j < len(queue) and seen < 4:
+                if queue[j][1] > 0:
+                    bw = m.bandwidth(queue[j][0], c)
+                    if bw >= target:
+                        pick = j
+                        break
+                    if bw > best_bw:
+                        pick, best_bw = j, bw
+                    seen += 1
+                j += 1
+            p = queue[pick][0]
+            queue[pick][1] -= 1
+            self.attach(c, p)
+            attached.append(c)
+            k = self.slots(c, target)
+            if k > 0:
+                queue.append([c, k])
+
+    def local_eval(self, heads: list[str], members: set[str]) -> float:
+        """Worst estimate over ``members`` relative to their heads (heads' upstream is common to all trials)."""
+        cfg = self.cfg
+        bits, cbits = cfg.payload_bytes * 8.0, min(cfg.chunk_bytes, cfg.payload_bytes) * 8.0
+        worst = 0.0
+        state = {h: (self.rate.get(h, math.inf), 0.0, 0.0) for h in heads}
+        stack = list(heads)
+        while stack:
+            p = stack.pop()
+            rp, pp, lp = state[p]
+            for c in self.children[p]:
+                if c not in members:
+                    continue
+                s = edge_share(self.m, self.children, p, c, {})
+                r = min(rp, s)
+                pc, lc = pp + cbits / s, lp + self.m.rtt(p, c) / 2
+                state[c] = (r, pc, lc)
+                worst = max(worst, bits / r + pc - cbits / r + lc)
+                stack.append(c)
+        return worst
+
+    def build_region(self, region: str) -> None:
+        """(Re)build the fan-out of ``region`` below its entries, trying a few target rates."""
+        entries = self.entries.get(region, [])
+        if not entries:
+            return
+        for n in self.m.by_region()[region]:
+            if n in self.parents and n not in entries and self.m.region_of(self.parents[n]) == region:
+                self.detach(n)
+        heads = ([self.root] if self.m.region_of(self.root) == region else []) + entries
+        members = sorted((n for n in self.m.by_region()[region] if n not in heads), key=self.strength)
+        if not members:
+            return
+        base = min(self.rate[e] for e in entries)
+        best: tuple[float, dict[str, str]] | None = None
+        member_set = set(members)
+        for div in _TARGET_DIVISORS:
+            for c in members:
+                if c in self.parents:
+                    self.detach(c)
+            self.fan_out(region, heads, members, max(base / div, 1.0))
+            score = self.local_eval(heads, member_set)
+            if best is None or score < best[0] * (1 - 1e-9):
+                best = (score, {c: self.parents[c] for c in members})
+        for c in members:
+            self.detach(c)
+        assert best is not None
+        # Re-attach in BFS order so that children lists keep the breadth-first order.
+        chosen = best[1]
+        by_parent: dict[str, list[str]] = {}
+        for c in members:
+            by_parent.setdefault(chosen[c], []).append(c)
+        stack = list(heads)
+        while stack:
+            p = stack.pop(0)
+            for c in by_parent.get(p, ()):
+                self.attach(c, p)
+                stack.append(c)
+
+    def add_second_entry(self, region: str) -> bool:
+        """Give ``region`` a second entry point; False when there is no candidate or source."""
+        m = self.m
+        entries = self.entries[region]
+        cands = sorted((n for n in m.by_region()[region] if n not in entries and n != self.root), key=self.strength)
+        if len(cands) < 2:
+            return False
+        gateways = cands[: self.cfg.gateways_per_region]
+        for g in gateways:
+            if g in self.parents:
+                self.detach(g)
+        hit = self.best_source(gateways, exclude_region=region)
+        if hit is None:
+            return False
+        r, s, g = hit
+        self.link(s, g, r, math.inf)
+        entries.append(g)
+        self.build_region(region)
+        return True
+
+
+def _ranks(model: NetworkModel, seed: int) -> dict[str, int]:
+    ids = sorted(model.node_ids)
+    order = list(range(len(ids)))
+    random.Random(seed).shuffle(order)
+    return dict(zip(ids, order))
+
+
+def _build(model: NetworkModel, cfg: PlannerConfig, rank: Mapping[str, int], reserve_cap: float, by_eta: bool) -> _Builder:
+    b = _Builder(model, cfg, rank, by_eta)
+    b.backbone(reserve_cap)
+    for region in model.region_names():
+        b.build_region(region)
+    if cfg.second_entries:
+        tried: set[str] = set()
+        current = estimate(model, b.root, b.parents, cfg.payload_bytes, cfg.chunk_bytes, b.children)
+        for _ in range(len(model.region_names())):
+            worst = max(current.eta_s, key=lambda n: current.eta_s[n])
+            region = model.region_of(worst)
+            if region in tried or worst == b.root:
+                break
+            tried.add(region)
+            saved = (dict(b.parents), {k: list(v) for k, v in b.children.items()}, dict(b.reserved),
+                     dict(b.pipe_reserved), dict(b.rate), dict(b.lat), list(b.entries[region]))
+            if b.add_second_entry(region):
+                trial = estimate(model, b.root, b.parents, cfg.payload_bytes, cfg.chunk_bytes, b.children)
+                if trial.completion_s < current.completion_s * (1 - 1e-6):
+                    current = trial
+                    continue
+            b.parents, b.children, b.reserved, b.pipe_reserved, b.rate, b.lat, entries = saved
+            b.entries[region] = entries
+            break
+    return b
+
+
+def plan(model: NetworkModel, config: PlannerConfig | None = None, epoch: int = 0) -> Plan:
+    """Plan the dissemination tree for ``model``; see the module docstring for how."""
+    cfg = config or PlannerConfig()
+    rank = _ranks(model, cfg.seed)
+    if len(model) == 1:
+        return finish_plan(model, cfg, {}, epoch)
+    best: tuple[float, _Builder] | None = None
+    for by_eta in (False, True):
+        first = _build(model, cfg, rank, math.inf, by_eta)
+        # The slowest region's entry rate: reserving more than that on a source only helps
+        # nodes that do not decide the completion time.
+        floor_rate = min(first.rate[e[0]] for e in first.entries.values())
+        for b in (first, _build(model, cfg, rank, max(floor_rate, 1.0), by_eta)):
+            score = estimate(model, b.root, b.parents, cfg.payload_bytes, cfg.chunk_bytes, b.children).completion_s
+            if best is None or score < best[0] * (1 - 1e-9):
+                best = (score, b)
+    assert best is not None
+    return finish_plan(model, cfg, best[1].parents, epoch)
+
+
+def finish_plan(model: NetworkModel, cfg: PlannerConfig, parents: Mapping[str, str], epoch: int) -> Plan:
+    """The :class:`Plan` for a finished tree: estimate, fallbacks, breadth-first order."""
+    root = model.trainer
+    # Deterministic order: breadth first from the root.
+    children = children_of(parents, root)
+    ordered = {c: parents[c] for c in bfs_order(children, root) if c != root}
+    children = children_of(ordered, root)
+    est = estimate(model, root, ordered, cfg.payload_bytes, cfg.chunk_bytes, children)
+    return Plan(
+        root=root,
+        parents=ordered,
+        edge_bps=est.edge_bps,
+        eta_s=est.eta_s,
+        est_completion_s=est.completion_s,
+        fallbacks=rank_fallbacks(model, root, ordered, cfg.fallbacks, children),
+        regions={n: model.region_of(n) for n in model.node_ids},
+        roles={n: model.node(n).role for n in model.node_ids},
+        payload_bytes=cfg.payload_bytes,
+        chunk_bytes=cfg.chunk_bytes,
+        epoch=epoch,
+    )
+
+
+def rank_fallbacks(model: NetworkModel, root: str, parents: Mapping[str, str], k: int,
+                   children: Mapping[str, list[str]] | None = None) -> dict[str, list[str]]:
+    """For each node, up to ``k`` nodes to fail over to, best first.
+
+    Candidates have a smaller depth than the node and are not its parent, so
+    they are never in the node's subtree and nodes that fail over at the same
+    time cannot form a cycle. The grandparent comes first (it just lost a
+    child, so it has a free slot on the path the data already takes); the
+    others are the shallowest, strongest machines of the node's region and
+    of the whole tree, ranked by the share they could give (pair bandwidth,
+    uplink divided among one more child), then depth.
+    """
+    if k == 0:
+        return {n: [] for n in parents}
+    children = children if children is not None else children_of(parents, root)
+    depth = depths_of(parents, root)
+    up = {n: model.node(n).uplink_bps for n in depth}
+    shallow_first = sorted(depth, key=lambda n: (depth[n], -up[n], n))
+    pool: dict[str, list[str]] = {}
+    for n in shallow_first:
+        pool.setdefault(model.region_of(n), []).append(n)
+    out: dict[str, list[str]] = {}
+    for v, p in parents.items():
+        d = depth[v]
+        cands: list[str] = []
+        for source, limit in zip((pool[model.region_of(v)], shallow_first), _FALLBACK_POOL):
+            taken = 0
+            for u in source:
+                if depth[u] >= d or taken >= limit:
+                    break
+                if u != p and u not in cands:
+                    cands.append(u)
+                    taken += 1
+        gp = parents.get(p)
+        if gp is not None and gp not in cands:
+            cands.append(gp)
+        ranked = sorted(
+            cands,
+            key=lambda u: (u != gp, -min(model.bandwidth(u, v), up[u] / (1 + len(children.get(u, ())))), depth[u], u),
+        )
+        out[v] = ranked[:k]
+    return out
+
+
+def moved_nodes(old: Plan, new: Plan) -> list[str]:
+    """Nodes present in both plans whose parent differs."""
+    return [n for n, p in new.parents.items() if n in old.parents and old.parents[n] != p]
+
+
+__all__ = ["PlannerConfig", "finish_plan", "moved_nodes", "plan", "rank_fallbacks"]
