@@ -26,12 +26,13 @@ This module imports nothing heavy, so the CLI can parse before it loads torch.
 
 from __future__ import annotations
 
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from p2psync.errors import ConfigError
 
@@ -90,8 +91,13 @@ class StoreConfig:
 
 @dataclass
 class TestingConfig:
+    """Switches that make a node misbehave on purpose, for tests; never set them in production."""
+
+    __test__ = False  # not a pytest test class, despite the name
     corrupt_served_chunks: bool = False
     """TEST ONLY: flip a byte in every chunk this node serves, to exercise detection by children."""
+    serve_delay: float = 0.0
+    """TEST ONLY: seconds to sleep before serving each chunk, to make a transfer last long enough to kill."""
 
 
 @dataclass
@@ -116,6 +122,9 @@ class NodeConfig:
     """Trainer only: PEM private key used to sign the snapshot manifests the node makes."""
     parents: list[str] = field(default_factory=list)
     """Candidate parent URLs, most preferred first; the trainer has none."""
+    cut_through: bool = True
+    """Announce artifacts while still fetching them and serve each chunk once verified (off: only
+    complete artifacts are announced; for benchmarks)."""
     listen: ListenConfig = field(default_factory=ListenConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
@@ -134,7 +143,7 @@ class NodeConfig:
         except OSError as exc:
             raise ConfigError("cluster_token_file", f"cannot read {self.cluster_token_file}: {exc.strerror}") from None
 
-    def validate(self) -> "NodeConfig":
+    def validate(self) -> NodeConfig:
         """Raise :class:`ConfigError` for the first invalid field; return self."""
         if not self.id or any(c.isspace() or c in "/\\" for c in self.id):
             raise ConfigError("id", f"must be non-empty without spaces or slashes, got {self.id!r}")
@@ -155,7 +164,7 @@ class NodeConfig:
         if self.role != "trainer" and not self.parents:
             raise ConfigError("parents", f"a {self.role} needs at least one candidate parent")
         for p in self.parents:
-            if not (p.startswith("http://") or p.startswith("https://")):
+            if not p.startswith(("http://", "https://")):
                 raise ConfigError("parents", f"{p!r} is not an http(s) URL")
         if not 0 <= self.listen.port <= 65535:
             raise ConfigError("listen.port", f"must be 0..65535, got {self.listen.port}")
@@ -173,6 +182,8 @@ class NodeConfig:
                 raise ConfigError(f"limits.{name}", "must be > 0")
         if lim.parallel_streams > 64:
             raise ConfigError("limits.parallel_streams", "must be at most 64")
+        if self.testing.serve_delay < 0:
+            raise ConfigError("testing.serve_delay", "must be >= 0")
         st = self.store
         for name in ("keep_deltas", "snapshot_interval", "checkpoint_interval"):
             if getattr(st, name) < 0:

@@ -57,7 +57,7 @@ class ArtifactInfo:
                 "complete": self.complete}
 
     @classmethod
-    def from_json(cls, d: object) -> "ArtifactInfo":
+    def from_json(cls, d: object) -> ArtifactInfo:
         if not (isinstance(d, dict) and isinstance(d.get("id"), str) and d.get("kind") in ("delta", "snapshot")
                 and (d.get("base") is None or _is_int(d.get("base"))) and _is_int(d.get("target"))
                 and _is_int(d.get("bytes")) and isinstance(d.get("complete"), bool)):
@@ -65,7 +65,7 @@ class ArtifactInfo:
         return cls(d["id"], d["kind"], d["base"], d["target"], d["bytes"], d["complete"])
 
     @classmethod
-    def of(cls, m: Manifest, complete: bool) -> "ArtifactInfo":
+    def of(cls, m: Manifest, complete: bool) -> ArtifactInfo:
         return cls(m.artifact_id, m.kind, m.base_version, m.target_version, m.payload_bytes, complete)
 
 
@@ -134,7 +134,7 @@ class VersionStore:
         self.artifacts: dict[str, StoredArtifact] = {}
 
     @classmethod
-    def open(cls, root: str | Path, public_key: Ed25519PublicKey, *, fsync: bool = False) -> "VersionStore":
+    def open(cls, root: str | Path, public_key: Ed25519PublicKey, *, fsync: bool = False) -> VersionStore:
         """Open (or create) the store at ``root``, dropping temporaries and artifacts that fail to verify."""
         store = cls(Path(root), public_key, fsync=fsync)
         (store.root / "artifacts").mkdir(parents=True, exist_ok=True)
@@ -265,7 +265,7 @@ class VersionStore:
         return removed
 
     # --- applied state ---------------------------------------------------------------------
-    def save_state(self, state: "ModelState", version: int) -> None:
+    def save_state(self, state: ModelState, version: int) -> None:
         """Checkpoint the applied weights atomically, as a raw unsigned snapshot artifact."""
         from p2psync.artifact import build_manifest, write_file
         from p2psync.codec.encode import CodecOptions, encode_snapshot
@@ -274,7 +274,7 @@ class VersionStore:
         m = build_manifest(enc, model_id="state-checkpoint", target_version=version, chunk_size=16 << 20)
         write_file(self.root / STATE_FILE, m, enc.chunks)
 
-    def load_state(self) -> tuple["ModelState", int] | None:
+    def load_state(self) -> tuple[ModelState, int] | None:
         """The checkpointed weights and their version, audited against the recorded fingerprint."""
         from p2psync.artifact import ArtifactFile
         from p2psync.codec.decode import decode_state

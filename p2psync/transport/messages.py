@@ -54,7 +54,7 @@ class Catalogue:
         return json.dumps(self.to_json(), separators=(",", ":"))
 
     @classmethod
-    def loads(cls, text: str | bytes) -> "Catalogue":
+    def loads(cls, text: str | bytes) -> Catalogue:
         try:
             d = json.loads(text)
         except (ValueError, UnicodeDecodeError) as exc:

@@ -19,7 +19,10 @@ class ParentSet:
     """Seconds a failed parent rests."""
     avoid_seconds: float
     """Seconds a parent that served corrupt data is avoided."""
+    max_rest: float = 30.0
+    """Longest rest after repeated failures (the rest doubles per consecutive failure)."""
     _down_until: dict[str, float] = field(default_factory=dict)
+    _fails: dict[str, int] = field(default_factory=dict)
     _avoid_until: dict[str, float] = field(default_factory=dict)
     _last: str | None = None
     switches: int = 0
@@ -49,15 +52,19 @@ class ParentSet:
         return url
 
     def failed(self, url: str, now: float) -> None:
-        """``url`` errored, stalled or lacked what we asked for: rest it."""
-        self._down_until[url] = now + self.retry_after
+        """``url`` errored, stalled or lacked what we asked for: rest it (longer each time in a row)."""
+        n = self._fails.get(url, 0) + 1
+        self._fails[url] = n
+        self._down_until[url] = now + min(self.max_rest, self.retry_after * 2 ** min(n - 1, 16))
 
     def corrupt(self, url: str, now: float) -> None:
         """``url`` served data that failed verification: avoid it for longer."""
         self._avoid_until[url] = now + self.avoid_seconds
 
     def ok(self, url: str) -> None:
+        """``url`` delivered: forget its failures."""
         self._down_until.pop(url, None)
+        self._fails.pop(url, None)
 
     def avoided(self, now: float) -> list[str]:
         return [u for u in self.candidates if self._avoid_until.get(u, 0.0) > now]

@@ -1,0 +1,3 @@
+from p2psync.cli import main
+
+raise SystemExit(main())

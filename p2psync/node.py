@@ -1,0 +1,527 @@
+"""A p2psync peer: version store, HTTP server, and a follower of its candidate parents.
+
+Roles. The trainer node is the root and the only publisher (:meth:`Node.publish`);
+relays and rollout nodes follow: they learn new heads from their parent's event
+stream, plan the cheapest catch-up (:func:`p2psync.store.plan_catchup`), fetch
+with several streams, verify every chunk, apply all-or-nothing, and serve what
+they hold (or are still fetching: cut-through) to their own children.
+
+Snapshots for joiners. Relays cannot sign, so the trainer signs the snapshots a
+relay serves. Every ``store.snapshot_interval`` versions the trainer encodes its
+weights as a *raw* snapshot (``zstd_level=0``, ``store.snapshot_chunk_size``)
+and signs its manifest. Raw segments are a pure function of the weights, the
+tensor table and the chunk size, so any node holding version v bit-exactly can
+rebuild the very same chunks from its own state without downloading them: a
+follower that applied v and sees a signed snapshot manifest for v upstream
+fetches only that manifest (a few KiB of hashes), re-encodes, verifies every
+rebuilt chunk against the signed hashes, and only then stores and serves it.
+A relay can therefore offer a joiner a recent snapshot without the trainer
+sending one over the WAN, and a rebuilt chunk that does not match is never
+served. (Compressed snapshots would tie the bytes to one zstd build; raw ones
+do not. A joiner still takes whichever is fewer bytes: that raw snapshot plus
+deltas, or any older, compressed snapshot plus a longer delta chain.)
+
+Contracts: every manifest a node stores or serves verified against the
+trainer's key; ``version``/``fingerprint`` change only after
+:meth:`Applier.commit` matched the target fingerprint; :meth:`Node.subscribe`
+yields applied artifacts in version order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from p2psync import keys
+from p2psync.artifact import ArtifactFile, Manifest, applier_for
+from p2psync.config import NodeConfig
+from p2psync.errors import CodecError, P2PSyncError, PeerUnreachable, WrongBase
+from p2psync.logs import NodeAdapter
+from p2psync.store import ArtifactInfo, VersionStore, plan_catchup
+from p2psync.transport.board import Board
+from p2psync.transport.client import PeerClient, cancel_quietly
+from p2psync.transport.fetch import Upstream, fetch_chunks
+from p2psync.transport.listen import advertised, bind
+from p2psync.transport.messages import Catalogue
+from p2psync.transport.metrics import Metrics
+from p2psync.transport.parents import ParentSet
+from p2psync.transport.server import HeadSignal, serve
+
+if TYPE_CHECKING:
+    from p2psync.state import ModelState
+
+logger = logging.getLogger(__name__)
+
+_CHILD_TTL = 30.0
+_LOG_KEEP = 1024
+
+
+class Node:
+    """One peer. Build with ``await Node.create(config)`` (or ``async with``); stop with :meth:`close`."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.log = NodeAdapter(logger, {"node": config.id, "region": config.region})
+        self.public_key = keys.load_public(config.trainer_public_key)
+        self.private_key = keys.load_private(config.trainer_private_key) if config.trainer_private_key else None
+        self.store = VersionStore.open(Path(config.data_dir), self.public_key, fsync=config.store.fsync)
+        self.board = Board()
+        self.metrics = Metrics()
+        self.heads = HeadSignal()
+        self.state: ModelState | None = None
+        self.version: int | None = None
+        self.fingerprint: str | None = None
+        self.address = ""
+        self.loaded = asyncio.Event()
+        self.upstream: Upstream | None = None
+        self._runner: Any = None
+        self._client: PeerClient | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._stop = asyncio.Event()
+        self.failure: BaseException | None = None
+        self._applied: list[Manifest] = []
+        self._applied_base = 0
+        self._applied_signal = HeadSignal()
+        self._children: dict[str, tuple[str, float]] = {}
+        self._upstream_cat: Catalogue | None = None
+        self._wake = asyncio.Event()
+        self._parent_changed = asyncio.Event()
+        self._publish_lock = asyncio.Lock()
+        self._checkpointed: int | None = None
+        self._progress: dict[str, int] = {}
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    @classmethod
+    async def create(cls, config: NodeConfig, *, publish_dir: str | None = None,
+                     sock: socket.socket | None = None) -> Node:
+        """Serving on return; weights load in the background (:attr:`loaded` is set after).
+
+        ``sock``: an already listening socket (from :func:`p2psync.transport.server.bind`).
+        """
+        node = cls(config)
+        try:
+            await node._start(publish_dir, sock or bind(config.listen.host, config.listen.port))
+        except BaseException:
+            await node.close()
+            raise
+        return node
+
+    async def _start(self, publish_dir: str | None, sock: socket.socket) -> None:
+        cfg = self.config
+        if publish_dir is not None and cfg.role != "trainer":
+            raise P2PSyncError("only the trainer node publishes (--publish-dir needs --role trainer)")
+        self.address = advertised(sock, cfg.listen.host, cfg.listen.advertise)
+        self._runner = await serve(self, sock)
+        self._spawn(self._load(), "load")
+        if cfg.role != "trainer":
+            lim = cfg.limits
+            self._client = await PeerClient.create(cfg.token(), cfg.id, stall_timeout=lim.stall_timeout,
+                                                   sse_keepalive=lim.sse_keepalive,
+                                                   parallel_streams=lim.parallel_streams)
+            parents = ParentSet(list(cfg.parents), lim.retry_after, lim.avoid_seconds)
+            self.upstream = Upstream(self._client, parents, self.metrics, self._parent_changed.set, self.log)
+            self._spawn(self._watch_upstream(), "upstream")
+            self._spawn(self._follow(), "follow")
+        elif publish_dir is not None:
+            self._spawn(self._publish_dir(Path(publish_dir)), "publish-dir")
+        self.log.info("%s listening on %s (store: %d artifacts)", cfg.role, self.address, len(self.store.artifacts))
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=f"{self.config.id}:{name}")
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        self.failure = task.exception()
+        self.log.error("task %s crashed: %r; stopping", task.get_name(), self.failure, exc_info=self.failure)
+        self._stop.set()
+
+    async def wait_stopped(self) -> None:
+        """Return when a task crashed (see :attr:`failure`) or :meth:`close` began."""
+        await self._stop.wait()
+
+    async def close(self) -> None:
+        """Stop tasks, checkpoint the weights if they moved, stop serving."""
+        self.log.info("stopping at version %s", self.version)
+        self._stop.set()
+        self.heads.close()
+        self._applied_signal.close()
+        for t in self._tasks:
+            await cancel_quietly(t)
+        if self.state is not None and self.version is not None and self._checkpointed != self.version:
+            await asyncio.to_thread(self._checkpoint)
+        if self._client is not None:
+            await self._client.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.log.info("stopped at version %s", self.version)
+
+    async def __aenter__(self) -> Node:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # --- what the server sees ----------------------------------------------------------------
+    def catalogue(self) -> Catalogue:
+        arts = self.store.catalogue(complete_only=True)
+        flying = [ArtifactInfo.of(self.store.artifacts[a].manifest, False) for a in self.board.ids
+                  if a in self.store.artifacts] if self.config.cut_through else []
+        all_arts = tuple(sorted(arts + flying, key=lambda i: (i.target, i.kind)))
+        snaps = tuple(sorted({a.manifest.target_version for a in self.store.artifacts.values()
+                              if a.manifest.kind == "snapshot"}))
+        head = max((a.target for a in all_arts), default=None)
+        return Catalogue(self.config.id, self.config.region, self.version, self.fingerprint, head, all_arts, snaps)
+
+    def note_child(self, node_id: str, address: str) -> None:
+        self._children[node_id] = (address, time.time())
+
+    def status(self) -> dict:
+        now = time.time()
+        up = self._upstream_cat
+        transfers = {}
+        for aid in self.board.ids:
+            art = self.store.artifacts.get(aid)
+            if art is not None:
+                transfers[aid] = {"chunks_held": len(art.held), "chunks": len(art.manifest.chunks),
+                                  "bytes_held": art.held_bytes, "bytes": art.manifest.payload_bytes}
+        parents = self.upstream.parents if self.upstream else None
+        return {
+            "node": self.config.id, "role": self.config.role, "region": self.config.region,
+            "address": self.address, "loaded": self.loaded.is_set(),
+            "version": self.version, "fingerprint": self.fingerprint,
+            "head": up.head if up else self.store.head,
+            "versions": [a.to_json() for a in self.catalogue().artifacts],
+            "parent": parents.current(asyncio.get_running_loop().time()) if parents else None,
+            "candidates": parents.candidates if parents else [],
+            "avoided": parents.avoided(asyncio.get_running_loop().time()) if parents else [],
+            "children": [{"id": k, "address": a, "seen": round(now - t, 1)}
+                         for k, (a, t) in sorted(self._children.items()) if now - t < _CHILD_TTL],
+            "transfers": transfers,
+            "bytes_in": int(self.metrics.total("p2psync_bytes_in_total")),
+            "bytes_out": int(self.metrics.total("p2psync_bytes_out_total")),
+            "bad_chunks": int(self.metrics.total("p2psync_bad_chunks_total")),
+        }
+
+    # --- weights -------------------------------------------------------------------------------
+    async def _load(self) -> None:
+        """Checkpointed weights, then the local delta chain up to the newest version held."""
+        loaded = await asyncio.to_thread(self.store.load_state)
+        if loaded is not None:
+            self.state, self.version = loaded
+            self.fingerprint = self.state.fingerprint
+            self._checkpointed = self.version
+        head = self.store.head
+        if head is not None and (self.version is None or head > self.version):
+            try:
+                plan = plan_catchup(self.version, head, self.store.catalogue())
+            except P2PSyncError as exc:
+                self.log.warning("store holds no path to version %s: %s", head, exc)
+                plan = []
+            for info in plan:
+                art = self.store.artifacts[info.id]
+                chunks = await asyncio.to_thread(self.store.chunks, info.id)
+                await self._commit(art.manifest, chunks)
+        self.metrics.set("p2psync_version", -1 if self.version is None else self.version)
+        self.loaded.set()
+        self.heads.bump()
+        self.log.info("weights loaded: version %s fingerprint %s", self.version, self.fingerprint)
+
+    async def _commit(self, manifest: Manifest, chunks: list[bytes] | None = None, applier: Any = None) -> None:
+        """Apply ``manifest`` all-or-nothing (from ``chunks``, or an ``applier`` already fed)."""
+        def work() -> tuple[ModelState, str]:
+            from p2psync.state import ModelState
+
+            state = self.state
+            if state is None or (manifest.kind == "snapshot" and list(manifest.tensors) != state.specs):
+                state = ModelState.empty_like(list(manifest.tensors))
+            ap = applier or applier_for(state, manifest)
+            if chunks is not None:
+                ap.add_chunks(enumerate(chunks), 2)
+            return ap.state, ap.commit()
+
+        state, fp = await asyncio.to_thread(work)
+        self.state, self.version, self.fingerprint = state, manifest.target_version, fp
+        self.metrics.inc("p2psync_versions_applied_total")
+        self.metrics.set("p2psync_version", manifest.target_version)
+        self._applied.append(manifest)
+        if len(self._applied) > _LOG_KEEP:
+            self._applied.pop(0)
+            self._applied_base += 1
+        self._applied_signal.bump()
+        self.log.info("applied %s (%d bytes) -> version %d fingerprint %s", manifest.artifact_id,
+                      manifest.payload_bytes, manifest.target_version, fp)
+
+    def _checkpoint(self) -> None:
+        if self.state is None or self.version is None:
+            return
+        self.store.save_state(self.state, self.version)
+        self._checkpointed = self.version
+
+    async def _after_apply(self) -> None:
+        """Checkpoint every ``checkpoint_interval`` versions, then apply retention."""
+        every = self.config.store.checkpoint_interval
+        if every and self.version is not None and (self._checkpointed is None or
+                                                   self.version - self._checkpointed >= every):
+            await asyncio.to_thread(self._checkpoint)
+        removed = self.store.prune(self.config.store.keep_deltas, self._checkpointed, self.board.ids)
+        if removed:
+            self.log.info("retention removed %d artifacts", len(removed))
+            self.heads.bump()
+
+    async def subscribe(self) -> AsyncIterator[Manifest]:
+        """Each artifact applied from now on, in version order, after it was applied."""
+        seen = self._applied_base + len(self._applied)
+        while not self._stop.is_set():
+            seq = self._applied_signal.seq
+            end = self._applied_base + len(self._applied)
+            for k in range(max(seen, self._applied_base), end):
+                yield self._applied[k - self._applied_base]
+            seen = end
+            await self._applied_signal.wait(seq, 3600)
+
+    async def wait_version(self, version: int) -> None:
+        """Return once the applied version is at least ``version``."""
+        while self.version is None or self.version < version:
+            if self._stop.is_set():
+                raise P2PSyncError(f"node stopped before reaching version {version}")
+            await self._applied_signal.wait(self._applied_signal.seq, 1.0)
+
+    # --- trainer --------------------------------------------------------------------------------
+    async def publish(self, manifest: Manifest, chunks: list[bytes]) -> None:
+        """Trainer only: verify, apply to the trainer's copy, store, and announce ``manifest``.
+
+        A delta must have the current version as its base; a snapshot may start or restart the
+        chain. Raises (and stores nothing new) if the signature, a chunk or the result is wrong.
+        """
+        if self.config.role != "trainer":
+            raise P2PSyncError(f"only the trainer publishes (this node is a {self.config.role})")
+        await self.loaded.wait()
+        async with self._publish_lock:
+            manifest.verify(self.public_key)
+            if manifest.kind == "delta" and manifest.base_version != self.version:
+                raise WrongBase(str(manifest.base_fingerprint), str(self.fingerprint), manifest.base_version)
+            if self.version is not None and manifest.target_version <= self.version:
+                raise CodecError(f"version {manifest.target_version} is not newer than {self.version}")
+            if len(chunks) != len(manifest.chunks):
+                raise CodecError(f"{len(chunks)} chunks given, manifest has {len(manifest.chunks)}")
+            aid = manifest.artifact_id
+            fresh = aid not in self.store.artifacts
+            self.store.add_manifest(manifest)
+            try:
+                for i, c in enumerate(chunks):
+                    await asyncio.to_thread(self.store.put_chunk, aid, i, c)
+                await self._commit(manifest, chunks)
+            except BaseException:
+                if fresh:
+                    self.store.remove(aid)
+                raise
+            self.heads.bump()
+            self.log.info("published %s", aid)
+            every = self.config.store.snapshot_interval
+            if self.private_key is not None and every and manifest.kind == "delta" \
+                    and manifest.target_version % every == 0:
+                snap = await asyncio.to_thread(self._sign_snapshot, manifest.model_id)
+                self.heads.bump()
+                self.log.info("signed raw snapshot %s", snap.artifact_id)
+            await self._after_apply()
+
+    def _sign_snapshot(self, model_id: str) -> Manifest:
+        from p2psync.artifact import build_manifest
+        from p2psync.codec.encode import CodecOptions, encode_snapshot
+
+        assert self.state is not None and self.version is not None
+        size = self.config.store.snapshot_chunk_size
+        enc = encode_snapshot(self.state, CodecOptions(chunk_size=size, zstd_level=0))
+        m = build_manifest(enc, model_id=model_id, target_version=self.version, chunk_size=size,
+                           private_key=self.private_key)
+        self.store.add_manifest(m)
+        for i, c in enumerate(enc.chunks):
+            self.store.put_chunk(m.artifact_id, i, c)
+        return m
+
+    async def _publish_dir(self, directory: Path) -> None:
+        """Publish every artifact file appearing in ``directory``, in version order."""
+        await self.loaded.wait()
+        bad: set[Path] = set()
+        while True:
+            ready = []
+            for path in sorted(directory.glob("*")):
+                if path in bad or not path.is_file() or path.name.endswith(".tmp"):
+                    continue
+                try:
+                    with ArtifactFile(path, self.public_key) as art:
+                        ready.append((art.manifest.target_version, art.manifest.kind != "snapshot", path))
+                except P2PSyncError as exc:
+                    self.log.error("publish-dir: skipping %s: %s", path.name, exc)
+                    bad.add(path)
+            for _, _, path in sorted(ready):
+                with ArtifactFile(path, self.public_key) as art:
+                    m = art.manifest
+                    if self.version is not None and m.target_version <= self.version:
+                        continue
+                    if m.kind == "delta" and m.base_version != self.version:
+                        break  # wait for the file that fills the gap
+                    chunks = [c for _, c in art.chunks()]
+                try:
+                    await self.publish(m, chunks)
+                except P2PSyncError as exc:
+                    self.log.error("publish-dir: %s not published: %s", path.name, exc)
+                    bad.add(path)
+                    break
+            await asyncio.sleep(0.2)
+
+    # --- follower -------------------------------------------------------------------------------
+    async def _watch_upstream(self) -> None:
+        """Keep an event stream open to the current parent; move when the parent changes."""
+        assert self.upstream is not None
+        up = self.upstream
+        while True:
+            url = await up.pick()
+            self._parent_changed.clear()
+            watch = asyncio.create_task(self._watch(url), name=f"{self.config.id}:watch:{url}")
+            moved = asyncio.create_task(self._parent_changed.wait(), name=f"{self.config.id}:moved")
+            try:
+                await asyncio.wait({watch, moved}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                await cancel_quietly(watch)
+                await cancel_quietly(moved)
+            if watch.done() and not watch.cancelled() and isinstance(watch.exception(), PeerUnreachable):
+                up.failed(url, watch.exception())  # type: ignore[arg-type]
+
+    async def _watch(self, url: str) -> None:
+        assert self._client is not None and self.upstream is not None
+        async for cat in self._client.call_events(url):
+            self.upstream.ok(url)
+            self._note_upstream(cat)
+
+    def _note_upstream(self, cat: Catalogue) -> None:
+        self._upstream_cat = cat
+        self.metrics.set("p2psync_head", -1 if cat.head is None else cat.head)
+        self._wake.set()
+
+    async def _follow(self) -> None:
+        """Catch up to the parent's head whenever it moves."""
+        assert self.upstream is not None and self._client is not None
+        await self.loaded.wait()
+        lim = self.config.limits
+        while True:
+            cat = self._upstream_cat
+            if cat is None or cat.head is None or (self.version is not None and cat.head <= self.version):
+                self._wake.clear()
+                try:
+                    async with asyncio.timeout(lim.poll_interval):
+                        await self._wake.wait()
+                except TimeoutError:
+                    await self._poll()
+                continue
+            try:
+                await self._catch_up(cat)
+            except P2PSyncError as exc:
+                self.log.warning("catch-up to version %s interrupted: %s", cat.head, exc)
+                self._upstream_cat = None
+                await self._poll()
+                await asyncio.sleep(lim.retry_after)
+
+    async def _poll(self) -> None:
+        assert self.upstream is not None and self._client is not None
+        url = await self.upstream.pick()
+        try:
+            self._note_upstream(await self._client.call_head(url))
+        except PeerUnreachable as exc:
+            self.upstream.failed(url, exc)
+
+    async def _catch_up(self, cat: Catalogue) -> None:
+        assert cat.head is not None
+        plan = plan_catchup(self.version, cat.head, cat.artifacts)
+        self.log.info("catching up %s -> %d via %s", self.version, cat.head, [a.id for a in plan])
+        for info in plan:
+            await self._fetch_apply(info)
+            if self.config.materialise and self.version in cat.snapshot_manifests:
+                await self._materialise(self.version)
+            await self._after_apply()
+
+    async def _fetch_apply(self, info: ArtifactInfo) -> None:
+        assert self.upstream is not None
+        aid = info.id
+        art = self.store.artifacts.get(aid)
+        if art is None:
+            m = await self.upstream.manifest(aid, lambda m: m.verify(self.public_key))
+            art = self.store.add_manifest(m)
+        manifest = art.manifest
+        from p2psync.state import ModelState
+
+        def new_applier() -> Any:
+            state = self.state
+            if state is None or (manifest.kind == "snapshot" and list(manifest.tensors) != state.specs):
+                state = ModelState.empty_like(list(manifest.tensors))
+            return applier_for(state, manifest)
+
+        applier = await asyncio.to_thread(new_applier)
+        held = sorted(art.held)
+        if held:
+            chunks = [(i, await asyncio.to_thread(self.store.read_chunk, aid, i)) for i in held]
+            await asyncio.to_thread(applier.add_chunks, chunks, 2)
+
+        async def on_chunk(i: int, data: bytes) -> None:
+            await asyncio.to_thread(applier.add_chunk, i, data)
+
+        self.board.begin(aid, len(manifest.chunks))
+        self.heads.bump()  # children may start fetching now: cut-through
+        try:
+            await fetch_chunks(self.upstream, self.store, self.board, manifest,
+                               self.config.limits.parallel_streams, on_chunk)
+            await self._commit(manifest, applier=applier)
+        finally:
+            self.board.end(aid)
+            self.heads.bump()
+
+    async def _materialise(self, version: int) -> None:
+        """Rebuild the trainer-signed raw snapshot of ``version`` from our weights (see module doc)."""
+        assert self.upstream is not None and self._client is not None
+        if self.store.find("snapshot", version, complete=True) is not None:
+            return
+        url = await self.upstream.pick()
+        try:
+            m = await self._client.call_version_manifest(url, version, "snapshot")
+            m.verify(self.public_key)
+        except P2PSyncError as exc:
+            self.log.warning("no snapshot manifest for version %d from %s: %s", version, url, exc)
+            return
+        if m.target_fingerprint != self.fingerprint:
+            self.log.warning("snapshot manifest for version %d names another fingerprint; ignored", version)
+            return
+
+        def rebuild() -> bool:
+            from p2psync.artifact import verify_chunk
+            from p2psync.codec.encode import CodecOptions, encode_snapshot
+
+            assert self.state is not None
+            enc = encode_snapshot(self.state, CodecOptions(chunk_size=m.chunk_size, zstd_level=0))
+            if len(enc.chunks) != len(m.chunks):
+                return False
+            try:
+                for i, c in enumerate(enc.chunks):
+                    verify_chunk(m, i, c)
+            except P2PSyncError:
+                return False
+            self.store.add_manifest(m)
+            for i, c in enumerate(enc.chunks):
+                self.store.put_chunk(m.artifact_id, i, c)
+            return True
+
+        if await asyncio.to_thread(rebuild):
+            self.metrics.inc("p2psync_snapshots_materialised_total")
+            self.log.info("materialised signed snapshot %s from local weights", m.artifact_id)
+            self.heads.bump()
+        else:
+            self.log.warning("rebuilt snapshot of version %d does not match the signed manifest; not serving it",
+                             version)
+

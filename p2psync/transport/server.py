@@ -1,0 +1,288 @@
+"""The HTTP API a node serves (aiohttp), versioned under ``/v1``.
+
+``GET /v1/head``                          catalogue: version, head, artifacts held or in flight
+``GET /v1/events``                        server-sent events: one ``head`` event per catalogue change
+``GET /v1/artifacts/{id}/manifest``       signed manifest bytes
+``GET /v1/artifacts/{id}/chunks/{i}``     chunk i (``Range`` honoured); waits while it is in flight
+``GET /v1/versions/{v}/manifest?kind=``   manifest of the delta (default) or snapshot reaching version v
+``GET /v1/snapshots``                     snapshot manifests held (JSON)
+``GET /v1/status``                        JSON: role, region, versions, parent, children, transfers, bytes
+``GET /metrics``                          Prometheus text
+
+Contract: every request without the cluster token gets 401 before any other
+work (routing included); a declared body above the limit gets 413 unread; a
+chunk leaves this node only after it matched the signed manifest (re-checked
+on every read from disk). Each connection is its own task, and every write to
+a client is bounded by ``limits.idle_timeout``, so a slow or idle client is cut
+off without holding up anyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import re
+import socket
+from typing import Protocol
+
+from aiohttp import web
+
+from p2psync.config import NodeConfig
+from p2psync.errors import IntegrityError
+from p2psync.store import VersionStore
+from p2psync.transport.board import Board
+from p2psync.transport.messages import API, NODE_HEADER, Catalogue, valid_artifact_id
+from p2psync.transport.metrics import Metrics
+
+logger = logging.getLogger(__name__)
+
+_WRITE_PIECE = 256 << 10
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+class HeadSignal:
+    """A sequence number bumped whenever the catalogue changes, that event streams wait on."""
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.closed = False
+        self._event = asyncio.Event()
+
+    def bump(self) -> None:
+        self.seq += 1
+        ev, self._event = self._event, asyncio.Event()
+        ev.set()
+
+    def close(self) -> None:
+        self.closed = True
+        self.bump()
+
+    async def wait(self, seq: int, timeout: float) -> None:
+        if self.seq != seq:
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await self._event.wait()
+        except TimeoutError:
+            pass
+
+
+class NodeView(Protocol):
+    """What the server needs from a node."""
+
+    config: NodeConfig
+    store: VersionStore
+    board: Board
+    metrics: Metrics
+    heads: HeadSignal
+
+    def catalogue(self) -> Catalogue: ...
+
+    def status(self) -> dict: ...
+
+    def note_child(self, node_id: str, address: str) -> None: ...
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message, "status": status}, status=status)
+
+
+class Server:
+    """Request handlers (``rpc_<verb>``) bound to one node."""
+
+    def __init__(self, view: NodeView) -> None:
+        self.view = view
+        self.token = view.config.token().encode()
+        self.limits = view.config.limits
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self.guard], client_max_size=self.limits.max_body_bytes)
+        r = app.router
+        r.add_get(f"{API}/head", self.rpc_head)
+        r.add_get(f"{API}/events", self.rpc_events)
+        r.add_get(f"{API}/artifacts/{{aid}}/manifest", self.rpc_manifest)
+        r.add_get(f"{API}/artifacts/{{aid}}/chunks/{{index}}", self.rpc_chunk)
+        r.add_get(f"{API}/versions/{{version}}/manifest", self.rpc_version_manifest)
+        r.add_get(f"{API}/snapshots", self.rpc_snapshots)
+        r.add_get(f"{API}/status", self.rpc_status)
+        r.add_get("/metrics", self.rpc_metrics)
+        return app
+
+    @web.middleware
+    async def guard(self, request: web.Request, handler) -> web.StreamResponse:
+        auth = request.headers.get("Authorization", "")
+        presented = auth[7:].encode() if auth.startswith("Bearer ") else b""
+        if not hmac.compare_digest(presented, self.token):
+            self.view.metrics.inc("p2psync_requests_total", code="401")
+            return _error(401, "missing or wrong cluster token")
+        length = request.content_length
+        if length is not None and length > self.limits.max_body_bytes:
+            self.view.metrics.inc("p2psync_requests_total", code="413")
+            resp = _error(413, f"request body of {length} bytes exceeds the {self.limits.max_body_bytes} limit")
+            resp.force_close()
+            return resp
+        child = request.headers.get(NODE_HEADER)
+        if child:
+            peer = request.transport.get_extra_info("peername") if request.transport else None
+            self.view.note_child(child[:64], f"{peer[0]}:{peer[1]}" if peer else "?")
+        try:
+            resp = await handler(request)
+        except web.HTTPException as exc:
+            self.view.metrics.inc("p2psync_requests_total", code=str(exc.status))
+            raise
+        self.view.metrics.inc("p2psync_requests_total", code=str(resp.status))
+        return resp
+
+    # --- catalogue ----------------------------------------------------------------------
+    async def rpc_head(self, request: web.Request) -> web.Response:
+        return web.json_response(text=self.view.catalogue().dumps())
+
+    async def rpc_events(self, request: web.Request) -> web.StreamResponse:
+        heads = self.view.heads
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        seq = -1
+        try:
+            while not heads.closed:
+                if heads.seq != seq:
+                    seq = heads.seq
+                    payload = f"event: head\ndata: {self.view.catalogue().dumps()}\n\n"
+                else:
+                    payload = ": keepalive\n\n"
+                await self._write(resp, payload.encode())
+                await heads.wait(seq, self.limits.sse_keepalive)
+        except (ConnectionResetError, TimeoutError):
+            pass  # the child went away or stopped reading; nothing else to do for it
+        return resp
+
+    async def rpc_snapshots(self, request: web.Request) -> web.Response:
+        snaps = [{"version": a.manifest.target_version, "id": aid, "bytes": a.manifest.payload_bytes,
+                  "complete": a.complete} for aid, a in self.view.store.artifacts.items()
+                 if a.manifest.kind == "snapshot"]
+        return web.json_response({"format": 1, "snapshots": sorted(snaps, key=lambda s: s["version"])})
+
+    async def rpc_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.view.status())
+
+    async def rpc_metrics(self, request: web.Request) -> web.Response:
+        cfg = self.view.config
+        text = self.view.metrics.render(node=cfg.id, region=cfg.region, role=cfg.role)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    # --- artifacts ----------------------------------------------------------------------
+    def _artifact(self, request: web.Request):
+        aid = request.match_info["aid"]
+        if not valid_artifact_id(aid):
+            raise web.HTTPBadRequest(text="malformed artifact id")
+        art = self.view.store.artifacts.get(aid)
+        if art is None:
+            raise web.HTTPNotFound(text=f"artifact {aid} not held")
+        return aid, art
+
+    async def rpc_manifest(self, request: web.Request) -> web.Response:
+        _, art = self._artifact(request)
+        return web.Response(body=art.manifest.to_bytes(), content_type="application/octet-stream")
+
+    async def rpc_version_manifest(self, request: web.Request) -> web.Response:
+        try:
+            version = int(request.match_info["version"])
+        except ValueError:
+            raise web.HTTPBadRequest(text="version must be an integer") from None
+        kind = request.query.get("kind", "delta")
+        if kind not in ("delta", "snapshot"):
+            raise web.HTTPBadRequest(text="kind must be delta or snapshot")
+        art = self.view.store.find(kind, version)
+        if art is None:
+            raise web.HTTPNotFound(text=f"no {kind} manifest for version {version}")
+        return web.Response(body=art.manifest.to_bytes(), content_type="application/octet-stream",
+                            headers={"X-P2PSync-Artifact": art.manifest.artifact_id})
+
+    async def rpc_chunk(self, request: web.Request) -> web.StreamResponse:
+        aid, art = self._artifact(request)
+        try:
+            index = int(request.match_info["index"])
+        except ValueError:
+            raise web.HTTPBadRequest(text="chunk index must be an integer") from None
+        n = len(art.manifest.chunks)
+        if not 0 <= index < n:
+            raise web.HTTPBadRequest(text=f"chunk index {index} out of range (artifact has {n})")
+        size = art.manifest.chunks[index].size
+        start, stop = self._range(request.headers.get("Range"), size)
+        store, board = self.view.store, self.view.board
+        if not store.has_chunk(aid, index):
+            if not board.active(aid):
+                raise web.HTTPNotFound(text=f"chunk {index} of {aid} not held")
+            # Cut-through: the chunk is on its way to us; answer as soon as it is verified.
+            await board.wait(aid, index, self.limits.chunk_wait_timeout)
+            if not store.has_chunk(aid, index):
+                raise web.HTTPServiceUnavailable(text=f"chunk {index} of {aid} not here yet",
+                                                 headers={"Retry-After": "1"})
+        try:
+            data = await asyncio.to_thread(store.read_chunk, aid, index)
+        except IntegrityError as exc:
+            logger.error("store: %s; not serving it", exc)
+            raise web.HTTPServiceUnavailable(text="chunk failed its re-check", headers={"Retry-After": "1"}) from None
+        if self.view.config.testing.serve_delay:
+            await asyncio.sleep(self.view.config.testing.serve_delay)
+        if self.view.config.testing.corrupt_served_chunks:
+            buf = bytearray(data)
+            buf[len(buf) // 2] ^= 0xFF
+            data = bytes(buf)
+        body = memoryview(data)[start:stop]
+        status = 206 if (start, stop) != (0, size) else 200
+        resp = web.StreamResponse(status=status, headers={"Content-Type": "application/octet-stream",
+                                                          "Accept-Ranges": "bytes"})
+        if status == 206:
+            resp.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
+        resp.content_length = len(body)
+        await resp.prepare(request)
+        try:
+            for off in range(0, len(body), _WRITE_PIECE):
+                await self._write(resp, body[off:off + _WRITE_PIECE])
+            await resp.write_eof()
+        except (ConnectionResetError, TimeoutError):
+            # Cut off a child that went away or stopped reading; it resumes elsewhere with Range.
+            if request.transport is not None:
+                request.transport.close()
+            return resp
+        self.view.metrics.inc("p2psync_bytes_out_total", len(body))
+        self.view.metrics.inc("p2psync_chunks_out_total")
+        return resp
+
+    @staticmethod
+    def _range(header: str | None, size: int) -> tuple[int, int]:
+        if header is None:
+            return 0, size
+        m = _RANGE.match(header.strip())
+        if not m or (not m.group(1) and not m.group(2)):
+            raise web.HTTPBadRequest(text="malformed Range (one range, bytes=a-b, a- or -n)")
+        a, b = m.group(1), m.group(2)
+        if not a:
+            start, stop = max(0, size - int(b)), size
+        else:
+            start, stop = int(a), size if not b else min(size, int(b) + 1)
+        if start >= size or stop <= start:
+            raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
+        return start, stop
+
+    async def _write(self, resp: web.StreamResponse, data: bytes | memoryview) -> None:
+        # A client that does not read for idle_timeout is dropped; others are unaffected.
+        async with asyncio.timeout(self.limits.idle_timeout):
+            await resp.write(data)
+
+
+async def serve(view: NodeView, sock: socket.socket) -> web.AppRunner:
+    """Serve on ``sock`` (from :func:`bind`); returns the runner (for cleanup)."""
+    lim = view.config.limits
+    runner = web.AppRunner(Server(view).app(), access_log=None, handle_signals=False,
+                           keepalive_timeout=lim.idle_timeout, max_line_size=lim.max_header_bytes,
+                           max_field_size=lim.max_header_bytes, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    return runner
+
+
+def status_json(d: dict) -> str:
+    return json.dumps(d, indent=1, sort_keys=True)
