@@ -1,0 +1,68 @@
+"""Bucketed XOR digest of a replicated table: cheap to update, cheap to compare.
+
+Each item (key, version) has a 64-bit hash; a bucket's hash is the XOR of the
+hashes of its items and the root is the XOR of all of them. Adding, replacing
+or removing an item is O(1), two nodes with the same items have the same root,
+and a differing root points at the few differing buckets, so an exchange ships
+only those buckets' keys and versions (see :mod:`p2psync.gossip.protocol`).
+"""
+
+from __future__ import annotations
+
+from p2psync.gossip.messages import BUCKETS, bucket_of
+
+
+class BucketIndex:
+    """XOR hashes per bucket plus the set of keys in each bucket."""
+
+    def __init__(self) -> None:
+        self._hash = [0] * BUCKETS
+        self._keys: list[set[str]] = [set() for _ in range(BUCKETS)]
+        self.count = 0
+        self._root: str | None = None
+
+    def copy(self) -> BucketIndex:
+        c = BucketIndex()
+        c._hash = list(self._hash)
+        c._keys = [set(k) for k in self._keys]
+        c.count = self.count
+        return c
+
+    def bucket(self, key: str) -> int:
+        return bucket_of(key)
+
+    def replace(self, key: str, old: int | None, new: int | None) -> None:
+        """Account for ``key`` going from item hash ``old`` to ``new`` (None: absent)."""
+        b = self.bucket(key)
+        self._root = None
+        if old is not None:
+            self._hash[b] ^= old
+        if new is not None:
+            self._hash[b] ^= new
+        if old is None and new is not None:
+            self._keys[b].add(key)
+            self.count += 1
+        elif old is not None and new is None:
+            self._keys[b].discard(key)
+            self.count -= 1
+
+    @property
+    def root(self) -> str:
+        if self._root is None:
+            r = 0
+            for h in self._hash:
+                r ^= h
+            self._root = f"{r:016x}"
+        return self._root
+
+    def bucket_hex(self) -> str:
+        """8 hex digits per bucket (the low 32 bits of its XOR): what ``Buckets`` carries."""
+        return "".join(f"{h & 0xFFFFFFFF:08x}" for h in self._hash)
+
+    def differing(self, other_hex: str) -> list[int]:
+        """Buckets whose hash differs from ``other_hex`` (a ``bucket_hex`` of another node)."""
+        mine = self.bucket_hex()
+        return [b for b in range(BUCKETS) if mine[8 * b:8 * b + 8] != other_hex[8 * b:8 * b + 8]]
+
+    def keys_in(self, bucket: int) -> set[str]:
+        return self._keys[bucket]

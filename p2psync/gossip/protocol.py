@@ -1,0 +1,281 @@
+"""``GossipNode``: the sans-IO push-pull gossip state machine.
+
+It never touches a socket or a clock. The host calls :meth:`GossipNode.tick`
+at (or after) :meth:`GossipNode.next_wakeup` and :meth:`GossipNode.receive` for
+each message that arrives; both return ``(peer address, message)`` pairs to send,
+fire and forget (a lost message only slows convergence). Given the same seed,
+inputs and ``now`` values, the outputs are the same.
+
+Exchange, initiated each round with ``fanout`` random live peers::
+
+    A -> B  Syn(root)                    B: same root -> no reply (the common case)
+    B -> A  Buckets(64 bucket hashes)
+    A -> B  Digest(keys+versions of the differing buckets, at most max_digest_items)
+    B -> A  Delta(entries A lacks or holds older, want=keys where A is newer)
+    A -> B  Delta(wanted entries)
+
+So an idle cluster exchanges ~100-byte Syns, and a change costs each node a few
+bucket digests plus the changed entries. Messages are bounded: at most
+``max_entries`` entries and ``max_digest_items`` digest items each; what does not
+fit goes in a later round. Each round a node also sends a ``Heartbeat`` to its
+ring successors (see :mod:`p2psync.gossip.membership`).
+
+Joining: a node that knows no live peer sends its Syns to the seed addresses.
+Leaving: :meth:`GossipNode.leave` returns the tombstone pushed to a few peers;
+keep the node answering for a round or two if possible, then stop it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+from p2psync.errors import CodecError
+from p2psync.gossip.coordinator_state import CoordinatorState, NotCoordinator
+from p2psync.gossip.index import BucketIndex
+from p2psync.gossip.membership import DetectorConfig, MemberTable
+from p2psync.gossip.messages import (
+    Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Message, Syn, item_version,
+)
+
+logger = logging.getLogger(__name__)
+
+Outgoing = list[tuple[str, Message]]
+
+
+@dataclass(frozen=True)
+class GossipConfig:
+    """How often and how widely a node gossips."""
+
+    interval: float = 1.0
+    """Seconds between rounds."""
+    fanout: int = 2
+    """Peers a round opens an exchange with."""
+    max_entries: int = 128
+    """Entries per Delta at most (a full member entry is ~200 bytes of JSON)."""
+    max_digest_items: int = 512
+    """Keys and versions per Digest at most."""
+    metrics_interval: float = 30.0
+    """Throughput/bandwidth are republished at most this often unless they move by 25 %."""
+    detector: DetectorConfig = field(default_factory=DetectorConfig)
+
+    def __post_init__(self) -> None:
+        if not self.interval > 0:
+            raise ValueError("interval must be > 0")
+        if self.fanout < 1 or self.max_entries < 1 or self.max_digest_items < 1:
+            raise ValueError("fanout, max_entries and max_digest_items must be >= 1")
+
+
+class GossipNode:
+    """One participant: its member table, the coordinator state, and the exchange logic.
+
+    Contract: ``receive`` never raises on a well-typed message from a peer; an
+    entry it must refuse (a coordinator entry from a non-coordinator) is dropped
+    and counted in ``coord.rejected``. Decoding bytes into messages, and so
+    :class:`~p2psync.errors.CodecError`, happens before (``messages.loads``).
+    """
+
+    def __init__(self, me: MemberEntry, *, seeds: tuple[str, ...] = (), coordinator: str | None = None,
+                 config: GossipConfig | None = None, seed: int = 0, now: float = 0.0) -> None:
+        self.config = config or GossipConfig()
+        self.rng = random.Random(seed)
+        self.index = BucketIndex()
+        self.members = MemberTable(me, self.index, self.config.detector)
+        self.coord = CoordinatorState(me.id, coordinator, self.index)
+        self.seeds = tuple(s for s in seeds if s != me.address)
+        self.id = me.id
+        # A random phase spreads the rounds of nodes started together.
+        self._next_round = now + self.rng.random() * self.config.interval
+        self._last_metrics = now
+        self.stopped = False
+
+    # ------------------------------------------------------------ timers
+
+    def next_wakeup(self) -> float:
+        """When :meth:`tick` next has something to do."""
+        return self._next_round
+
+    def tick(self, now: float) -> Outgoing:
+        """Run timers: failure detector, and a gossip round when one is due."""
+        if self.stopped:
+            return []
+        self.members.check(now)
+        if now < self._next_round:
+            return []
+        self._next_round = max(self._next_round + self.config.interval, now)
+        out: Outgoing = []
+        syn = Syn(self.id, self.index.root, self.index.count)
+        for addr in self._pick_peers(self.config.fanout):
+            out.append((addr, syn))
+        me = self.members.me
+        hb = Heartbeat(self.id, me.incarnation, self.members.next_heartbeat())
+        for e in self.members.heartbeat_targets():
+            out.append((e.address, hb))
+        return out
+
+    def _pick_peers(self, k: int) -> list[str]:
+        ring = self.members._ring_ids()
+        entries = self.members.entries
+        if len(ring) <= k + 1:
+            peers = [entries[i].address for _, i in ring if i != self.id]
+            return peers or list(self.seeds)[:k]
+        picked: list[str] = []
+        while len(picked) < k:
+            i = ring[self.rng.randrange(len(ring))][1]
+            a = entries[i].address
+            if i != self.id and a not in picked:
+                picked.append(a)
+        return picked
+
+    # ------------------------------------------------------------ receiving
+
+    def receive(self, now: float, sender: str, msg: Message) -> Outgoing:
+        """Handle one message from address ``sender``; returns replies."""
+        if self.stopped:
+            return []
+        if isinstance(msg, Syn):
+            if msg.root == self.index.root:
+                return []
+            return [(sender, Buckets(self.id, self.index.bucket_hex()))]
+        if isinstance(msg, Buckets):
+            return self._on_buckets(sender, msg)
+        if isinstance(msg, Digest):
+            return self._on_digest(now, sender, msg)
+        if isinstance(msg, Delta):
+            return self._on_delta(now, sender, msg)
+        if isinstance(msg, Heartbeat):
+            e = self.members.on_heartbeat(now, msg.sender, msg.incarnation, msg.heartbeat)
+            return [] if e is None else [(sender, Delta(self.id, members=(e,)))]
+        raise CodecError(f"gossip: not a gossip message: {type(msg).__name__}")
+
+    def _on_buckets(self, sender: str, msg: Buckets) -> Outgoing:
+        diff = self.index.differing(msg.buckets)
+        if not diff:
+            return []
+        self.rng.shuffle(diff)
+        chosen: list[int] = []
+        items: list[tuple[str, tuple[int, ...]]] = []
+        for b in diff:
+            keys = self.index.keys_in(b)
+            if chosen and len(items) + len(keys) > self.config.max_digest_items:
+                break
+            chosen.append(b)
+            items.extend((k, item_version(self._item(k))) for k in sorted(keys))
+        return [(sender, Digest(self.id, tuple(sorted(chosen)), tuple(items)))]
+
+    def _item(self, key: str) -> MemberEntry | CoordEntry:
+        if key.startswith("m:"):
+            return self.members.entries[key[2:]]
+        return self.coord.entries[key[2:]]
+
+    def _has(self, key: str) -> tuple[int, ...] | None:
+        if key.startswith("m:"):
+            e = self.members.entries.get(key[2:])
+            return None if e is None else e.version
+        c = self.coord.entries.get(key[2:])
+        return None if c is None else (c.version,)
+
+    def _on_digest(self, now: float, sender: str, msg: Digest) -> Outgoing:
+        theirs = dict(msg.items)
+        send: list[str] = []
+        want: list[str] = []
+        for k, v in msg.items:
+            mine = self._has(k)
+            if mine is None or v > mine:
+                want.append(k)
+            elif mine > v:
+                send.append(k)
+        for b in msg.buckets:
+            send.extend(k for k in sorted(self.index.keys_in(b)) if k not in theirs)
+        delta = self._delta(send, tuple(want[: self.config.max_entries]))
+        return [] if delta is None else [(sender, delta)]
+
+    def _delta(self, keys: list[str], want: tuple[str, ...] = ()) -> Delta | None:
+        members: list[MemberEntry] = []
+        coord: list[CoordEntry] = []
+        # Member status changes first: they are what the cluster waits on.
+        keys = sorted(keys, key=lambda k: (not k.startswith("m:"), k))[: self.config.max_entries]
+        for k in keys:
+            it = self._item(k)
+            (members if isinstance(it, MemberEntry) else coord).append(it)  # type: ignore[arg-type]
+        if not members and not coord and not want:
+            return None
+        return Delta(self.id, tuple(members), tuple(coord), want)
+
+    def _on_delta(self, now: float, sender: str, msg: Delta) -> Outgoing:
+        for e in msg.members:
+            self.members.merge(e, now)
+            if self.coord.coordinator is None and e.role == "trainer" and e.live:
+                # Trust on first use when no coordinator was configured.
+                self.coord.coordinator = e.id
+        for c in msg.coord:
+            try:
+                self.coord.merge(c)
+            except NotCoordinator as exc:
+                logger.warning("dropping coordinator entry from %s: %s", sender, exc)
+        if not msg.want:
+            return []
+        have = [k for k in msg.want if self._has(k) is not None]
+        delta = self._delta(have)
+        return [] if delta is None else [(sender, delta)]
+
+    # ------------------------------------------------------------ local changes
+
+    def update_self(self, now: float, *, versions: tuple[int, ...] | None = None, throughput: float | None = None,
+                    bandwidth: float | None = None, address: str | None = None) -> bool:
+        """Publish this node's versions held, address, and measured metrics.
+
+        Versions and address publish at once. Metrics publish when they moved by
+        25 % or more, or ``metrics_interval`` has passed; returns True if published.
+        """
+        me = self.members.me
+        changes: dict[str, object] = {}
+        if versions is not None and tuple(versions) != me.versions:
+            changes["versions"] = tuple(versions)[-16:]
+        if address is not None and address != me.address:
+            changes["address"] = address
+        due = now - self._last_metrics >= self.config.metrics_interval
+        for name, value in (("throughput", throughput), ("bandwidth", bandwidth)):
+            if value is None:
+                continue
+            old = getattr(me, name)
+            if value != old and (changes or due or abs(value - old) >= 0.25 * max(old, 1e-9)):
+                changes[name] = float(value)
+        if not changes:
+            return False
+        if "throughput" in changes or "bandwidth" in changes:
+            self._last_metrics = now
+        self.members.update_self(now, **changes)
+        return True
+
+    def publish(self, name: str, value: object) -> CoordEntry:
+        """Write a coordinator entry (``plan``, ``head``, ``leases/<node>``); coordinator only."""
+        return self.coord.write(name, value)
+
+    def leave(self, now: float) -> Outgoing:
+        """Leave gracefully: mark this node left and push the tombstone to ``2 * fanout`` peers."""
+        tomb = self.members.leave(now)
+        msg = Delta(self.id, members=(tomb,))
+        return [(addr, msg) for addr in self._pick_peers(2 * self.config.fanout)]
+
+    def stop(self) -> None:
+        """Stop answering (a crash in the simulator, or after leaving)."""
+        self.stopped = True
+
+    def copy_state_from(self, other: GossipNode) -> None:
+        """Take over another node's member table and coordinator state (simulator set-up)."""
+        self.index = other.index.copy()
+        self.members.copy_from(other.members, self.index)
+        self.coord.index = self.index
+        self.coord.entries = dict(other.coord.entries)
+        self.coord.max_version = other.coord.max_version
+
+    # ------------------------------------------------------------ views for the host
+
+    def live_members(self) -> list[MemberEntry]:
+        return [e for e in self.members.live()]
+
+    def alive_member_ids(self) -> set[str]:
+        return {e.id for e in self.members.entries.values() if e.status == "alive"}
+

@@ -1,0 +1,76 @@
+"""Gossip wire messages: every message round-trips, and malformed input raises CodecError."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from p2psync.errors import CodecError
+from p2psync.gossip.messages import (
+    BUCKETS, Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Syn, decode, dumps, encode, loads,
+)
+
+M = MemberEntry("n1", "10.0.0.1:7070", "rollout", "r01", "preemptible", 2, "suspect", 5, (3, 4), 1234.5, 1.25e8, 7.0)
+C = CoordEntry("plan", 9, "trainer", {"epoch": 3, "root": "trainer", "parents": {"n1": "trainer"}})
+MESSAGES = [
+    Syn("n1", "0123456789abcdef", 10),
+    Buckets("n1", "0" * 8 * BUCKETS),
+    Digest("n1", (0, 5), (("m:n1", (2, 1, 5)), ("c:head", (4,)))),
+    Delta("n1", (M,), (C, CoordEntry("head", 4, "trainer", {"version": 12}),
+                      CoordEntry("leases/n1", 5, "trainer", [["w1", 30.5]])), ("m:n2",)),
+    Heartbeat("n1", 2, 99),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_round_trip(msg):
+    assert loads(dumps(msg)) == msg
+    assert decode(json.loads(json.dumps(encode(msg)))) == msg
+
+
+def _delta_with(member=None, coord=None):
+    d = encode(MESSAGES[3])
+    if member is not None:
+        d["members"][0].update(member)
+    if coord is not None:
+        d["coord"][0].update(coord)
+    return d
+
+
+BAD = {
+    "not an object": [1, 2],
+    "wrong format": {**encode(MESSAGES[0]), "format": 99},
+    "unknown type": {**encode(MESSAGES[0]), "type": "gossip-bomb"},
+    "no sender": {k: v for k, v in encode(MESSAGES[0]).items() if k != "sender"},
+    "root not hex": {**encode(MESSAGES[0]), "root": "z" * 16},
+    "negative count": {**encode(MESSAGES[0]), "count": -1},
+    "short buckets": {**encode(MESSAGES[1]), "buckets": "00"},
+    "bucket out of range": {**encode(MESSAGES[2]), "buckets": [BUCKETS]},
+    "digest item not a list": {**encode(MESSAGES[2]), "items": ["m:n1"]},
+    "digest version negative": {**encode(MESSAGES[2]), "items": [["m:n1", -1]]},
+    "bad role": _delta_with(member={"role": "king"}),
+    "bad class": _delta_with(member={"class": "spot"}),
+    "bad status": _delta_with(member={"status": "zombie"}),
+    "bool incarnation": _delta_with(member={"inc": True}),
+    "nan throughput": _delta_with(member={"tps": float("nan")}),
+    "versions not ints": _delta_with(member={"versions": ["1"]}),
+    "empty id": _delta_with(member={"id": ""}),
+    "unknown coordinator entry": _delta_with(coord={"name": "root-password"}),
+    "plan without parents": _delta_with(coord={"value": {"epoch": 1, "root": "t"}}),
+    "zero version": _delta_with(coord={"version": 0}),
+    "want not strings": {**encode(MESSAGES[3]), "want": [1]},
+    "heartbeat string": {**encode(MESSAGES[4]), "hb": "7"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_malformed_raises_codec_error(name):
+    with pytest.raises(CodecError):
+        decode(BAD[name])
+
+
+@pytest.mark.parametrize("data", [b"", b"{", b"\xff\xfe", b"null", b'"syn"'])
+def test_not_json_raises_codec_error(data):
+    with pytest.raises(CodecError):
+        loads(data)
