@@ -10,6 +10,7 @@ changes: encoding allocates nothing proportional to the model.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ _SEG_PREFIX = 4  # u32 length before each segment
 # Room kept in a chunk for a segment's header and context table (f64 has 2048 contexts).
 _SEGMENT_OVERHEAD = 64 + 7 * 2048
 MASK64 = 0xFFFFFFFFFFFFFFFF
+MAX_SEGMENT_CHANGES = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -57,8 +59,10 @@ class CodecOptions:
             raise ConfigError("zstd_level", "must be between 0 and 22")
 
     def max_changes(self, width: int) -> int:
-        # Worst case per change: the word itself plus up to ~5 bytes of Rice code.
-        return max(1, min(self.segment_elements, (self.chunk_size - _CHUNK_HEAD - _SEGMENT_OVERHEAD) // (width + 6)))
+        # Worst case per change: the word itself plus up to ~5 bytes of Rice code, so a segment
+        # always fits a chunk. The 2**17 cap keeps the per-thread scan buffers at ~2 MB.
+        budget = (self.chunk_size - _CHUNK_HEAD - _SEGMENT_OVERHEAD) // (width + 6)
+        return max(1, min(self.segment_elements, MAX_SEGMENT_CHANGES, budget))
 
     def raw_elements(self, width: int) -> int:
         return max(1, min(self.segment_elements, (self.chunk_size - _CHUNK_HEAD - 64) // width))
@@ -123,13 +127,23 @@ def _finish_segment(tensor, start, stop, old, new_words, pos, ctx, rank, seed, l
     out.hash_delta = ((a - int(oa) + int(na)) & MASK64, (b - int(ob) + int(nb)) & MASK64)
 
 
+_local = threading.local()
+
+
+def _buffers(size: int, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per-thread scan buffers, reused across jobs: encoding memory does not grow with the model."""
+    bufs = getattr(_local, "bufs", None)
+    if bufs is None or bufs[0].shape[0] < size:
+        bufs = (np.empty(size, dtype=np.int64), np.empty(size, dtype=np.uint16), np.empty(size, dtype=np.int32),
+                np.empty(2048, dtype=np.int64))
+        _local.bufs = bufs
+    return bufs[0][:cap], bufs[1][:cap], bufs[2][:cap], bufs[3]
+
+
 def _scan_job(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.ndarray, s: int, e: int, opts: CodecOptions):
     d = dtypes.from_code(spec.dtype)
     cap = min(opts.max_changes(d.width), e - s)
-    pos_b = np.empty(cap, dtype=np.int64)
-    ctx_b = np.empty(cap, dtype=np.uint16)
-    rank_b = np.empty(cap, dtype=np.int64)
-    counts = np.empty(d.exp_mask + 1, dtype=np.int64)
+    pos_b, ctx_b, rank_b, counts = _buffers(opts.max_changes(d.width), cap)
     seed = tensor_seed(spec.name)
     out = _JobResult(tensor, [], SegmentStats(), (0, 0))
     at = s
@@ -137,7 +151,8 @@ def _scan_job(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.ndarray, s
         stop, n = kernels.scan_changes(old, new, at, e, d.exp_shift, d.exp_mask, cap, pos_b, ctx_b, rank_b, counts)
         if n:
             pos = pos_b[:n].copy()
-            _finish_segment(tensor, at, stop, old, new[pos], pos, ctx_b[:n], rank_b[:n], seed, opts.zstd_level, out)
+            _finish_segment(tensor, at, stop, old, new[pos], pos, ctx_b[:n].copy(), rank_b[:n].copy(), seed,
+                            opts.zstd_level, out)
         at = stop
     return out
 
@@ -147,7 +162,7 @@ def _sparse_job(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.ndarray,
     """Same segments as :func:`_scan_job`, from positions found elsewhere (e.g. on a GPU)."""
     d = dtypes.from_code(spec.dtype)
     cap = opts.max_changes(d.width)
-    counts = np.empty(d.exp_mask + 1, dtype=np.int64)
+    counts = np.empty(2048, dtype=np.int64)
     seed = tensor_seed(spec.name)
     out = _JobResult(tensor, [], SegmentStats(), (0, 0))
     lo, hi = np.searchsorted(pos, [s, e])
@@ -157,7 +172,7 @@ def _sparse_job(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.ndarray,
         stop = int(pos[b]) if b < hi else e
         p = pos[a:b]
         ctx = np.empty(b - a, dtype=np.uint16)
-        rank = np.empty(b - a, dtype=np.int64)
+        rank = np.empty(b - a, dtype=np.int32)
         kernels.rank_given(old, p, at, d.exp_shift, d.exp_mask, ctx, rank, counts)
         _finish_segment(tensor, at, stop, old, vals[a:b], p, ctx, rank, seed, opts.zstd_level, out)
         at = stop

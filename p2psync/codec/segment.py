@@ -186,8 +186,8 @@ def encode_residuals(ctx: np.ndarray, zres: np.ndarray, model_of_ctx: dict[int, 
     big = zres >= rans.ESCAPE
     symbols = np.where(big, rans.ESCAPE, zres).astype(np.uint8)
     n_models = int(lut.max()) + 1
-    freqs = np.stack([rans.quantize(np.bincount(symbols[model_of == m], minlength=rans.ALPHABET))
-                      for m in range(n_models)])
+    hist = np.bincount(model_of * rans.ALPHABET + symbols, minlength=n_models * rans.ALPHABET)
+    freqs = np.stack([rans.quantize(h) for h in hist.reshape(n_models, rans.ALPHABET)])
     stream = rans.encode(symbols, model_of, freqs)
     esc_codec, esc = pack_payload(planes(zres[big]), level)
     return b"".join((rans.encode_models(freqs), struct.pack("<I", len(stream)), stream,
