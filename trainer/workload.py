@@ -80,5 +80,12 @@ class Workload:
 
     def published(self) -> dict[str, torch.Tensor]:
         """The rollout-dtype cast of every weight (tied weights appear once), as the engine holds it."""
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
         with torch.no_grad():
-            return {k: v.detach().to(self.dtype).contiguous() for k, v in self.model.state_dict().items()}
+            for k, v in self.model.state_dict().items():
+                if v.data_ptr() in seen:  # tied (e.g. lm_head = embed_tokens): the engine holds it once
+                    continue
+                seen.add(v.data_ptr())
+                out[k] = v.detach().to(self.dtype).contiguous()
+        return out
