@@ -94,6 +94,8 @@ class Node:
         self._publish_lock = asyncio.Lock()
         self._checkpointed: int | None = None
         self._progress: dict[str, int] = {}
+        self.services: list[Any] = []
+        """Optional parts (control plane, probes, live page): see :mod:`p2psync.services`."""
 
     # --- lifecycle ---------------------------------------------------------------------------
     @classmethod
@@ -116,7 +118,12 @@ class Node:
         if publish_dir is not None and cfg.role != "trainer":
             raise P2PSyncError("only the trainer node publishes (--publish-dir needs --role trainer)")
         self.address = advertised(sock, cfg.listen.host, cfg.listen.advertise)
+        from p2psync.services import build_services
+
+        self.services = build_services(self)
         self._runner = await serve(self, sock)
+        for svc in self.services:
+            await svc.start()
         self._spawn(self._load(), "load")
         if cfg.role != "trainer":
             lim = cfg.limits
@@ -153,6 +160,11 @@ class Node:
         self._stop.set()
         self.heads.close()
         self._applied_signal.close()
+        for svc in reversed(self.services):
+            try:
+                await svc.stop()
+            except Exception as exc:  # noqa: BLE001 - one service failing to stop must not block the rest
+                self.log.warning("service %s failed to stop: %r", type(svc).__name__, exc)
         for t in self._tasks:
             await cancel_quietly(t)
         if self.state is not None and self.version is not None and self._checkpointed != self.version:
@@ -182,6 +194,9 @@ class Node:
 
     def note_child(self, node_id: str, address: str) -> None:
         self._children[node_id] = (address, time.time())
+
+    def extra_routes(self) -> list:
+        return [r for svc in self.services for r in svc.routes()]
 
     def status(self) -> dict:
         now = time.time()

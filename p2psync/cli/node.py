@@ -12,7 +12,7 @@ import re
 import sys
 
 _OVERRIDE = re.compile(r"^--([a-z_][a-z0-9_-]*)((\.[a-z_][a-z0-9_-]*)*)(=.*)?$")
-_DECLARED = {"role", "config", "id", "publish_dir", "help"}
+_DECLARED = {"role", "config", "id", "publish_dir", "help", "job", "job_config"}
 
 
 def _is_override(arg: str) -> bool:
@@ -60,6 +60,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="TOML config file")
     p.add_argument("--id", help="node id (overrides the config)")
     p.add_argument("--publish-dir", help="trainer: publish every artifact file appearing here, in version order")
+    p.add_argument("--job", metavar="MODULE:FUNC",
+                   help="run `await FUNC(node, job_config)` in this process beside the node (e.g. "
+                        "trainer.grpo:run on the trainer, rollout.worker:run on a rollout node); "
+                        "the process exits with the job's return code when it ends")
+    p.add_argument("--job-config", metavar="FILE", help="JSON or TOML file handed to the job as a dict")
     p.set_defaults(run=run, overrides=[])
 
 
@@ -69,10 +74,40 @@ def run(args: argparse.Namespace) -> int:
     from p2psync import config
 
     cfg = config.load(args.config, args.overrides, role=args.role, id=args.id)
-    return asyncio.run(_main(cfg, args.publish_dir))
+    job = _load_job(args.job, args.job_config) if args.job else None
+    return asyncio.run(_main(cfg, args.publish_dir, job))
 
 
-async def _main(cfg, publish_dir: str | None) -> int:
+def _load_job(spec: str, config_path: str | None):
+    """Resolve ``MODULE:FUNC`` and read its config before anything starts (a typo fails fast)."""
+    import importlib
+    import json
+    from pathlib import Path
+
+    from p2psync.errors import ConfigError
+
+    module, _, func = spec.partition(":")
+    if not module or not func:
+        raise ConfigError("job", f"--job wants MODULE:FUNC, got {spec!r}")
+    try:
+        fn = getattr(importlib.import_module(module), func)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("job", f"cannot load job {spec!r}: {exc}") from exc
+    options: dict = {}
+    if config_path:
+        text = Path(config_path).read_text()
+        if config_path.endswith(".toml"):
+            import tomllib
+
+            options = tomllib.loads(text)
+        else:
+            options = json.loads(text)
+        if not isinstance(options, dict):
+            raise ConfigError("job_config", f"{config_path} must hold a table/object")
+    return fn, options
+
+
+async def _main(cfg, publish_dir: str | None, job=None) -> int:
     import asyncio
     import signal
 
@@ -92,8 +127,29 @@ async def _main(cfg, publish_dir: str | None) -> int:
         loop.add_signal_handler(sig, stop.set)
     stopped = asyncio.create_task(node.wait_stopped(), name="node-stopped")
     signalled = asyncio.create_task(stop.wait(), name="signal")
-    await asyncio.wait({stopped, signalled}, return_when=asyncio.FIRST_COMPLETED)
+    waiting = {stopped, signalled}
+    job_task = None
+    if job is not None:
+        fn, options = job
+        job_task = asyncio.create_task(fn(node, options), name="job")
+        waiting.add(job_task)
+    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     stopped.cancel()
     signalled.cancel()
+    code = 1 if node.failure is not None else 0
+    if job_task is not None:
+        # A signal cancels the job first (a rollout job hands its leases back on cancellation).
+        if not job_task.done():
+            job_task.cancel()
+        try:
+            rc = await job_task
+            code = code or (int(rc) if isinstance(rc, int) else 0)
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # noqa: BLE001 - report and exit non-zero
+            import logging
+
+            logging.getLogger("p2psync.job").exception("job failed")
+            code = 1
     await node.close()
-    return 1 if node.failure is not None else 0
+    return code

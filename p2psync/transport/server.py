@@ -84,6 +84,10 @@ class NodeView(Protocol):
 
     def note_child(self, node_id: str, address: str) -> None: ...
 
+    def extra_routes(self) -> list[web.RouteDef]:
+        """Routes of the node's services (:mod:`p2psync.services`), behind the same guard."""
+        ...
+
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message, "status": status}, status=status)
@@ -108,6 +112,7 @@ class Server:
         r.add_get(f"{API}/snapshots", self.rpc_snapshots)
         r.add_get(f"{API}/status", self.rpc_status)
         r.add_get("/metrics", self.rpc_metrics)
+        r.add_routes(self.view.extra_routes())
         return app
 
     @web.middleware
