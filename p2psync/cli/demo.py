@@ -1,8 +1,15 @@
-"""``p2psync demo``: train a small model for a few steps and ship every step as a signed delta file.
+"""``p2psync demo``: a GRPO run on one machine with a trainer, relays and rollout nodes as local processes.
 
-The receiver side starts from a snapshot artifact and applies each delta file
-after verifying its signature and chunk hashes; every step it must hold the
-trainer's exact bits, or the command exits non-zero.
+The trainer process runs the reference GRPO trainer and publishes every step
+as a signed delta; relays (one per region by default) forward it; rollout
+nodes apply it to their engines and generate the next rollouts, which stream
+back to the trainer under leases. A live dashboard shows the run; at the end a
+report (PNG figures and an HTML page) is written under ``--out``. Exits
+non-zero if any node or rollout engine ever held a fingerprint different from
+the trainer's for the same version, if a node did not reach the last version,
+or if a process failed.
+
+``p2psync demo --codec`` runs the earlier single-process codec demonstration.
 """
 
 from __future__ import annotations
@@ -11,98 +18,40 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="codec demonstration: train, encode, ship as files, apply, verify")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps (default 8)")
-    p.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate (default 1e-6, an RL rate)")
-    p.add_argument("--preset", default="small", help="model size: tiny, small, bench (default small)")
-    p.add_argument("--model-path", help="local Hugging Face model folder instead of a random-init preset")
-    p.add_argument("--out", default="p2psync-demo", help="working directory (keys, artifact files)")
-    p.add_argument("--chunk-size", default="1MiB", help="artifact chunk size (default 1MiB)")
-    p.add_argument("--threads", type=int, default=2)
+    p = sub.add_parser("demo", help="end-to-end GRPO run: trainer, relays and rollout nodes as local processes",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps (default 12)")
+    p.add_argument("--regions", type=int, default=2, help="emulated regions (default 2)")
+    p.add_argument("--rollouts-per-region", type=int, default=2, help="rollout nodes per region (default 2)")
+    p.add_argument("--relays-per-region", type=int, default=1, help="relays per region (default 1)")
+    p.add_argument("--model-path", help="local Hugging Face model folder instead of the built-in tiny config")
+    p.add_argument("--task", default=None, help="reward task (see trainer.tasks; default: the trainer's)")
+    p.add_argument("--group-size", type=int, default=None, help="responses per prompt")
+    p.add_argument("--groups-per-step", type=int, default=None, help="prompt groups per optimizer step")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the trainer's)")
+    p.add_argument("--max-staleness", type=int, default=1, help="versions a rollout may lag (default 1)")
+    p.add_argument("--no-sync", action="store_true",
+                   help="do not publish after step 0 (rollouts keep the initial weights: the no-sync baseline)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="p2psync-demo", help="working directory (default ./p2psync-demo)")
+    p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
+    p.add_argument("--plain", action="store_true", help="one line per step instead of the live dashboard")
+    p.add_argument("--codec", action="store_true",
+                   help="run the single-process codec demonstration instead (options below)")
+    g = p.add_argument_group("codec demonstration (--codec)")
+    g.add_argument("--preset", default="small", help="model size: tiny, small, bench (default small)")
+    g.add_argument("--chunk-size", default="1MiB", help="artifact chunk size (default 1MiB)")
+    g.add_argument("--threads", type=int, default=2)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import shutil
-    import time
-    from pathlib import Path
+    if args.codec:
+        from p2psync.demo.codec import run_codec
 
-    import torch
-    from rich.console import Console
-    from rich.table import Table
+        if args.lr is None:
+            args.lr = 1e-6
+        return run_codec(args)
+    from p2psync.demo.run import run_demo
 
-    from p2psync import artifact, keys
-    from p2psync.cli.delta import parse_size
-    from p2psync.codec.encode import CodecOptions, encode_delta, encode_snapshot
-    from p2psync.state import ModelState
-    from trainer.workload import Workload, build_model
-
-    con = Console()
-    out = Path(args.out)
-    if out.exists():
-        shutil.rmtree(out)
-    ship = out / "ship"
-    ship.mkdir(parents=True)
-    priv = keys.generate()
-    keys.write_pair(priv, out / "keys")
-    pub = keys.load_public(out / "keys" / "trainer.pub")
-    opts = CodecOptions(chunk_size=parse_size(args.chunk_size), threads=args.threads)
-
-    torch.set_num_threads(args.threads)
-    model = build_model(args.preset, args.model_path)
-    work = Workload(model, lr=args.lr)
-    trainer_state = ModelState(work.published())
-    full = trainer_state.nbytes
-    con.print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters, "
-              f"{len(trainer_state)} tensors, {full / 1e6:.1f} MB in bf16; lr {args.lr:g}")
-
-    # Version 0 travels as a snapshot; the receiver is built only from what it reads off disk.
-    snap = encode_snapshot(trainer_state, opts)
-    m = artifact.build_manifest(snap, model_id="demo", target_version=0, chunk_size=opts.chunk_size,
-                                private_key=priv)
-    artifact.write_file(ship / "v0000.p2s", m, snap.chunks)
-    with artifact.ArtifactFile(ship / "v0000.p2s", pub) as art:
-        receiver = ModelState.empty_like(list(art.manifest.tensors))
-        artifact.apply_file(receiver, art, args.threads)
-    con.print(f"v0 snapshot: {m.payload_bytes / 1e6:.2f} MB ({full / m.payload_bytes:.2f}x), receiver fingerprint "
-              f"{receiver.fingerprint[:16]} == trainer {trainer_state.fingerprint[:16]}")
-
-    tab = Table("step", "loss", "changed %", "delta bytes", "ratio vs bf16", "encode ms", "apply ms", "bit-exact",
-                title="each optimizer step shipped as a signed delta file")
-    ok = receiver.fingerprint == trainer_state.fingerprint
-    total_payload = 0
-    for _ in range(args.steps):
-        info = work.step()
-        new_state = ModelState(work.published())
-        t0 = time.perf_counter()
-        enc = encode_delta(trainer_state, new_state, opts)
-        m = artifact.build_manifest(enc, model_id="demo", base_version=info.step - 1, target_version=info.step,
-                                    chunk_size=opts.chunk_size, private_key=priv)
-        t1 = time.perf_counter()
-        path = ship / f"v{info.step:04d}.p2s"
-        artifact.write_file(path, m, enc.chunks)
-        t2 = time.perf_counter()
-        with artifact.ArtifactFile(path, pub) as art:
-            artifact.apply_file(receiver, art, args.threads)
-        t3 = time.perf_counter()
-        trainer_state = new_state
-        exact = receiver.fingerprint == trainer_state.fingerprint and all(
-            torch.equal(torch.from_numpy(receiver.words(n)),
-                        torch.from_numpy(trainer_state.words(n))) for n in trainer_state)
-        ok &= exact
-        total_payload += m.payload_bytes
-        changed = sum(enc.changed)
-        numel = sum(s.numel for s in enc.specs)
-        tab.add_row(str(info.step), f"{info.loss:.3f}", f"{100 * changed / numel:.3f}", f"{m.payload_bytes:,}",
-                    f"{full / m.payload_bytes:.0f}x", f"{1000 * (t1 - t0):.0f}", f"{1000 * (t3 - t2):.0f}",
-                    "yes" if exact else "[red]NO[/]")
-    con.print(tab)
-    audit = receiver.audit() == trainer_state.audit()
-    ok &= audit
-    con.print(f"{args.steps} steps: {total_payload:,} delta bytes vs {args.steps * full:,} for full-weight "
-              f"broadcast ({args.steps * full / max(1, total_payload):.0f}x less); full audit "
-              f"{'matches' if audit else '[red]DIFFERS[/]'}; artifacts in {ship}/")
-    if not ok:
-        con.print("[red]FAILED: the receiver does not hold the trainer's bits[/]")
-        return 1
-    return 0
+    return run_demo(args)

@@ -1,0 +1,194 @@
+"""The orchestration behind ``p2psync demo`` (see :mod:`p2psync.cli.demo` for what it shows)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from p2psync.demo.cluster import ClusterSpec, LocalCluster
+from p2psync.demo.monitor import Monitor
+
+
+def _trainer_options(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    opts: dict[str, Any] = {"steps": args.steps, "seed": args.seed, "max_staleness": args.max_staleness,
+                            "metrics_path": str(out / "metrics.jsonl"), "sync": not args.no_sync,
+                            "done_path": str(out / "trainer.done.json")}
+    for key in ("task", "group_size", "groups_per_step", "lr", "model_path"):
+        val = getattr(args, key)
+        if val is not None:
+            opts[key] = val
+    return opts
+
+
+def _rollout_options(args: argparse.Namespace, out: Path, name: str, idx: int) -> dict[str, Any]:
+    opts: dict[str, Any] = {"engine": "hf", "seed": args.seed * 1000 + idx, "threads": 1,
+                            "events_path": str(out / "events" / f"{name}.jsonl")}
+    if args.model_path:
+        opts["model_path"] = args.model_path
+    return opts
+
+
+def start_cluster(args: argparse.Namespace, out: Path) -> tuple[LocalCluster, dict[str, Path]]:
+    spec = ClusterSpec(regions=args.regions, rollouts_per_region=args.rollouts_per_region,
+                       relays_per_region=args.relays_per_region)
+    cluster = LocalCluster(out / "cluster", spec)
+    (out / "events").mkdir(parents=True, exist_ok=True)
+    env = {"OMP_NUM_THREADS": "1"}
+    trainer = cluster.start("trainer", "trainer", spec.region_name(0), job="p2psync.demo.jobs:trainer",
+                            job_config=_trainer_options(args, out))
+    seeds = [trainer.url]
+    events: dict[str, Path] = {}
+    idx = 0
+    for r in range(spec.regions):
+        region = spec.region_name(r)
+        relays = [cluster.start(f"{region}-relay{k + 1}", "relay", region, parents=[trainer.url], seeds=seeds,
+                                env=env).url for k in range(spec.relays_per_region)]
+        for k in range(spec.rollouts_per_region):
+            name = f"{region}-rollout{k + 1}"
+            idx += 1
+            parents = [relays[k % len(relays)]] if relays else []
+            opts = _rollout_options(args, out, name, idx)
+            events[name] = Path(opts["events_path"])
+            cluster.start(name, "rollout", region, parents=[*parents, trainer.url], seeds=seeds,
+                          job="p2psync.demo.jobs:rollout", job_config=opts, env=env)
+    return cluster, events
+
+
+def _region_times(mon: Monitor, versions: list[int]) -> dict[int, dict[str, float]]:
+    out = {}
+    for v in versions:
+        t = mon.region_times(v)
+        if t:
+            out[v] = t
+    return out
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.live import Live
+
+    from p2psync.demo import dashboard, report
+
+    con = Console()
+    out = Path(args.out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    plain = args.plain or not con.is_terminal
+    t_start = time.time()
+    con.print(f"starting a trainer, {args.regions * args.relays_per_region} relays and "
+              f"{args.regions * args.rollouts_per_region} rollout nodes in {args.regions} regions (logs in "
+              f"{out / 'cluster' / 'logs'})")
+    cluster, events = start_cluster(args, out)
+    mon = Monitor(cluster, out / "metrics.jsonl", events)
+    mon.start()
+    done_path = out / "trainer.done.json"
+    outcome: dict[str, Any] | None = None
+    failed: list[str] = []
+    final_reached = False
+    last_step = None
+    live = None
+    try:
+        if not plain:
+            live = Live(console=con, refresh_per_second=4, transient=False)
+            live.start()
+        deadline = t_start + args.timeout
+        while time.time() < deadline:
+            snap = mon.snapshot()
+            versions = sorted(snap["expected"])
+            rt = _region_times(mon, versions)
+            if live is not None:
+                live.update(dashboard.render(snap, args.steps, rt, "nodes"))
+            elif snap["steps"] and snap["steps"][-1].get("step") != last_step:
+                last_step = snap["steps"][-1].get("step")
+                con.print(dashboard.plain_line(snap, args.steps), highlight=False)
+            failed = [p.name for p in cluster.procs if not p.alive]
+            if failed:
+                break
+            if outcome is None and done_path.exists():
+                outcome = json.loads(done_path.read_text())
+                if outcome.get("rc"):
+                    break
+            if outcome is not None and versions:
+                head = versions[-1]
+                followers = [v for v in snap["nodes"].values() if v.role != "trainer"]
+                if followers and all(v.version == head for v in followers):
+                    final_reached = True
+                    break
+            time.sleep(0.25)
+    finally:
+        if live is not None:
+            live.stop()
+        codes = cluster.stop()
+        mon.stop()
+    snap = mon.snapshot()
+    versions = sorted(snap["expected"])
+    rt = _region_times(mon, versions)
+    steps = snap["steps"]
+    rewards = [s.get("reward_mean") for s in steps if s.get("reward_mean") is not None]
+    k = max(1, min(3, len(rewards) // 3))
+    problems = []
+    if snap["mismatches"]:
+        problems.append(f"{len(snap['mismatches'])} fingerprint mismatches")
+    if failed:
+        problems.append(f"processes died: {', '.join(failed)}")
+    if outcome is None:
+        problems.append("the training job did not finish in time" if time.time() >= t_start + args.timeout
+                        else "the training job did not finish")
+    elif outcome.get("rc"):
+        problems.append(f"the training job failed: {outcome.get('error', outcome)}")
+    if outcome is not None and not outcome.get("rc") and not final_reached:
+        problems.append("not every node reached the last version")
+    bad_exit = {n: c for n, c in codes.items() if c not in (0, None, -15)}
+    if bad_exit:
+        problems.append(f"non-zero exit codes: {bad_exit}")
+    switch_s = [s.get("switch_s") for s in snap["switches"] if s.get("switch_s") is not None]
+    batch_s = [b.get("batch_s") for b in snap["batches"] if b.get("batch_s") is not None]
+    summary: dict[str, Any] = {
+        "ok": not problems,
+        "verdict": "every node and engine held the trainer's bits at every version"
+        if not problems else "FAILED: " + "; ".join(problems),
+        "steps": len(steps), "versions": len(versions),
+        "fingerprints_checked": snap["checked"], "mismatches": [vars(m) for m in snap["mismatches"]],
+        "reward_first": sum(rewards[:k]) / k if rewards else None,
+        "reward_last": sum(rewards[-k:]) / k if rewards else None,
+        "payload_bytes_total": sum(s.get("payload_bytes", 0) for s in steps),
+        "full_bytes_total": sum(s.get("full_bytes", 0) for s in steps),
+        "median_step_s": _median([s.get("step_s") for s in steps if s.get("step_s") is not None]),
+        "median_switch_s": _median(switch_s), "median_batch_s": _median(batch_s),
+        "median_region_s": {r: _median([t[r] for t in rt.values() if r in t])
+                            for r in sorted({r for t in rt.values() for r in t})},
+        "wall_s": round(time.time() - t_start, 1), "exit_codes": codes,
+    }
+    index = report.write(out / "report", snap, rt, summary)
+    if not plain:
+        con.print(dashboard.render(snap, args.steps, rt, "final state"))
+    con.print(f"reward: first {k} steps {_fmt(summary['reward_first'])} -> last {k} steps "
+              f"{_fmt(summary['reward_last'])}; payload {summary['payload_bytes_total']:,} bytes vs "
+              f"{summary['full_bytes_total']:,} for full weights; {snap['checked']} fingerprints checked")
+    con.print(f"report: {index}")
+    if problems:
+        con.print(f"[red]FAILED: {'; '.join(problems)}[/]")
+        for m in snap["mismatches"][:10]:
+            con.print(f"  {m.node} v{m.version} ({m.source}): {m.seen[:16]} != trainer {m.expected[:16]}")
+        print(f"see the logs in {out / 'cluster' / 'logs'}", file=sys.stderr)
+        return 1
+    con.print("[green]OK: every rollout node and engine held exactly the trainer's bits at every version[/]")
+    return 0
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
