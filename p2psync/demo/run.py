@@ -75,6 +75,12 @@ def run_demo(args: argparse.Namespace) -> int:
     from p2psync.demo import dashboard, report
 
     con = Console()
+    import importlib.util
+
+    missing = [m for m in ("trainer.grpo", "rollout.worker") if importlib.util.find_spec(m) is None]
+    if missing:
+        con.print(f"[red]cannot run the end-to-end demo: {', '.join(missing)} not installed[/]")
+        return 2
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)

@@ -1,0 +1,64 @@
+"""End-to-end figures of ``p2psync demo`` on loopback: step time with and without weight sync, switch time.
+
+Runs the demo twice in one go (weight sync on, then ``--no-sync``: step 0's
+weights stay on the rollout nodes) with the same seed and options, and reads
+each run's ``report/summary.json``. Prints and writes (``--json``):
+
+- median trainer step time with sync / without, and the ratio (target <= 1.05);
+- median weight switch on a rollout node (artifact complete -> serving the new
+  version) against the median rollout batch time (target <= 5 %);
+- fingerprint checks and reward first/last from the synced run.
+
+    .venv/bin/python tools/bench_e2e.py --steps 12 --json docs/benchmarks/e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def run_once(out: Path, extra: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "p2psync.cli", "demo", "--plain", "--out", str(out), *extra]
+    print("$", " ".join(cmd), flush=True)
+    rc = subprocess.call(cmd)
+    summary = json.loads((out / "report" / "summary.json").read_text())
+    summary["rc"] = rc
+    return summary
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--out", default="/tmp/p2psync-bench-e2e")
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("demo_args", nargs="*", help="extra `p2psync demo` options (after --)")
+    a = ap.parse_args()
+    base = ["--steps", str(a.steps), *a.demo_args]
+    synced = run_once(Path(a.out) / "sync", base)
+    unsynced = run_once(Path(a.out) / "nosync", [*base, "--no-sync"])
+    res = {
+        "steps": a.steps,
+        "step_s_sync": synced["median_step_s"], "step_s_nosync": unsynced["median_step_s"],
+        "step_ratio": (synced["median_step_s"] / unsynced["median_step_s"])
+        if synced["median_step_s"] and unsynced["median_step_s"] else None,
+        "switch_s": synced["median_switch_s"], "batch_s": synced["median_batch_s"],
+        "switch_fraction": (synced["median_switch_s"] / synced["median_batch_s"])
+        if synced["median_switch_s"] is not None and synced["median_batch_s"] else None,
+        "fingerprints_checked": synced["fingerprints_checked"], "mismatches": len(synced["mismatches"]),
+        "reward_first": synced["reward_first"], "reward_last": synced["reward_last"],
+        "median_region_s": synced["median_region_s"],
+        "payload_bytes_total": synced["payload_bytes_total"], "full_bytes_total": synced["full_bytes_total"],
+        "ok": synced["ok"] and unsynced["rc"] in (0, 1),
+    }
+    print(json.dumps(res, indent=1))
+    if a.json:
+        Path(a.json).write_text(json.dumps(res, indent=1) + "\n")
+    return 0 if synced["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
