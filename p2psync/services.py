@@ -23,4 +23,11 @@ def build_services(node: Node) -> list[Any]:
     """The services ``node`` runs, in start order."""
     services: list[Any] = []
     # Each part registers itself here (one line each; imports stay local so the CLI stays fast).
+    from p2psync.probe import ProbeService
+
+    services.append(ProbeService(node))  # probe endpoints, every node
+    if node.config.role == "trainer":
+        from p2psync.ui.service import UiService
+
+        services.append(UiService(node))  # the live page /ui
     return services

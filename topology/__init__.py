@@ -8,7 +8,10 @@
   against the star, random and fixed-tier trees and the lower bounds.
 - :mod:`topology.viz`, :mod:`topology.report`: the picture and the text views.
 
-Everything here is pure (no sockets, no clocks); probing live nodes produces a
+- :mod:`topology.probeplan`: which node pairs a probe run measures, in rounds that do not disturb each other.
+- :mod:`topology.prober`: the one module with I/O: has live nodes measure each other (``p2psync plan --probe``).
+
+Everything else here is pure (no sockets, no clocks); a probe run produces a
 list of :class:`~topology.model.Measurement` and
 :func:`~topology.model.model_from_measurements` turns it into a model.
 """

@@ -1,15 +1,24 @@
-"""``p2psync plan``: plan the dissemination tree from a saved network model.
+"""``p2psync plan``: plan the dissemination tree from a saved network model or from live probes.
 
-``--from MODEL.json`` reads a model (the schema of :mod:`topology.model`;
-a probe run writes the same schema through
-``topology.model.model_from_measurements``), prints the bandwidth matrix and
-the plan, scores the plan in the flow simulator beside the star, fixed-tier
-and random baselines and the lower bounds, and writes the plan JSON.
+``--from MODEL.json`` reads a model (the schema of :mod:`topology.model`).
+``--probe URL ...`` / ``--cluster FILE`` contacts live nodes (cluster token
+from ``--token-file`` or ``--token``), learns each one's id, region and role
+from ``GET /v1/status``, has them measure each other (samples inside a region,
+representatives across regions, in rounds of pairs that share no node and no
+region pipe: :mod:`topology.prober`), and writes the measured model
+(``--save-measurements``, default ``measurements.json``; ``plan --from`` reads
+it back) beside the plan.
+
+Either way it prints the bandwidth matrix and the plan (tree, per-edge
+bandwidth, estimated completion), scores the plan in the flow simulator
+beside the star, fixed-tier and random baselines and the lower bounds, and
+writes the plan JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 # The simulator's cost grows with nodes x chunks; above this the scores are skipped.
 SIMULATE_UP_TO = 300
@@ -17,28 +26,109 @@ SIMULATE_UP_TO = 300
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "plan", help="plan the relay tree from a network model",
-        description="Plan the bandwidth-weighted relay tree rooted at the trainer, print it, score it and write plan JSON.",
+        "plan", help="plan the relay tree from a network model or from live probes",
+        description="Plan the bandwidth-weighted relay tree rooted at the trainer, print it, score it and write plan "
+                    "JSON. The network comes from a saved model (--from) or is measured on live nodes "
+                    "(--probe / --cluster).",
     )
-    p.add_argument("--from", dest="source", required=True, metavar="MODEL.json",
-                   help="network model (nodes, region figures, measured links) to plan from")
-    p.add_argument("-o", "--output", metavar="PLAN.json", help="write the plan here")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--from", dest="source", metavar="MODEL.json",
+                     help="network model (nodes, region figures, measured links) to plan from")
+    src.add_argument("--probe", nargs="+", metavar="URL", help="addresses of live nodes to measure (all of them)")
+    src.add_argument("--cluster", metavar="FILE",
+                     help="file listing the nodes' addresses (one URL per line, or a JSON list) to measure")
+    p.add_argument("-o", "--output", metavar="PLAN.json",
+                   help="write the plan here (with --probe/--cluster default: plan.json)")
     p.add_argument("--payload-bytes", type=int, default=256 * 2**20, help="artifact size to plan for (default 256 MiB)")
     p.add_argument("--chunk-bytes", type=int, default=4 * 2**20, help="chunk size (default 4 MiB)")
     p.add_argument("--max-degree", type=int, default=8, help="most children per node (default 8)")
-    p.add_argument("--seed", type=int, default=0, help="tie-break seed (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="tie-break and sampling seed (default 0)")
     p.add_argument("--no-sim", action="store_true", help="skip the simulated scores")
+    g = p.add_argument_group("probing (with --probe or --cluster)")
+    g.add_argument("--token-file", metavar="FILE", help="file holding the cluster token (preferred over --token)")
+    g.add_argument("--token", help="cluster token (visible in the process list; prefer --token-file)")
+    g.add_argument("--save-measurements", metavar="FILE", default="measurements.json",
+                   help="write the measured model here, reusable by --from (default measurements.json)")
+    g.add_argument("--probe-bytes", type=int, default=8 * 2**20,
+                   help="bytes each measurement downloads (default 8 MiB)")
+    g.add_argument("--rtt-samples", type=int, default=5, help="RTT samples per pair (default 5)")
+    g.add_argument("--intra-peers", type=int, default=3, help="peers each node measures inside its region (default 3)")
+    g.add_argument("--representatives", type=int, default=2,
+                   help="nodes per region that measure across regions (default 2)")
+    g.add_argument("--parallel", type=int, default=64, help="measurements in flight at once (default 64)")
     p.set_defaults(run=run)
 
 
+def _token(args: argparse.Namespace) -> str:
+    from pathlib import Path
+
+    from p2psync.errors import ConfigError
+
+    if args.token_file:
+        try:
+            token = Path(args.token_file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError("token_file", f"cannot read {args.token_file}: {exc.strerror}") from None
+    elif args.token:
+        token = args.token
+    else:
+        raise ConfigError("token", "probing needs the cluster token: --token-file FILE (or --token)")
+    if not token:
+        raise ConfigError("token", "is empty")
+    return token
+
+
+def _probe(args: argparse.Namespace):
+    import asyncio
+
+    from p2psync.errors import ConfigError
+    from p2psync.probe import MAX_BLOB_BYTES, MAX_RTT_SAMPLES
+    from topology.prober import ProbeOptions, probe, read_cluster_file
+
+    if not 0 < args.probe_bytes <= MAX_BLOB_BYTES:
+        raise ConfigError("probe_bytes", f"must be between 1 and {MAX_BLOB_BYTES}")
+    if not 1 <= args.rtt_samples <= MAX_RTT_SAMPLES:
+        raise ConfigError("rtt_samples", f"must be between 1 and {MAX_RTT_SAMPLES}")
+    for name in ("intra_peers", "representatives", "parallel"):
+        if getattr(args, name) < 1:
+            raise ConfigError(name, "must be at least 1")
+    urls = read_cluster_file(args.cluster) if args.cluster else list(args.probe)
+    for u in urls:
+        if not u.startswith(("http://", "https://")):
+            raise ConfigError("probe", f"{u!r} is not an http(s) URL")
+    options = ProbeOptions(bytes=args.probe_bytes, rtt_samples=args.rtt_samples, intra_peers=args.intra_peers,
+                           representatives=args.representatives, parallel=args.parallel, seed=args.seed)
+
+    def progress(i: int, n: int, pairs: int, seconds: float) -> None:
+        print(f"probe round {i + 1}/{n}: {pairs} pairs in {seconds:.2f} s", file=sys.stderr, flush=True)
+
+    print(f"probing {len(urls)} nodes ...", file=sys.stderr, flush=True)
+    run_ = asyncio.run(probe(urls, _token(args), options, on_round=progress))
+    for url, err in run_.unreachable:
+        print(f"unreachable, left out: {url}: {err}", file=sys.stderr)
+    for s, d, err in run_.failed:
+        print(f"no figure for {s} -> {d} (estimated instead): {err}", file=sys.stderr)
+    print(f"measured {len(run_.measurements)} pairs of {len(run_.members)} nodes in {run_.rounds} rounds, "
+          f"{run_.seconds:.1f} s")
+    return run_
+
+
 def run(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
     from topology.baselines import fixed_tiers_tree, flow_lower_bound, random_tree, star_tree, tree_lower_bound
     from topology.model import NetworkModel
     from topology.planner import PlannerConfig, plan
     from topology.report import format_matrix, format_plan, format_scores
     from topology.simulator import simulate
 
-    model = NetworkModel.load(args.source)
+    probed = None
+    if args.source:
+        model = NetworkModel.load(args.source)
+    else:
+        probed = _probe(args)
+        model = probed.model
     cfg = PlannerConfig(payload_bytes=args.payload_bytes, chunk_bytes=args.chunk_bytes,
                         max_degree=args.max_degree, seed=args.seed)
     result = plan(model, cfg)
@@ -62,7 +152,12 @@ def run(args: argparse.Namespace) -> int:
         print(format_scores(rows, tree_lb))
     elif not args.no_sim:
         print(f"\n(simulation skipped: {len(model)} nodes > {SIMULATE_UP_TO}; the estimate above stands)")
-    if args.output:
-        result.save(args.output)
-        print(f"\nplan written to {args.output}")
+    output = args.output or (None if probed is None else "plan.json")
+    if probed is not None:
+        Path(args.save_measurements).write_text(json.dumps(probed.to_json(), indent=1) + "\n")
+        print(f"\nmeasurements written to {args.save_measurements} (plan again with: p2psync plan --from "
+              f"{args.save_measurements})")
+    if output:
+        result.save(output)
+        print(f"\nplan written to {output}")
     return 0

@@ -119,6 +119,9 @@ class Server:
     async def guard(self, request: web.Request, handler) -> web.StreamResponse:
         auth = request.headers.get("Authorization", "")
         presented = auth[7:].encode() if auth.startswith("Bearer ") else b""
+        if not presented and (request.path == "/ui" or request.path.startswith("/ui/")):
+            # The live page (p2psync.ui): a browser brings the token once as ?token=, then as its cookie.
+            presented = (request.query.get("token") or request.cookies.get("p2psync_ui", "")).encode()
         if not hmac.compare_digest(presented, self.token):
             self.view.metrics.inc("p2psync_requests_total", code="401")
             return _error(401, "missing or wrong cluster token")
