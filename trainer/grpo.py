@@ -1,0 +1,362 @@
+"""A reference GRPO trainer on the trainer node: ``p2psync node --role trainer --job trainer.grpo:run``.
+
+Loop. Prompt groups go to the node's coordinator (``node.coordinator``, a
+:class:`~p2psync.control.api.WorkSink`) as :class:`~p2psync.control.api.RolloutRequest`
+payloads with ``min_version = version - max_staleness``. Results are consumed as
+they stream in; as soon as ``groups_per_step`` groups are complete a step starts:
+group-relative advantages, the clipped importance ratio against the behaviour
+log-probabilities the rollout engine reported (samples may be up to
+``max_staleness`` versions old; older ones are dropped and their prompt asked
+again), optional KL to the initial weights, AdamW on fp32 master weights. After
+the step the :class:`~trainer.publisher.Publisher` extracts the change and
+publishes it in the background while the next step's groups are collected.
+
+Metrics (``metrics_path``): one JSON line per step, written once that step's
+version is published: ``step, version, reward_mean, reward_std, changed_fraction,
+payload_bytes, full_bytes, encode_s, publish_s, step_s, fingerprint, time`` plus
+loss statistics. ``versions_path`` (optional): one line per published version
+(``version, fingerprint, time``), version 0 included.
+
+``sync: false`` publishes version 0 only: rollouts keep generating with it (the
+staleness bound is then not enforced), to measure step time without weight sync.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2psync.control.api import Result, RolloutRequest
+from p2psync.errors import ConfigError
+from trainer.grpo_math import LossStats, group_advantages, grpo_loss, response_logprobs
+from trainer.tasks import CharTokenizer, Problem, Task, make_task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GRPOOptions:
+    """The job config (``--job-config``), validated; unknown keys are an error."""
+
+    preset: str = "tiny"
+    """Model preset of :data:`trainer.workload.PRESETS` (random init); the rollout nodes must use the same.
+    ``tiny`` learns ``add_small`` visibly within a minute on 2 CPU cores; ``small`` does not within minutes."""
+    model_path: str | None = None
+    """A local Hugging Face folder to load instead of a preset."""
+    task: str = "add_small"
+    """One of :data:`trainer.tasks.TASKS`."""
+    steps: int = 30
+    group_size: int = 8
+    """Responses per prompt."""
+    groups_per_step: int = 8
+    lr: float = 1e-2
+    """High for RL, on purpose: a random-init model must learn within minutes (most bf16 weights then
+    change every step; at RL fine-tuning rates of 1e-6..1e-5 only ~1 % do)."""
+    max_staleness: int = 1
+    """k: a sample generated with weights more than k versions older than the step's is dropped."""
+    temperature: float = 1.0
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    beta: float = 0.0
+    """KL weight to the initial weights (0: no reference model)."""
+    scale_advantages: bool = True
+    aggregate: str = "token"
+    """``"token"`` or ``"sequence"`` loss aggregation."""
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    sync: bool = True
+    """False: publish version 0 only (measures the step time without weight sync)."""
+    rollouts: str = "node"
+    """``"node"``: the node's coordinator; ``"local"``: generate in this process (no rollout nodes)."""
+    threads: int = 0
+    """torch threads for training (0: leave torch's default)."""
+    publish_threads: int = 2
+    """Codec threads of the publisher."""
+    chunk_size: int = 1 << 20
+    metrics_path: str | None = None
+    versions_path: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "group_size", "groups_per_step", "publish_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, "must be >= 1")
+        if self.max_staleness < 0 or self.threads < 0:
+            raise ConfigError("max_staleness" if self.max_staleness < 0 else "threads", "must be >= 0")
+        if not self.lr > 0:
+            raise ConfigError("lr", "must be > 0")
+        if self.aggregate not in ("token", "sequence"):
+            raise ConfigError("aggregate", f"must be 'token' or 'sequence', got {self.aggregate!r}")
+        if self.rollouts not in ("node", "local"):
+            raise ConfigError("rollouts", f"must be 'node' or 'local', got {self.rollouts!r}")
+        if not (0 <= self.clip_low < 1 and self.clip_high >= 0 and self.beta >= 0):
+            raise ConfigError("clip_low", "need 0 <= clip_low < 1, clip_high >= 0, beta >= 0")
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any]) -> GRPOOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(unknown[0], f"unknown GRPO option (known: {', '.join(sorted(known))})")
+        return cls(**options)
+
+
+@dataclass
+class Group:
+    """A finished prompt group with its rewards."""
+
+    work_id: str
+    problem: Problem
+    prompt_ids: list[int]
+    result: Result
+    rewards: list[float]
+    temperature: float
+
+
+@dataclass
+class StepStats:
+    reward_mean: float
+    reward_std: float
+    accuracy: float
+    """Share of responses with the full reward."""
+    loss: LossStats
+    step_s: float
+    staleness_max: int
+
+
+class GRPOTrainer:
+    """One GRPO step at a time on a batch of groups (sync, CPU/GPU heavy: run it in a thread)."""
+
+    def __init__(self, model: torch.nn.Module, opts: GRPOOptions, tokenizer: CharTokenizer) -> None:
+        self.model = model
+        self.opts = opts
+        self.tok = tokenizer
+        self.opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.ref: torch.nn.Module | None = None
+        if opts.beta > 0:
+            import copy
+
+            self.ref = copy.deepcopy(model).eval()
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
+
+    def step(self, groups: list[Group], version: int) -> StepStats:
+        t0 = time.perf_counter()
+        prompts, responses, olds, advs, staleness = [], [], [], [], 0
+        rewards: list[float] = []
+        for g in groups:
+            adv = group_advantages(g.rewards, scale=self.opts.scale_advantages)
+            for i, r in enumerate(g.result.responses):
+                prompts.append(g.prompt_ids)
+                responses.append(r.tokens)
+                olds.append(r.logprobs)
+                advs.append(float(adv[i]))
+                if r.versions:
+                    staleness = max(staleness, version - min(r.versions))
+            rewards.extend(g.rewards)
+        temperature = groups[0].temperature
+        self.model.train()
+        logp, mask = response_logprobs(self.model, prompts, responses, temperature, self.tok.pad_id)
+        old = torch.zeros_like(logp)
+        for i, lp in enumerate(olds):
+            old[i, : len(lp)] = torch.tensor(lp, dtype=torch.float32)
+        ref = None
+        if self.ref is not None:
+            with torch.no_grad():
+                ref, _ = response_logprobs(self.ref, prompts, responses, temperature, self.tok.pad_id)
+        loss, stats = grpo_loss(logp, old, torch.tensor(advs), mask, clip_low=self.opts.clip_low,
+                                clip_high=self.opts.clip_high, ref_logp=ref, beta=self.opts.beta,
+                                aggregate=self.opts.aggregate)
+        loss.backward()
+        if self.opts.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.opts.max_grad_norm)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        r = torch.tensor(rewards)
+        return StepStats(float(r.mean()), float(r.std()) if r.numel() > 1 else 0.0, float((r >= 1.0).float().mean()),
+                         stats, time.perf_counter() - t0, staleness)
+
+
+class _Lines:
+    """Append-only JSON-lines file, written from any thread."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = Path(path) if path else None
+        self._lock = threading.Lock()
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, row: dict[str, Any]) -> None:
+        if self.path is None:
+            return
+        with self._lock, open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+class GRPORun:
+    """The job: submit prompt groups, consume results, step, publish. Build with :meth:`create`."""
+
+    def __init__(self, node: Any, opts: GRPOOptions) -> None:
+        self.node = node
+        self.opts = opts
+        self.task: Task = make_task(opts.task)
+        self.rng = random.Random(opts.seed)
+        self.metrics = _Lines(opts.metrics_path)
+        self.versions = _Lines(opts.versions_path)
+        self.problems: dict[str, tuple[Problem, list[int]]] = {}
+        self.history: list[dict[str, Any]] = []
+        self._steps: dict[int, dict[str, Any]] = {}
+        self._counter = 0
+        self.dropped_stale = 0
+        self.sink: Any = None
+        self.local: Any = None
+        self.pub: Any = None
+
+    @classmethod
+    async def create(cls, node: Any, opts: GRPOOptions) -> GRPORun:
+        from trainer.publisher import Publisher
+        from trainer.workload import build_model
+
+        self = cls(node, opts)
+        if opts.threads:
+            torch.set_num_threads(opts.threads)
+        self.model = await asyncio.to_thread(build_model, opts.preset, opts.model_path, opts.seed)
+        self.tok = CharTokenizer(self.model.config.vocab_size)
+        self.trainer = GRPOTrainer(self.model, opts, self.tok)
+        await node.loaded.wait()
+        model_id = opts.model_path or f"preset:{opts.preset}"
+        self.pub = await Publisher.create(self.model, node, model_id=model_id, threads=opts.publish_threads,
+                                          chunk_size=opts.chunk_size, on_record=self._on_record)
+        if opts.rollouts == "local":
+            from trainer.local import InProcessRollouts
+
+            self.local = InProcessRollouts(node, self.model, seed=opts.seed).start()
+            self.sink = self.local
+        else:
+            sink = getattr(node, "coordinator", None)
+            if sink is None:
+                raise ConfigError("rollouts", "this node has no coordinator (control plane off?); "
+                                              "use rollouts='local' to generate in-process")
+            self.sink = sink
+        return self
+
+    # --- bookkeeping ----------------------------------------------------------------------------
+    def _on_record(self, rec: Any) -> None:
+        """Publisher thread: a version is published; write its step's metrics line."""
+        self.versions.write({"version": rec.version, "fingerprint": rec.fingerprint, "time": rec.published_at})
+        row = self._steps.pop(rec.version, None)
+        if row is None:
+            return
+        row.update(changed_fraction=rec.changed_fraction, payload_bytes=rec.payload_bytes, full_bytes=rec.full_bytes,
+                   encode_s=rec.extract_s + rec.encode_s, publish_s=rec.publish_s, fingerprint=rec.fingerprint,
+                   time=time.time())
+        self.history.append(row)
+        self.metrics.write(row)
+
+    def _submit(self, version: int) -> None:
+        problem = self.task.sample(self.rng)
+        prompt_ids = self.tok.encode(problem.prompt)
+        self._counter += 1
+        work_id = f"grpo-{self.opts.seed}-{self._counter}"
+        k = self.opts.max_staleness
+        min_version = max(0, version - k) if self.opts.sync else 0
+        req = RolloutRequest(prompt_ids, self.task.max_new_tokens, temperature=self.opts.temperature,
+                             stop_token_ids=self.tok.stop_ids, min_version=min_version,
+                             seed=self.rng.randrange(1 << 31))
+        self.problems[work_id] = (problem, prompt_ids)
+        self.sink.submit(work_id, req.to_json(), prompt_key=problem.prompt, responses=self.opts.group_size)
+
+    def _group(self, res: Result) -> Group | None:
+        entry = self.problems.pop(res.work_id, None)
+        if entry is None:
+            logger.warning("result for unknown work %s ignored", res.work_id)
+            return None
+        problem, prompt_ids = entry
+        rewards = []
+        for r in res.responses:
+            text, ended = self.tok.decode(r.tokens)
+            rewards.append(self.task.reward(problem, text, ended))
+        return Group(res.work_id, problem, prompt_ids, res, rewards, self.opts.temperature)
+
+    def _stale(self, res: Result, version: int) -> bool:
+        if not self.opts.sync:
+            return False
+        oldest = min((min(r.versions) for r in res.responses if r.versions), default=version)
+        return version - oldest > self.opts.max_staleness
+
+    # --- the loop -------------------------------------------------------------------------------
+    async def train(self) -> int:
+        opts = self.opts
+        version = self.pub.version
+        in_flight = opts.groups_per_step * (1 + min(opts.max_staleness, 1))
+        for _ in range(in_flight):
+            self._submit(version)
+        batch: list[Group] = []
+        step = 0
+        t_last = time.perf_counter()
+        async for res in self.sink.results():
+            if self._stale(res, self.pub.version):
+                self.dropped_stale += 1
+                self.problems.pop(res.work_id, None)
+                self._submit(self.pub.version)
+                continue
+            g = self._group(res)
+            if g is None:
+                continue
+            batch.append(g)
+            if len(batch) < opts.groups_per_step:
+                continue
+            groups, batch = batch[: opts.groups_per_step], batch[opts.groups_per_step:]
+            step += 1
+            stats = await asyncio.to_thread(self.trainer.step, groups, self.pub.version)
+            row = {"step": step, "reward_mean": stats.reward_mean, "reward_std": stats.reward_std,
+                   "accuracy": stats.accuracy, "loss": stats.loss.loss, "kl": stats.loss.kl,
+                   "clip_fraction": stats.loss.clip_fraction, "ratio_mean": stats.loss.ratio_mean,
+                   "staleness_max": stats.staleness_max, "dropped_stale": self.dropped_stale,
+                   "train_s": stats.step_s}
+            now = time.perf_counter()
+            row["step_s"] = now - t_last  # wall time per step: waiting for rollouts included
+            t_last = now
+            if opts.sync:
+                version = await self.pub.publish()
+                row["version"] = version
+                self._steps[version] = row
+            else:
+                rec0 = self.pub.records[0] if self.pub.records else None
+                row.update(version=self.pub.version, changed_fraction=0.0, payload_bytes=0,
+                           full_bytes=rec0.full_bytes if rec0 else 0, encode_s=0.0, publish_s=0.0,
+                           fingerprint=self.pub.fingerprints.get(self.pub.version), time=time.time())
+                self.history.append(row)
+                self.metrics.write(row)
+            logger.info("step %d: reward %.3f (acc %.2f), version %s, %.2fs", step, stats.reward_mean,
+                        stats.accuracy, row["version"], row["step_s"])
+            if step >= opts.steps:
+                break
+            for _ in range(opts.groups_per_step):
+                self._submit(self.pub.version)
+        await self.pub.flush()
+        return 0
+
+    async def close(self) -> None:
+        if self.local is not None:
+            await self.local.stop()
+        if self.pub is not None:
+            await self.pub.close()
+
+
+async def run(node: Any, options: dict[str, Any]) -> int:
+    """The node job: train ``steps`` GRPO steps and publish each; 0 on success."""
+    opts = GRPOOptions.from_dict(dict(options))
+    job = await GRPORun.create(node, opts)
+    try:
+        return await job.train()
+    finally:
+        await job.close()

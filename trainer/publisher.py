@@ -1,0 +1,545 @@
+"""Publishing a training run's weights after every optimizer step.
+
+Attach to any torch training loop in a few lines::
+
+    pub = await Publisher.create(model, node)      # signs and publishes version 0 (a snapshot)
+    for batch in data:
+        loss(model, batch).backward(); opt.step(); opt.zero_grad()
+        await pub.publish()                        # returns once the step's changes are extracted
+    await pub.close()                              # waits until the last version is published
+
+(``Publisher(model, node, loop=...)`` with ``start_sync``/``publish_sync`` from a plain
+thread; :class:`trainer.background.BackgroundNode` runs a node beside such a loop.)
+
+What one :meth:`Publisher.publish_sync` does, and where it runs:
+
+1. *Extract* (caller's thread, or a helper thread with ``optimizer=``): per bucket of
+   at most ``bucket_bytes`` (rollout dtype) cast the weights to the rollout dtype on
+   their device, bring the bucket to the host, and compare its raw bits with the
+   previous published version kept on the CPU. Only positions and new words of
+   changed elements are kept. Extra accelerator memory: one bucket.
+2. *Encode* (``threads`` codec threads): as soon as a tensor's changes are known its
+   segments are encoded while the next bucket is extracted.
+3. *Finish* (one finisher thread, versions in order): collect the segments, update
+   the CPU copy (only changed words), pack chunks, sign the manifest and hand the
+   artifact to ``node.publish`` on the node's event loop. The training loop is
+   already running the next step; it waits only if ``max_pending`` versions are
+   still unpublished, or (step 1 of the next version) until this version's encode
+   has finished, since the next delta is taken against it.
+
+Why chunks do not leave before the last tensor is encoded: a follower accepts a
+chunk only after checking it against the *signed* manifest, which holds every
+chunk's hash and the target fingerprint (a fold over every tensor); both exist
+only once all segments are encoded. Streaming earlier needs a format change (e.g.
+a manifest signed per bucket, or a hash chain whose head is signed last); the
+node's ``publish(manifest, chunks)`` contract has the same boundary.
+
+Sharded models (FSDP2 / DTensor, see :mod:`trainer.pieces`): every rank runs a
+Publisher over its own shard with no gather of weights. Each rank encodes its
+shard's changes as segments of the *full* tensor (its local segment start/stop
+shifted by the shard's flat offset; decoding is relative to the segment start,
+so the bytes are otherwise those of a local encode) and computes the fingerprint
+contribution of its elements at their global positions (the fingerprint is a sum
+over elements, so contributions add). Rank 0 gathers the chunks (the compressed
+delta) and 16 bytes per tensor, signs one manifest for the full model, and
+publishes it on its node: receivers see an ordinary artifact. The one exception
+is version 0: the root must hold the full snapshot, so rank 0 receives each
+rank's snapshot chunks once.
+
+Contracts: versions are published in order, each a delta against the one before;
+a failure in the background is raised by the next ``publish``/``flush``/``close``
+(:class:`PublishError`) and nothing after it is published; the CPU copy always
+equals the last version handed to the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from p2psync import dtypes
+from p2psync.artifact import Manifest, build_manifest
+from p2psync.codec import kernels
+from p2psync.codec.encode import CodecOptions, EncodedArtifact, _ranges, _sparse_job, pack_chunks
+from p2psync.codec.segment import SegmentStats, encode_raw_segment
+from p2psync.errors import ConfigError, P2PSyncError
+from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
+from trainer.pieces import Piece, published_table
+
+logger = logging.getLogger(__name__)
+
+MASK64 = 0xFFFFFFFFFFFFFFFF
+# Segment header (p2psync.codec.segment): u8 kind, u32 tensor, u64 start, u64 stop.
+_SEG_HEAD = struct.Struct("<BIQQ")
+_HASH_BLOCK = 1 << 22
+
+
+class PublishError(P2PSyncError):
+    """Publishing a version failed in the background; ``version`` names it. Nothing later was published."""
+
+    def __init__(self, version: int, cause: BaseException) -> None:
+        super().__init__(f"publishing version {version} failed: {cause!r}")
+        self.version = version
+        self.cause = cause
+
+
+@dataclass
+class PublishRecord:
+    """What publishing one version cost and produced (rank 0 has the full-model figures)."""
+
+    version: int
+    kind: str
+    fingerprint: str
+    changed: int
+    elements: int
+    payload_bytes: int
+    full_bytes: int
+    chunks: int
+    extract_s: float
+    """Cast + compare: the part the training loop waits for (without ``optimizer=``)."""
+    encode_s: float
+    """Encoding, packing and signing, after extraction."""
+    publish_s: float
+    """``node.publish``: verify, store, apply to the node's copy."""
+    total_s: float
+    """From the call to published."""
+    published_at: float = field(default_factory=time.time)
+
+    @property
+    def changed_fraction(self) -> float:
+        return self.changed / self.elements if self.elements else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["changed_fraction"] = self.changed_fraction
+        return d
+
+
+def _add(a: tuple[int, int], b: tuple[int, int], sign: int = 1) -> tuple[int, int]:
+    return (a[0] + sign * b[0]) & MASK64, (a[1] + sign * b[1]) & MASK64
+
+
+def _sums_at(positions: np.ndarray, words: np.ndarray, seed: np.uint64) -> tuple[int, int]:
+    a, b = kernels.hash_sparse(positions, words, seed)
+    return int(a), int(b)
+
+
+def _piece_sums(words: np.ndarray, offset: int, seed: np.uint64) -> tuple[int, int]:
+    """Fingerprint sums of a piece's words at their global positions."""
+    if offset == 0:
+        a, b = kernels.hash_range(words, 0, words.shape[0], seed)
+        return int(a), int(b)
+    total = (0, 0)
+    for s in range(0, words.shape[0], _HASH_BLOCK):
+        e = min(words.shape[0], s + _HASH_BLOCK)
+        total = _add(total, _sums_at(np.arange(offset + s, offset + e, dtype=np.int64), words[s:e], seed))
+    return total
+
+
+def _shift(segment: bytes, offset: int) -> bytes:
+    """The same segment for a range ``offset`` elements further into its tensor."""
+    if offset == 0:
+        return segment
+    kind, tensor, start, stop = _SEG_HEAD.unpack_from(segment)
+    return _SEG_HEAD.pack(kind, tensor, start + offset, stop + offset) + segment[_SEG_HEAD.size:]
+
+
+@dataclass
+class _Part:
+    """One rank's share of one version: chunks plus fingerprint contributions."""
+
+    chunks: list[bytes]
+    sums: dict[int, tuple[int, int]]
+    """Snapshot: absolute sums per tensor; delta: sum changes per tensor."""
+    changed: dict[int, int]
+    stats: SegmentStats
+
+
+@dataclass
+class _Pending:
+    version: int
+    started: float
+    extracted: Future
+    """-> (list of (piece, pos, vals, encode futures), extract seconds)."""
+
+
+class Publisher:
+    """Publishes a model's weights after each optimizer step as signed deltas (see module docstring).
+
+    ``node``: the trainer :class:`~p2psync.node.Node` (rank 0 only when sharded; ``None`` elsewhere).
+    ``loop``: the node's event loop (taken from the running loop by :meth:`create`).
+    ``optimizer``: if given, extraction runs beside the next forward/backward and the optimizer's
+    next ``step()`` waits for it (weights change only in ``step``).
+    ``group``: process group for the publisher's own collectives when sharded (default: a new
+    gloo group over all ranks, so they never interleave with the training's collectives).
+    """
+
+    def __init__(self, model: torch.nn.Module, node: Any = None, *, dtype: torch.dtype = torch.bfloat16,
+                 dtype_overrides: Mapping[str, torch.dtype] | None = None, model_id: str = "model",
+                 bucket_bytes: int = 64 << 20, chunk_size: int = 1 << 20, threads: int = 2, zstd_level: int = 3,
+                 max_pending: int = 2, optimizer: torch.optim.Optimizer | None = None, group: Any = None,
+                 private_key: Any = None, loop: asyncio.AbstractEventLoop | None = None,
+                 on_record: Callable[[PublishRecord], None] | None = None) -> None:
+        if bucket_bytes < 4096:
+            raise ConfigError("bucket_bytes", f"must be at least 4 KiB, got {bucket_bytes}")
+        if max_pending < 1:
+            raise ConfigError("max_pending", "must be at least 1")
+        self.model = model
+        self.node = node
+        self.dtype = dtype
+        self.dtype_overrides = dict(dtype_overrides or {})
+        self.model_id = model_id
+        self.bucket_bytes = bucket_bytes
+        self.opts = CodecOptions(chunk_size=chunk_size, threads=threads, zstd_level=zstd_level)
+        self.optimizer = optimizer
+        self.on_record = on_record
+        self.records: list[PublishRecord] = []
+        self.version: int | None = None
+        """Newest version handed off (published or being published)."""
+        self.published: int | None = None
+        """Newest version the node accepted (rank 0)."""
+        self.fingerprints: dict[int, str] = {}
+        self._group = group
+        self._rank, self._world = 0, 1
+        self._loop = loop
+        self._private_key = private_key
+        self._specs: list[TensorSpec] = []
+        self._pieces: list[Piece] = []
+        self._base: list[torch.Tensor] = []
+        self._words: list[np.ndarray] = []
+        self._full_sums: list[tuple[int, int]] = []
+        self._base_ready = threading.Event()
+        self._pending_slots = threading.BoundedSemaphore(max_pending)
+        self._pool = ThreadPoolExecutor(self.opts.threads, thread_name_prefix="publisher-encode")
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="publisher-finish")
+        self._extractor = ThreadPoolExecutor(1, thread_name_prefix="publisher-extract") if optimizer else None
+        self._last: Future | None = None
+        self._extracting: Future | None = None
+        self._error: PublishError | None = None
+        self._hook: Any = None
+        self._closed = False
+
+    # --- async facade ---------------------------------------------------------------------
+    @classmethod
+    async def create(cls, model: torch.nn.Module, node: Any = None, **kwargs: Any) -> Publisher:
+        """Build on the node's loop and publish version 0 (a snapshot) before returning."""
+        pub = cls(model, node, loop=asyncio.get_running_loop(), **kwargs)
+        try:
+            await asyncio.to_thread(pub.start_sync)
+        except BaseException:
+            await asyncio.to_thread(pub._shutdown)
+            raise
+        return pub
+
+    async def publish(self) -> int:
+        """Publish the model's current weights as the next version; see :meth:`publish_sync`."""
+        return await asyncio.to_thread(self.publish_sync)
+
+    async def flush(self) -> None:
+        await asyncio.to_thread(self.flush_sync)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.close_sync)
+
+    # --- setup ------------------------------------------------------------------------------
+    def _setup_distributed(self) -> None:
+        import torch.distributed as dist
+
+        if self._group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")
+        if self._group is not None:
+            self._rank = dist.get_rank(self._group)
+            self._world = dist.get_world_size(self._group)
+        if self._rank == 0:
+            if self.node is None:
+                raise ConfigError("node", "rank 0 publishes and needs the trainer node")
+            if self._private_key is None:
+                self._private_key = getattr(self.node, "private_key", None)
+            if self._private_key is None:
+                raise ConfigError("private_key", "no signing key: give private_key= or a node with trainer_private_key")
+            if self._loop is None:
+                raise ConfigError("loop", "the node's event loop is needed (use Publisher.create inside it)")
+
+    def start_sync(self) -> int:
+        """Copy the weights to the CPU and publish them as a snapshot; returns its version.
+
+        If the node already holds exactly these weights (a restart), that version is adopted.
+        Collective when sharded: every rank calls it.
+        """
+        self._setup_distributed()
+        t0 = time.perf_counter()
+        self._specs, self._pieces = published_table(self.model, self.dtype, self.dtype_overrides)
+        segments: list[bytes] = []
+        sums: dict[int, tuple[int, int]] = {}
+        stats = SegmentStats()
+        with torch.no_grad():
+            for piece in self._pieces:
+                base = torch.empty(piece.numel, dtype=piece.dtype)
+                step = self._bucket_elements(piece)
+                for a in range(0, piece.numel, step):
+                    b = min(piece.numel, a + step)
+                    base[a:b].copy_(self._read(piece, a, b))
+                words = dtypes.words_of(base)
+                self._base.append(base)
+                self._words.append(words)
+                seed = tensor_seed(piece.spec.name)
+                sums[piece.index] = _add(sums.get(piece.index, (0, 0)), _piece_sums(words, piece.offset, seed))
+                width = dtypes.from_code(piece.spec.dtype).width
+                for s, e in _ranges(piece.numel, self.opts.raw_elements(width)):
+                    seg, st = encode_raw_segment(piece.index, s, words[s:e], self.opts.zstd_level)
+                    segments.append(_shift(seg, piece.offset))
+                    stats.add(st)
+        part = _Part(list(pack_chunks(segments, self.opts.chunk_size)), sums, {}, stats)
+        extract_s = time.perf_counter() - t0
+        parts = self._gather(part)
+        version = None
+        if self._rank == 0:
+            assert parts is not None
+            full = [(0, 0)] * len(self._specs)
+            for p in parts:
+                for i, s in p.sums.items():
+                    full[i] = _add(full[i], s)
+            self._full_sums = full
+            fp = fold_root(table_hash(self._specs), full)
+            node = self.node
+            if node.version is not None and node.fingerprint == fp:
+                version = node.version
+                logger.info("node already holds these weights as version %d; adopted", version)
+                self.fingerprints[version] = fp
+                self.published = version
+            else:
+                version = 0 if node.version is None else node.version + 1
+                art = self._artifact("snapshot", parts, None, fp, full)
+                self._hand_off(version, None, art, t0, extract_s, time.perf_counter())
+        version = self._broadcast(version)
+        self.version = version
+        self._base_ready.set()
+        if self.optimizer is not None:
+            self._hook = self.optimizer.register_step_pre_hook(lambda *_: self._wait_extracted())
+        return version
+
+    # --- per step -----------------------------------------------------------------------------
+    def publish_sync(self) -> int:
+        """Start publishing the current weights as the next version; returns that version.
+
+        Returns once the changes are extracted (with ``optimizer=``: at once; the optimizer's next
+        step waits for extraction); encoding and publishing continue in the background.
+        Raises :class:`PublishError` if an earlier version failed. Collective when sharded.
+        """
+        self._check()
+        if self.version is None:
+            raise P2PSyncError("publisher not started (use Publisher.create or start_sync first)")
+        self._pending_slots.acquire()
+        try:
+            self._check()
+            self._base_ready.wait()
+            self._check()
+            self._base_ready.clear()
+            version = self.version + 1
+            started = time.perf_counter()
+            try:
+                if self._extractor is not None:
+                    extracted = self._extractor.submit(self._extract)
+                    self._extracting = extracted
+                else:
+                    extracted = Future()
+                    extracted.set_result(self._extract())
+            except BaseException:
+                self._base_ready.set()  # nothing was handed off: the copy is unchanged
+                raise
+            self.version = version
+            self._last = self._finisher.submit(self._finish, _Pending(version, started, extracted))
+        except BaseException:
+            self._pending_slots.release()
+            raise
+        return version
+
+    def _wait_extracted(self) -> None:
+        f = self._extracting
+        if f is not None:
+            f.exception()  # wait; an error surfaces through the finisher
+
+    def flush_sync(self) -> None:
+        """Wait until every version handed off is published; raise the first failure."""
+        last = self._last
+        if last is not None:
+            last.exception()
+        self._check()
+
+    def close_sync(self) -> None:
+        """Flush, then stop the helper threads (idempotent)."""
+        if self._closed:
+            return
+        try:
+            self.flush_sync()
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._closed = True
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        for pool in (self._extractor, self._finisher, self._pool):
+            if pool is not None:
+                pool.shutdown(wait=True)
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise P2PSyncError("publisher is closed")
+
+    # --- extraction ---------------------------------------------------------------------------
+    def _bucket_elements(self, piece: Piece) -> int:
+        return max(1, self.bucket_bytes // dtypes.from_torch(piece.dtype).width)
+
+    def _read(self, piece: Piece, a: int, b: int) -> torch.Tensor:
+        """Elements ``[a, b)`` of the piece in the rollout dtype, on the CPU (one bucket on the device)."""
+        src = piece.local()[a:b]
+        if src.device.type == "cpu":
+            return src.to(piece.dtype)
+        return src.to(piece.dtype).to("cpu")
+
+    def _extract(self) -> tuple[list[tuple[int, Piece, np.ndarray, np.ndarray, list[Future]]], float]:
+        """Changed positions and words per piece; a piece's encode jobs start as soon as it is done."""
+        t0 = time.perf_counter()
+        out = []
+        with torch.no_grad():
+            for k, piece in enumerate(self._pieces):
+                old = self._words[k]
+                step = self._bucket_elements(piece)
+                pos_parts, val_parts = [], []
+                for a in range(0, piece.numel, step):
+                    b = min(piece.numel, a + step)
+                    new = dtypes.words_of(self._read(piece, a, b).contiguous())
+                    idx = np.flatnonzero(new != old[a:b])
+                    if idx.shape[0]:
+                        pos_parts.append(idx + a)
+                        val_parts.append(new[idx])
+                if not pos_parts:
+                    continue
+                pos = np.concatenate(pos_parts).astype(np.int64, copy=False)
+                vals = np.concatenate(val_parts)
+                jobs = [self._pool.submit(_sparse_job, piece.index, piece.spec, old, pos, vals, s, e, self.opts)
+                        for s, e in _ranges(piece.numel, self.opts.segment_elements)]
+                out.append((k, piece, pos, vals, jobs))
+        return out, time.perf_counter() - t0
+
+    # --- finishing (one thread, versions in order) ---------------------------------------------
+    def _finish(self, p: _Pending) -> None:
+        try:
+            if self._error is not None:
+                return
+            try:
+                changes, extract_s = p.extracted.result()
+                t_enc = time.perf_counter()
+                segments: list[bytes] = []
+                deltas: dict[int, tuple[int, int]] = {}
+                changed: dict[int, int] = {}
+                stats = SegmentStats()
+                for k, piece, pos, vals, jobs in changes:
+                    for job in jobs:
+                        r = job.result()
+                        segments.extend(_shift(s, piece.offset) for s in r.segments)
+                        stats.add(r.stats)
+                    words = self._words[k]
+                    seed = tensor_seed(piece.spec.name)
+                    gpos = pos + piece.offset
+                    d = _add(_sums_at(gpos, vals, seed), _sums_at(gpos, words[pos], seed), -1)
+                    deltas[piece.index] = _add(deltas.get(piece.index, (0, 0)), d)
+                    changed[piece.index] = changed.get(piece.index, 0) + int(pos.shape[0])
+                    words[pos] = vals  # the CPU copy is now this version
+            finally:
+                self._base_ready.set()  # the next extraction may start (against the updated copy)
+            part = _Part(list(pack_chunks(segments, self.opts.chunk_size)), deltas, changed, stats)
+            parts = self._gather(part)
+            if self._rank == 0:
+                assert parts is not None
+                base = list(self._full_sums)
+                target = list(base)
+                for q in parts:
+                    for i, d in q.sums.items():
+                        target[i] = _add(target[i], d)
+                th = table_hash(self._specs)
+                art = self._artifact("delta", parts, fold_root(th, base), fold_root(th, target), target)
+                self._hand_off(p.version, p.version - 1, art, p.started, extract_s, t_enc)
+                self._full_sums = target
+        except BaseException as exc:  # noqa: BLE001 - kept and raised to the training loop
+            if self._error is None:
+                self._error = exc if isinstance(exc, PublishError) else PublishError(p.version, exc)
+            logger.error("publishing version %d failed: %r", p.version, exc)
+            self._base_ready.set()
+        finally:
+            self._pending_slots.release()
+
+    def _artifact(self, kind: str, parts: list[_Part], base_fp: str | None, target_fp: str,
+                  target_sums: list[tuple[int, int]]) -> EncodedArtifact:
+        stats = SegmentStats()
+        changed = [0] * len(self._specs)
+        chunks: list[bytes] = []
+        for q in parts:
+            chunks.extend(q.chunks)
+            stats.add(q.stats)
+            for i, n in q.changed.items():
+                changed[i] += n
+        stats.changed = sum(changed)
+        return EncodedArtifact(kind, list(self._specs), chunks, base_fp, target_fp, list(target_sums), changed, stats)
+
+    def _hand_off(self, version: int, base_version: int | None, art: EncodedArtifact, started: float,
+                  extract_s: float, t_enc: float) -> None:
+        """Rank 0: sign, give to the node (on its loop), wait, record."""
+        m: Manifest = build_manifest(art, model_id=self.model_id, target_version=version,
+                                     base_version=base_version, chunk_size=self.opts.chunk_size,
+                                     private_key=self._private_key)
+        t_pub = time.perf_counter()
+        loop = self._loop
+        assert loop is not None
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            raise P2PSyncError("publisher called on the node's event loop thread; use the async methods")
+        asyncio.run_coroutine_threadsafe(self.node.publish(m, art.chunks), loop).result()
+        t_done = time.perf_counter()
+        rec = PublishRecord(version, m.kind, m.target_fingerprint, sum(art.changed) if art.kind == "delta"
+                            else sum(s.numel for s in self._specs), sum(s.numel for s in self._specs),
+                            m.payload_bytes, m.model_bytes, len(m.chunks), extract_s, t_pub - t_enc,
+                            t_done - t_pub, t_done - started)
+        self.records.append(rec)
+        self.fingerprints[version] = m.target_fingerprint
+        self.published = version
+        logger.info("published version %d (%s) fingerprint %s: %d bytes, %.4f%% changed", version, m.kind,
+                    m.target_fingerprint, m.payload_bytes, 100 * rec.changed_fraction)
+        if self.on_record is not None:
+            self.on_record(rec)
+
+    # --- collectives (sharded only) ----------------------------------------------------------
+    def _gather(self, part: _Part) -> list[_Part] | None:
+        if self._world == 1:
+            return [part]
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self._world if self._rank == 0 else None
+        dist.gather_object(part, out, dst=dist.get_global_rank(self._group, 0), group=self._group)
+        return out
+
+    def _broadcast(self, value: Any) -> Any:
+        if self._world == 1:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
+        return box[0]
