@@ -25,6 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rollouts-per-region", type=int, default=2, help="rollout nodes per region (default 2)")
     p.add_argument("--relays-per-region", type=int, default=1, help="relays per region (default 1)")
     p.add_argument("--model-path", help="local Hugging Face model folder instead of the built-in tiny config")
+    p.add_argument("--model-preset", dest="preset_e2e", default="tiny",
+                   help="random-init model preset of trainer.workload (default tiny: learns within minutes here)")
     p.add_argument("--task", default=None, help="reward task (see trainer.tasks; default: the trainer's)")
     p.add_argument("--group-size", type=int, default=None, help="responses per prompt")
     p.add_argument("--groups-per-step", type=int, default=None, help="prompt groups per optimizer step")

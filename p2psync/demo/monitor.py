@@ -86,6 +86,8 @@ class Monitor:
     metrics_path: Path
     events_paths: dict[str, Path]
     interval: float = 0.1
+    versions_path: Path | None = None
+    """The trainer's (version, fingerprint) lines, version 0 included."""
     nodes: dict[str, NodeView] = field(default_factory=dict)
     steps: list[dict] = field(default_factory=list)
     expected: dict[int, str] = field(default_factory=dict)
@@ -103,6 +105,7 @@ class Monitor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._metrics = _Tail(self.metrics_path)
+        self._versions = _Tail(self.versions_path) if self.versions_path else None
         self._events = {n: _Tail(p) for n, p in self.events_paths.items()}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="monitor")
         self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
@@ -145,6 +148,9 @@ class Monitor:
                 self._note_status(p, st, now)
             for row in self._metrics.read():
                 self._note_step(row)
+            for row in self._versions.read() if self._versions else ():
+                if row.get("version") is not None and row.get("fingerprint"):
+                    self.expected[int(row["version"])] = str(row["fingerprint"])
             for name, tail in self._events.items():
                 for ev in tail.read():
                     self._note_event(name, ev)

@@ -17,7 +17,8 @@ from p2psync.demo.monitor import Monitor
 def _trainer_options(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     opts: dict[str, Any] = {"steps": args.steps, "seed": args.seed, "max_staleness": args.max_staleness,
                             "metrics_path": str(out / "metrics.jsonl"), "sync": not args.no_sync,
-                            "done_path": str(out / "trainer.done.json")}
+                            "versions_path": str(out / "versions.jsonl"), "preset": args.preset_e2e,
+                            "threads": 1, "done_path": str(out / "trainer.done.json")}
     for key in ("task", "group_size", "groups_per_step", "lr", "model_path"):
         val = getattr(args, key)
         if val is not None:
@@ -27,7 +28,7 @@ def _trainer_options(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 def _rollout_options(args: argparse.Namespace, out: Path, name: str, idx: int) -> dict[str, Any]:
     opts: dict[str, Any] = {"engine": "hf", "seed": args.seed * 1000 + idx, "threads": 1,
-                            "events_path": str(out / "events" / f"{name}.jsonl")}
+                            "preset": args.preset_e2e, "events_path": str(out / "events" / f"{name}.jsonl")}
     if args.model_path:
         opts["model_path"] = args.model_path
     return opts
@@ -91,7 +92,7 @@ def run_demo(args: argparse.Namespace) -> int:
               f"{args.regions * args.rollouts_per_region} rollout nodes in {args.regions} regions (logs in "
               f"{out / 'cluster' / 'logs'})")
     cluster, events = start_cluster(args, out)
-    mon = Monitor(cluster, out / "metrics.jsonl", events)
+    mon = Monitor(cluster, out / "metrics.jsonl", events, versions_path=out / "versions.jsonl")
     mon.start()
     done_path = out / "trainer.done.json"
     outcome: dict[str, Any] | None = None
