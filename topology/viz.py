@@ -95,10 +95,14 @@ def draw_plan(plan: Plan, path: str | Path, model: NetworkModel | None = None, t
                     bbox={"boxstyle": "round,pad=0.1", "fc": "white", "ec": "none", "alpha": 0.7})
     labelled = plan.parents.items() if n <= _LABEL_EDGES_UP_TO else [(c, p) for p, c in cross]
     for c, p in labelled:
+        bps = plan.edge_bps.get(c, 0.0)
+        if not bps > 0:
+            continue  # unknown bandwidth (e.g. a tree observed rather than planned): no label
         (x1, y1), (x2, y2) = pos[p], pos[c]
         # Closer to the child than the midpoint, so labels of siblings fan out instead of piling up.
         lx, ly = x1 + (x2 - x1) * 0.78, y1 + (y2 - y1) * 0.78
-        ax.text(lx, ly, f"{plan.edge_bps[c] / 1e9:.3g}G", fontsize=7.5, ha="center", va="center",
+        label = f"{bps / 1e9:.3g}G" if bps >= 1e9 else f"{bps / 1e6:.3g}M"
+        ax.text(lx, ly, label, fontsize=7.5, ha="center", va="center",
                 bbox={"boxstyle": "round,pad=0.12", "fc": "white", "ec": "none", "alpha": 0.85})
     handles = [Line2D([], [], marker="o", linestyle="", color=col, label=role, markersize=8)
                for role, col in ROLE_COLOURS.items() if role in roles.values()]

@@ -20,7 +20,7 @@ import argparse
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="end-to-end GRPO run: trainer, relays and rollout nodes as local processes",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps (default 12)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
     p.add_argument("--regions", type=int, default=2, help="emulated regions (default 2)")
     p.add_argument("--rollouts-per-region", type=int, default=2, help="rollout nodes per region (default 2)")
     p.add_argument("--relays-per-region", type=int, default=1, help="relays per region (default 1)")

@@ -74,8 +74,26 @@ def dissemination_png(region_times: dict[int, dict[str, float]], path: Path) -> 
     return path
 
 
-def topology_png(nodes: dict[str, Any], path: Path) -> Path | None:
-    """The tree the nodes used, drawn with the ``p2psync viz`` code."""
+def _edge_rates(nodes: dict[str, Any], parents: dict[str, str], snap: dict[str, Any]) -> dict[str, float]:
+    """Median observed rate into each node (bits/s): a version's payload over the arrival gap to its parent.
+
+    Arrivals are polled every 0.1 s, so this is a coarse figure (and a lower bound on small payloads).
+    """
+    payload = {int(s["version"]): int(s.get("payload_bytes") or 0) for s in snap["steps"] if "version" in s}
+    rates: dict[str, float] = {}
+    for child, parent in parents.items():
+        samples = []
+        for v, arr in snap["arrivals"].items():
+            if v in payload and payload[v] and child in arr and parent in arr:
+                samples.append(8 * payload[v] / max(0.1, arr[child] - arr[parent]))
+        if samples:
+            samples.sort()
+            rates[child] = samples[len(samples) // 2]
+    return rates
+
+
+def topology_png(nodes: dict[str, Any], path: Path, snap: dict[str, Any] | None = None) -> Path | None:
+    """The tree the nodes used, drawn with the ``p2psync viz`` code; edges labelled with observed rates."""
     from topology.tree import Plan
     from topology.viz import draw_plan
 
@@ -84,9 +102,12 @@ def topology_png(nodes: dict[str, Any], path: Path) -> Path | None:
         return None
     root = roots[0]
     parents = {n: (v.parent if v.parent in nodes else root) for n, v in nodes.items() if n != root}
-    plan = Plan(root=root, parents=parents, edge_bps={n: 0.0 for n in parents}, eta_s={}, est_completion_s=0.0,
+    rates = _edge_rates(nodes, parents, snap) if snap else {}
+    plan = Plan(root=root, parents=parents, edge_bps={n: rates.get(n, 0.0) for n in parents}, eta_s={},
+                est_completion_s=0.0,
                 regions={n: v.region for n, v in nodes.items()}, roles={n: v.role for n, v in nodes.items()})
-    return draw_plan(plan, path, title="tree used (parents reported by the nodes)")
+    return draw_plan(plan, path, title="tree used (parents reported by the nodes; edges: median observed "
+                                       "delta rate, coarse)")
 
 
 def write(out: Path, snap: dict[str, Any], region_times: dict[int, dict[str, float]], summary: dict[str, Any]) -> Path:
@@ -94,7 +115,7 @@ def write(out: Path, snap: dict[str, Any], region_times: dict[int, dict[str, flo
     figs = [reward_png(snap["steps"], out / "reward.png"), payload_png(snap["steps"], out / "payload.png"),
             dissemination_png(region_times, out / "dissemination.png")]
     try:
-        topo = topology_png(snap["nodes"], out / "topology.png")
+        topo = topology_png(snap["nodes"], out / "topology.png", snap)
         if topo:
             figs.append(topo)
     except Exception as exc:  # noqa: BLE001 - a picture must not sink the report

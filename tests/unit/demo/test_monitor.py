@@ -1,0 +1,58 @@
+"""The demo's verdict: a fingerprint that differs from the trainer's for the same version is caught."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from p2psync.demo.monitor import Monitor
+
+
+class _NoCluster:
+    procs: list = []
+
+    def status(self, proc, timeout=1.0):  # pragma: no cover - no processes
+        return None
+
+
+def _write(path: Path, rows: list[dict]) -> None:
+    with open(path, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
+def test_engine_fingerprint_that_differs_from_the_trainers_is_a_mismatch(tmp_path: Path) -> None:
+    versions, metrics, events = tmp_path / "v.jsonl", tmp_path / "m.jsonl", tmp_path / "e.jsonl"
+    mon = Monitor(_NoCluster(), metrics, {"n1": events}, versions_path=versions)
+    # The engine reports before the trainer's line is read: held back, then checked.
+    _write(events, [{"event": "switch", "version": 1, "fingerprint": "aa" * 16}])
+    mon.poll()
+    assert mon.snapshot()["unchecked"] == 1 and not mon.mismatches
+    _write(versions, [{"version": 0, "fingerprint": "00" * 16}, {"version": 1, "fingerprint": "aa" * 16},
+                      {"version": 2, "fingerprint": "bb" * 16}])
+    _write(events, [{"event": "switch", "version": 2, "fingerprint": "cc" * 16},
+                    {"event": "batch", "batch_s": 0.5, "tokens": 10}])
+    # A partial line (the writer has not finished it) is not read yet.
+    with open(events, "a") as f:
+        f.write('{"event": "switch", "version": 0, "finger')
+    mon.poll()
+    snap = mon.snapshot()
+    assert snap["checked"] == 1
+    assert [(m.node, m.version, m.source) for m in snap["mismatches"]] == [("n1", 2, "engine")]
+    assert len(snap["batches"]) == 1
+    with open(events, "a") as f:
+        f.write('print": "' + "00" * 16 + '"}\n')
+    mon.poll()
+    assert mon.snapshot()["checked"] == 2 and len(mon.snapshot()["mismatches"]) == 1
+
+
+def test_a_mismatch_is_kept_even_if_the_node_later_agrees(tmp_path: Path) -> None:
+    versions, events = tmp_path / "v.jsonl", tmp_path / "e.jsonl"
+    mon = Monitor(_NoCluster(), tmp_path / "m.jsonl", {"n1": events}, versions_path=versions)
+    _write(versions, [{"version": 3, "fingerprint": "ab" * 16}])
+    _write(events, [{"event": "switch", "version": 3, "fingerprint": "ff" * 16}])
+    mon.poll()
+    _write(events, [{"event": "switch", "version": 3, "fingerprint": "ab" * 16}])
+    mon.poll()
+    snap = mon.snapshot()
+    assert len(snap["mismatches"]) == 1 and snap["checked"] == 1
