@@ -19,6 +19,13 @@ Layout of the TOML file (every key optional except where a role needs it)::
     parallel_streams = 4
     stall_timeout = 10.0
 
+    [gossip]                       # control plane: membership, live plan, leases
+    seeds = ["http://10.0.0.1:7070"]
+    interval = 1.0
+
+    [control]
+    lease_ttl = 30.0
+
 Validation happens once, in :meth:`NodeConfig.validate`, and raises
 :class:`~p2psync.errors.ConfigError` naming the field (``limits.stall_timeout``).
 This module imports nothing heavy, so the CLI can parse before it loads torch.
@@ -101,6 +108,54 @@ class TestingConfig:
 
 
 @dataclass
+class GossipSettings:
+    """The gossip control plane (:mod:`p2psync.control.gossip_service`)."""
+
+    enabled: bool | None = None
+    """Run gossip; default: on when ``seeds`` are given or the node is the trainer."""
+    seeds: list[str] = field(default_factory=list)
+    """URLs of nodes to join through (any live member will do; usually the trainer)."""
+    coordinator: str = ""
+    """Node id of the coordinator (the trainer); empty: trust the first trainer seen. Entries it
+    writes must carry a trainer-key signature either way."""
+    node_class: str = "reserved"
+    """``reserved``, ``on-demand`` or ``preemptible``: the scheduler keeps reserved nodes busy first."""
+    fanout: int = 2
+    """Peers each round opens an exchange with."""
+    interval: float = 1.0
+    """Seconds between gossip rounds."""
+    suspect_after: float = 10.0
+    """Seconds without heartbeat progress before a watcher suspects a member."""
+    dead_after: float = 20.0
+    """Seconds a member stays suspect without refuting before it is declared dead."""
+    tombstone_ttl: float = 300.0
+    """Seconds dead/left members and empty lease entries are remembered before removal."""
+    report_interval: float = 10.0
+    """A member re-sends its versions and throughput to the coordinator at least this often."""
+    send_timeout: float = 2.0
+    """Seconds a gossip POST may take before it is dropped (gossip is fire and forget)."""
+
+    def on(self, role: str) -> bool:
+        return bool(self.seeds) or role == "trainer" if self.enabled is None else self.enabled
+
+
+@dataclass
+class ControlSettings:
+    """Rollout work: leases on the trainer's coordinator, the work client on rollout nodes."""
+
+    lease_ttl: float = 30.0
+    """Coordinator: seconds a lease lasts without renewal (holders renew every third of it)."""
+    max_staleness: int = 1
+    """Coordinator: a node gets work only while its version >= head - max_staleness."""
+    replan_delay: float = 0.5
+    """Coordinator: seconds membership must be still before the tree is re-planned (batches joins)."""
+    coordinator_url: str = ""
+    """Rollout: URL of the coordinator; empty: the trainer's address learned from gossip."""
+    request_timeout: float = 10.0
+    """Rollout: seconds a call to the coordinator may take (a long-poll adds its wait)."""
+
+
+@dataclass
 class NodeConfig:
     """Everything a node needs to start. Build with :func:`load`; call :meth:`validate` before use."""
 
@@ -129,6 +184,8 @@ class NodeConfig:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     testing: TestingConfig = field(default_factory=TestingConfig)
+    gossip: GossipSettings = field(default_factory=GossipSettings)
+    control: ControlSettings = field(default_factory=ControlSettings)
 
     @property
     def materialise(self) -> bool:
@@ -190,6 +247,31 @@ class NodeConfig:
                 raise ConfigError(f"store.{name}", "must be >= 0")
         if not 64 << 10 <= st.snapshot_chunk_size <= 256 << 20:
             raise ConfigError("store.snapshot_chunk_size", "must be between 64 KiB and 256 MiB")
+        g = self.gossip
+        for url in g.seeds:
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError("gossip.seeds", f"{url!r} is not an http(s) URL")
+        if g.node_class not in ("reserved", "on-demand", "preemptible"):
+            raise ConfigError("gossip.node_class", f"must be reserved, on-demand or preemptible, got {g.node_class!r}")
+        if any(c.isspace() or c in "/\\" for c in g.coordinator):
+            raise ConfigError("gossip.coordinator", "must be a node id (no spaces or slashes)")
+        if not 1 <= g.fanout <= 16:
+            raise ConfigError("gossip.fanout", f"must be 1..16, got {g.fanout}")
+        for name in ("interval", "suspect_after", "dead_after", "tombstone_ttl", "report_interval", "send_timeout"):
+            if not getattr(g, name) > 0:
+                raise ConfigError(f"gossip.{name}", "must be > 0")
+        if g.suspect_after < 2 * g.interval:
+            raise ConfigError("gossip.suspect_after", "must be at least two gossip intervals (or every lost "
+                                                      "heartbeat is a suspicion)")
+        c = self.control
+        for name in ("lease_ttl", "request_timeout"):
+            if not getattr(c, name) > 0:
+                raise ConfigError(f"control.{name}", "must be > 0")
+        if c.replan_delay < 0 or c.max_staleness < 0:
+            raise ConfigError("control.replan_delay" if c.replan_delay < 0 else "control.max_staleness",
+                              "must be >= 0")
+        if c.coordinator_url and not c.coordinator_url.startswith(("http://", "https://")):
+            raise ConfigError("control.coordinator_url", "must be an http(s) URL")
         return self
 
 

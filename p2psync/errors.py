@@ -119,3 +119,34 @@ class LeaseExpired(P2PSyncError):
     def __init__(self, work_id: str) -> None:
         super().__init__(f"lease on work {work_id} expired")
         self.work_id = work_id
+
+
+class NotCoordinator(IntegrityError):
+    """A coordinator entry was written, or claims to be written, by a node that is not the coordinator
+    (or its trainer-key signature does not verify)."""
+
+    def __init__(self, writer: str, coordinator: str | None, name: str, reason: str = "") -> None:
+        why = reason or f"but the coordinator is {coordinator!r}"
+        super().__init__(f"coordinator entry {name!r} written by {writer!r}, {why}")
+        self.writer = writer
+        self.coordinator = coordinator
+        self.name = name
+
+
+class UnknownWork(P2PSyncError):
+    """A work id the coordinator's lease table never saw (or that is not queued when a grant needs it)."""
+
+    def __init__(self, work_id: str) -> None:
+        super().__init__(f"unknown work {work_id}")
+        self.work_id = work_id
+
+
+class ProgressGap(P2PSyncError):
+    """A progress report starts past the tokens already recorded; ``have`` is where it must start."""
+
+    def __init__(self, work_id: str, response: int, offset: int, have: int) -> None:
+        super().__init__(f"work {work_id} response {response}: report starts at token {offset}, only {have} recorded")
+        self.work_id = work_id
+        self.response = response
+        self.offset = offset
+        self.have = have

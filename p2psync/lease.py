@@ -9,8 +9,11 @@ Contract of :class:`LeaseTable`:
   the front of the queue; :meth:`LeaseTable.release_all` does the same at once
   for a node that got a preemption notice (SIGTERM).
 - Token-level progress: a holder reports the tokens of each unfinished response
-  every few tokens. Re-queued work keeps them, and the next lease carries them
-  in ``resume`` so the next holder continues from there, not from scratch.
+  every few tokens, with their log-probabilities and the weight version that
+  produced each token. Re-queued work keeps all three, and the next lease
+  carries them (``resume``, ``resume_logprobs``, ``resume_versions``) so the
+  next holder continues from there, not from scratch, and the finished
+  response carries its full history.
 - Results are idempotent by work id: the first result for a work id is counted
   (even a late one from a holder whose lease expired, as long as nobody finished
   first; the lease then in force is revoked), every later one is dropped and
@@ -27,31 +30,12 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from p2psync.errors import LeaseExpired, P2PSyncError
+from p2psync.errors import LeaseExpired, ProgressGap, UnknownWork
 
 logger = logging.getLogger(__name__)
-
-
-class UnknownWork(P2PSyncError):
-    """A work id this lease table never saw (to move to :mod:`p2psync.errors`)."""
-
-    def __init__(self, work_id: str) -> None:
-        super().__init__(f"unknown work {work_id}")
-        self.work_id = work_id
-
-
-class ProgressGap(P2PSyncError):
-    """A progress report starts past the tokens already recorded (to move to :mod:`p2psync.errors`)."""
-
-    def __init__(self, work_id: str, response: int, offset: int, have: int) -> None:
-        super().__init__(f"work {work_id} response {response}: report starts at token {offset}, only {have} recorded")
-        self.work_id = work_id
-        self.response = response
-        self.offset = offset
-        self.have = have
 
 
 @dataclass(frozen=True)
@@ -78,6 +62,12 @@ class Lease:
     """Tokens already generated per response index: continue from them."""
     done: frozenset[int] = frozenset()
     """Responses already finished by earlier holders: do not generate them again."""
+    resume_logprobs: dict[int, tuple[float, ...]] = field(default_factory=dict)
+    """Log-probabilities of the ``resume`` tokens (same length, when the holders reported them)."""
+    resume_versions: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Weight version that produced each ``resume`` token (same length, when reported)."""
+    finish: dict[int, str] = field(default_factory=dict)
+    """Finish reason of each ``done`` response, when its holder reported one."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +84,9 @@ class Completion:
 class _Work:
     item: WorkItem
     tokens: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
+    versions: dict[int, list[int]] = field(default_factory=dict)
+    finish: dict[int, str] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
     lease: Lease | None = None
     grants: dict[int, str] = field(default_factory=dict)
@@ -166,8 +159,11 @@ class LeaseTable:
             raise UnknownWork(work_id)
         del self._queue[work_id]
         self._next_lease += 1
+        open_ = [r for r in s.tokens if r not in s.done]
         lease = Lease(work_id, node, self._next_lease, now + self.ttl,
-                      {r: tuple(t) for r, t in s.tokens.items() if r not in s.done}, frozenset(s.done))
+                      {r: tuple(s.tokens[r]) for r in open_}, frozenset(s.done),
+                      {r: tuple(s.logprobs.get(r, ())) for r in open_},
+                      {r: tuple(s.versions.get(r, ())) for r in open_}, dict(s.finish))
         s.lease = lease
         s.grants[lease.lease_id] = node
         s.attempts += 1
@@ -184,26 +180,48 @@ class LeaseTable:
         """Extend a lease by ``ttl`` from ``now``; :class:`LeaseExpired` if it is no longer this node's."""
         s = self._current(node, work_id, lease_id)
         assert s.lease is not None
-        s.lease = Lease(work_id, node, lease_id, now + self.ttl, s.lease.resume, s.lease.done)
+        s.lease = replace(s.lease, expires_at=now + self.ttl)
         return s.lease
 
     def progress(self, now: float, node: str, work_id: str, lease_id: int, response: int, offset: int,
-                 tokens: tuple[int, ...] | list[int], finished: bool = False) -> int:
+                 tokens: tuple[int, ...] | list[int], finished: bool = False, *,
+                 logprobs: tuple[float, ...] | list[float] | None = None,
+                 versions: tuple[int, ...] | list[int] | None = None, finish_reason: str | None = None) -> int:
         """Record tokens ``[offset, offset + len(tokens))`` of one response and renew the lease.
 
+        ``logprobs`` and ``versions``, when given, run parallel to ``tokens`` and are
+        kept beside them (a report without them keeps only tokens for that range).
         A report may overlap what is recorded (a retry); the holder's tokens replace
-        the overlap. Returns the number of tokens recorded for that response.
+        the overlap. ``finished`` (or a ``finish_reason``) marks the response done.
+        Returns the number of tokens recorded for that response. Raises
+        :class:`ProgressGap` (nothing recorded) if the report starts past the
+        recorded tokens or names no response of the work, and ``ValueError`` if
+        ``logprobs``/``versions`` do not match ``tokens`` in length.
         """
         s = self._current(node, work_id, lease_id)
         if not 0 <= response < s.item.responses:
             raise ProgressGap(work_id, response, offset, 0)
+        for name, extra in (("logprobs", logprobs), ("versions", versions)):
+            if extra is not None and len(extra) != len(tokens):
+                raise ValueError(f"{name}: {len(extra)} values for {len(tokens)} tokens")
         have = s.tokens.setdefault(response, [])
         if offset > len(have) or offset < 0:
             raise ProgressGap(work_id, response, offset, len(have))
         del have[offset:]
         have.extend(tokens)
-        if finished:
+        for store, extra in ((s.logprobs, logprobs), (s.versions, versions)):
+            # A column stays a contiguous prefix of known values: a range reported without it
+            # (or after a hole in it) cuts it there.
+            col = store.setdefault(response, [])
+            if extra is not None and len(col) >= offset:
+                del col[offset:]
+                col.extend(extra)
+            else:
+                del col[min(offset, len(col)):]
+        if finished or finish_reason is not None:
             s.done.add(response)
+            if finish_reason is not None:
+                s.finish[response] = finish_reason
         self.renew(now, node, work_id, lease_id)
         return len(have)
 
@@ -265,6 +283,26 @@ class LeaseTable:
         """Tokens recorded so far per response."""
         return {r: tuple(t) for r, t in self._state(work_id).tokens.items()}
 
+    def history(self, work_id: str) -> dict[int, tuple[tuple[int, ...], tuple[float, ...], tuple[int, ...]]]:
+        """(tokens, logprobs, versions) recorded so far per response; a column a holder did not
+        report is shorter than the tokens."""
+        s = self._state(work_id)
+        return {r: (tuple(t), tuple(s.logprobs.get(r, ())), tuple(s.versions.get(r, ()))) for r, t in s.tokens.items()}
+
+    def holders_of(self, work_id: str) -> list[str]:
+        """Every node that ever held a lease on ``work_id``, in grant order, each once."""
+        return list(dict.fromkeys(self._state(work_id).grants.values()))
+
+    def is_completed(self, work_id: str) -> bool:
+        return self._state(work_id).completed
+
+    def release(self, now: float, node: str, work_id: str, lease_id: int) -> None:
+        """The holder hands one lease back: the work, with its tokens, goes to the front of the queue.
+
+        :class:`LeaseExpired` if the lease is no longer this node's (nothing changes)."""
+        s = self._current(node, work_id, lease_id)
+        self._requeue(s, "released")
+
     # ------------------------------------------------------------ views
 
     def holders(self) -> dict[str, list[tuple[str, float]]]:
@@ -277,6 +315,10 @@ class LeaseTable:
 
     def leases_of(self, node: str) -> list[Lease]:
         return [self._work[w].lease for w in sorted(self._by_holder.get(node, ()))]  # type: ignore[misc]
+
+    def pending(self) -> int:
+        """Submitted work not completed yet."""
+        return sum(1 for s in self._work.values() if not s.completed)
 
     def counts(self) -> dict[str, int]:
         c = {"queued": len(self._queue), "leased": 0, "completed": 0, "duplicates": len(self.duplicates)}

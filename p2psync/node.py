@@ -38,14 +38,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2psync import keys
-from p2psync.artifact import ArtifactFile, Manifest, applier_for
+from p2psync.artifact import ArtifactFile, Manifest
+from p2psync.codec.decode import Applier
 from p2psync.config import NodeConfig
 from p2psync.errors import CodecError, P2PSyncError, PeerUnreachable, WrongBase
 from p2psync.logs import NodeAdapter
 from p2psync.store import ArtifactInfo, VersionStore, plan_catchup
 from p2psync.transport.board import Board
 from p2psync.transport.client import PeerClient, cancel_quietly
-from p2psync.transport.fetch import Upstream, fetch_chunks
+from p2psync.transport.fetch import Pipeline, Upstream, fetch_chunks
 from p2psync.transport.listen import advertised, bind
 from p2psync.transport.messages import Catalogue
 from p2psync.transport.metrics import Metrics
@@ -96,6 +97,12 @@ class Node:
         self._progress: dict[str, int] = {}
         self.services: list[Any] = []
         """Optional parts (control plane, probes, live page): see :mod:`p2psync.services`."""
+        self.gossip: Any = None
+        """The gossip service (:class:`p2psync.control.gossip_service.GossipService`) when gossip is on."""
+        self.coordinator: Any = None
+        """Trainer: the coordinator, a :class:`p2psync.control.api.WorkSink` (``submit``, ``results``)."""
+        self.work: Any = None
+        """Rollout node: a :class:`p2psync.control.api.WorkSource` (leases on rollout work)."""
 
     # --- lifecycle ---------------------------------------------------------------------------
     @classmethod
@@ -195,6 +202,35 @@ class Node:
     def note_child(self, node_id: str, address: str) -> None:
         self._children[node_id] = (address, time.time())
 
+    # --- control plane ---------------------------------------------------------------------------
+    def set_planned_parent(self, url: str | None, parent_id: str | None = None) -> None:
+        """Follow the live plan: ``url`` becomes the first candidate parent, the configured ones
+        follow. The switch happens at once if the current parent changes; chunks held are kept."""
+        if self.upstream is None:
+            return
+        parents = self.upstream.parents
+        if parents.plan(url):
+            self.log.info("planned parent: %s (%s); candidates %s", parent_id, url, parents.candidates)
+            self._parent_changed.set()  # the watcher re-picks (the same parent: it just reconnects)
+
+    def update_self(self, *, throughput: float | None = None, bandwidth: float | None = None) -> None:
+        """Report a measured decode throughput (tokens/s) or download bandwidth (bytes/s) to the
+        coordinator (through gossip; a no-op without it)."""
+        if self.gossip is not None:
+            self.gossip.update_self(throughput=throughput, bandwidth=bandwidth)
+
+    def cluster(self) -> list[dict]:
+        """Every node this one knows, for status pages: ``id``, ``role``, ``region``, ``address``
+        (advertised URL), ``version`` (the coordinator knows every node's; others know their own),
+        ``status`` (alive, suspect, dead, left) and ``parent`` (planned parent id, or None)."""
+        if self.gossip is not None:
+            found = self.gossip.cluster()
+            if found:
+                return found
+        cfg = self.config
+        return [{"id": cfg.id, "role": cfg.role, "region": cfg.region, "address": self.address,
+                 "version": self.version, "status": "alive", "parent": None}]
+
     def extra_routes(self) -> list:
         return [r for svc in self.services for r in svc.routes()]
 
@@ -227,7 +263,25 @@ class Node:
 
     # --- weights -------------------------------------------------------------------------------
     async def _load(self) -> None:
-        """Checkpointed weights, then the local delta chain up to the newest version held."""
+        """Checkpointed weights, then the local delta chain up to the newest version held.
+
+        Meanwhile a background thread imports torch and loads the codec's compiled kernels
+        (seconds on first use), so that the first artifact after start applies at full speed
+        instead of paying for them between its last chunk and its commit
+        (:mod:`p2psync.transport.warm`).
+        """
+        async def warm_up() -> None:
+            from p2psync.transport.warm import warm_up_process
+
+            try:
+                took = await warm_up_process()
+            except Exception as exc:  # noqa: BLE001 - only a speed-up: the real apply path reports errors
+                self.log.warning("codec warm-up failed (the first apply will be slower): %r", exc)
+                return
+            self.metrics.set("p2psync_codec_warm_seconds", took)
+            self.log.info("codec warm in %.2f s", took)
+
+        self._spawn(warm_up(), "warm-up")
         loaded = await asyncio.to_thread(self.store.load_state)
         if loaded is not None:
             self.state, self.version = loaded
@@ -252,15 +306,11 @@ class Node:
     async def _commit(self, manifest: Manifest, chunks: list[bytes] | None = None, applier: Any = None) -> None:
         """Apply ``manifest`` all-or-nothing (from ``chunks``, or an ``applier`` already fed)."""
         def work() -> tuple[ModelState, str]:
-            from p2psync.state import ModelState
-
-            state = self.state
-            if state is None or (manifest.kind == "snapshot" and list(manifest.tensors) != state.specs):
-                state = ModelState.empty_like(list(manifest.tensors))
-            ap = applier or applier_for(state, manifest)
+            ap = applier or Applier.onto(self.state, manifest)
             if chunks is not None:
                 ap.add_chunks(enumerate(chunks), 2)
-            return ap.state, ap.commit()
+            fp = ap.commit()
+            return ap.state, fp
 
         state, fp = await asyncio.to_thread(work)
         self.state, self.version, self.fingerprint = state, manifest.target_version, fp
@@ -423,12 +473,23 @@ class Node:
         self._wake.set()
 
     async def _follow(self) -> None:
-        """Catch up to the parent's head whenever it moves."""
+        """Catch up to the parent's head whenever it moves.
+
+        Also rebuilds the trainer-signed snapshot of the version held when the parent announces
+        its manifest only after we applied that version (the trainer signs it just after it
+        publishes the delta), once per version.
+        """
         assert self.upstream is not None and self._client is not None
         await self.loaded.wait()
         lim = self.config.limits
+        rebuilt: set[int] = set()
         while True:
             cat = self._upstream_cat
+            if (cat is not None and self.config.materialise and self.version is not None
+                    and self.version not in rebuilt and self.version in cat.snapshot_manifests):
+                rebuilt.add(self.version)
+                await self._materialise(self.version)
+                continue
             if cat is None or cat.head is None or (self.version is not None and cat.head <= self.version):
                 self._wake.clear()
                 try:
@@ -459,7 +520,8 @@ class Node:
         self.log.info("catching up %s -> %d via %s", self.version, cat.head, [a.id for a in plan])
         for info in plan:
             await self._fetch_apply(info)
-            if self.config.materialise and self.version in cat.snapshot_manifests:
+            latest = self._upstream_cat or cat  # it may list a snapshot signed while we fetched
+            if self.config.materialise and self.version in latest.snapshot_manifests:
                 await self._materialise(self.version)
             await self._after_apply()
 
@@ -471,28 +533,18 @@ class Node:
             m = await self.upstream.manifest(aid, lambda m: m.verify(self.public_key))
             art = self.store.add_manifest(m)
         manifest = art.manifest
-        from p2psync.state import ModelState
-
-        def new_applier() -> Any:
-            state = self.state
-            if state is None or (manifest.kind == "snapshot" and list(manifest.tensors) != state.specs):
-                state = ModelState.empty_like(list(manifest.tensors))
-            return applier_for(state, manifest)
-
-        applier = await asyncio.to_thread(new_applier)
-        held = sorted(art.held)
-        if held:
-            chunks = [(i, await asyncio.to_thread(self.store.read_chunk, aid, i)) for i in held]
-            await asyncio.to_thread(applier.add_chunks, chunks, 2)
-
-        async def on_chunk(i: int, data: bytes) -> None:
-            await asyncio.to_thread(applier.add_chunk, i, data)
+        applier = await asyncio.to_thread(Applier.onto, self.state, manifest)
+        # Chunks decode in worker threads while later ones download (bounded, so memory is too).
+        decode = Pipeline(applier.add_chunk, self.config.limits.parallel_streams + 2)
+        for i in sorted(art.held):  # kept from an interrupted fetch or an earlier run
+            await decode.submit(i, await asyncio.to_thread(self.store.read_chunk, aid, i))
 
         self.board.begin(aid, len(manifest.chunks))
         self.heads.bump()  # children may start fetching now: cut-through
         try:
             await fetch_chunks(self.upstream, self.store, self.board, manifest,
-                               self.config.limits.parallel_streams, on_chunk)
+                               self.config.limits.parallel_streams, decode.submit)
+            await decode.drain()
             await self._commit(manifest, applier=applier)
         finally:
             self.board.end(aid)

@@ -23,6 +23,9 @@ def build_services(node: Node) -> list[Any]:
     """The services ``node`` runs, in start order."""
     services: list[Any] = []
     # Each part registers itself here (one line each; imports stay local so the CLI stays fast).
+    from p2psync.control.services import control_services
+
+    services.extend(control_services(node))  # gossip, coordinator (trainer) or work client (rollout)
     from p2psync.probe import ProbeService
 
     services.append(ProbeService(node))  # probe endpoints, every node

@@ -10,7 +10,12 @@ Layout under ``data_dir``::
 Every file is written to a temporary name and renamed into place, so a crash
 leaves either the old file or the new one, never half of one; leftover
 temporaries are removed on open. Manifests are re-verified against the
-trainer's key when the store is opened, chunks whenever they are read.
+trainer's key when the store is opened, chunks whenever they are read from
+disk. The chunks stored most recently (``cache_bytes`` of them) are also kept
+in memory, as the verified bytes :meth:`VersionStore.put_chunk` checked, so that
+a relay serves its children what it just received without reading it back and
+hashing it again for every child (cut-through children ask for a chunk moments
+after it arrived).
 
 Retention keeps the newest complete snapshot and the delta chain after it,
 plus the newest ``keep_deltas`` deltas, and never drops a delta the state
@@ -22,6 +27,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +45,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.p2sa"
+CACHE_BYTES = 128 << 20
+"""Default size of the in-memory copy of the most recently stored chunks."""
 
 
 # --- catch-up planning (pure) -----------------------------------------------------------------
@@ -127,16 +136,22 @@ class VersionStore:
     """Artifacts held on disk, indexed by artifact id. Not thread-safe for structural changes;
     :meth:`put_chunk` and :meth:`read_chunk` may run in worker threads."""
 
-    def __init__(self, root: Path, public_key: Ed25519PublicKey, *, fsync: bool = False) -> None:
+    def __init__(self, root: Path, public_key: Ed25519PublicKey, *, fsync: bool = False,
+                 cache_bytes: int = CACHE_BYTES) -> None:
         self.root = root
         self.public_key = public_key
         self.fsync = fsync
         self.artifacts: dict[str, StoredArtifact] = {}
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[tuple[str, int], bytes | memoryview] = OrderedDict()
+        self._cached = 0
+        self._cache_lock = threading.Lock()
 
     @classmethod
-    def open(cls, root: str | Path, public_key: Ed25519PublicKey, *, fsync: bool = False) -> VersionStore:
+    def open(cls, root: str | Path, public_key: Ed25519PublicKey, *, fsync: bool = False,
+             cache_bytes: int = CACHE_BYTES) -> VersionStore:
         """Open (or create) the store at ``root``, dropping temporaries and artifacts that fail to verify."""
-        store = cls(Path(root), public_key, fsync=fsync)
+        store = cls(Path(root), public_key, fsync=fsync, cache_bytes=cache_bytes)
         (store.root / "artifacts").mkdir(parents=True, exist_ok=True)
         for tmp in store.root.rglob("*.tmp"):
             tmp.unlink(missing_ok=True)
@@ -178,22 +193,55 @@ class VersionStore:
         return art
 
     def put_chunk(self, aid: str, index: int, data: bytes | memoryview) -> None:
-        """Verify chunk ``index`` against the signed manifest, then store it (idempotent)."""
+        """Verify chunk ``index`` against the signed manifest, then store it (idempotent).
+
+        ``data`` is kept (in the memory cache): the caller must not change it afterwards.
+        """
         art = self.artifacts[aid]
         verify_chunk(art.manifest, index, data)
         if index in art.held:
             return
         self._write(art.path / f"chunk-{index}", data)
+        self._remember(aid, index, data)
         art.held.add(index)
+
+    # --- memory cache of verified chunks -----------------------------------------------------
+    def _remember(self, aid: str, index: int, data: bytes | memoryview) -> None:
+        if len(data) > self.cache_bytes:
+            return
+        with self._cache_lock:
+            old = self._cache.pop((aid, index), None)
+            self._cached += len(data) - (len(old) if old is not None else 0)
+            self._cache[(aid, index)] = data
+            while self._cached > self.cache_bytes:
+                _, dropped = self._cache.popitem(last=False)
+                self._cached -= len(dropped)
+
+    def cached_chunk(self, aid: str, index: int) -> bytes | memoryview | None:
+        """Chunk ``index`` if it is in the memory cache (verified when stored), else None. Cheap."""
+        with self._cache_lock:
+            data = self._cache.get((aid, index))
+            if data is not None:
+                self._cache.move_to_end((aid, index))
+            return data
+
+    def _forget(self, aid: str) -> None:
+        with self._cache_lock:
+            for key in [k for k in self._cache if k[0] == aid]:
+                self._cached -= len(self._cache.pop(key))
 
     # --- reading ---------------------------------------------------------------------------
     def has_chunk(self, aid: str, index: int) -> bool:
         art = self.artifacts.get(aid)
         return art is not None and index in art.held
 
-    def read_chunk(self, aid: str, index: int) -> bytes:
-        """Chunk ``index``, re-verified (bit rot on disk is caught here, not by a child)."""
+    def read_chunk(self, aid: str, index: int) -> bytes | memoryview:
+        """Chunk ``index``: from the memory cache, or from disk and re-verified (bit rot on disk
+        is caught here, not by a child)."""
         art = self.artifacts[aid]
+        cached = self.cached_chunk(aid, index)
+        if cached is not None and index in art.held:
+            return cached
         try:
             data = (art.path / f"chunk-{index}").read_bytes()
         except OSError as exc:
@@ -207,7 +255,7 @@ class VersionStore:
             raise
         return data
 
-    def chunks(self, aid: str) -> list[bytes]:
+    def chunks(self, aid: str) -> list[bytes | memoryview]:
         art = self.artifacts[aid]
         return [self.read_chunk(aid, i) for i in range(len(art.manifest.chunks))]
 
@@ -233,6 +281,7 @@ class VersionStore:
     # --- retention -------------------------------------------------------------------------
     def remove(self, aid: str) -> None:
         art = self.artifacts.pop(aid, None)
+        self._forget(aid)
         if art is not None:
             shutil.rmtree(art.path, ignore_errors=True)
 

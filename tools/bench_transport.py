@@ -1,29 +1,40 @@
 """Publish-to-last-node time of the HTTP data plane on loopback.
 
 Starts real ``p2psync node`` processes (trainer, relays, rollout nodes) on
-127.0.0.1, publishes one snapshot artifact of the requested size through the
-trainer's ``--publish-dir``, and measures from the moment the trainer reports
-the version until the last node does (status polled every 10 ms). Topologies:
+127.0.0.1 and publishes through the trainer's ``--publish-dir``: first a tiny
+warm-up snapshot (version 0: connections open, codec warm, every node synced,
+as in a running job), then the measured artifact (version 1), a raw snapshot
+of random bf16 words of the requested size (incompressible, so payload bytes
+~= model bytes). Times come from each node's own event stream
+(``GET /v1/events`` pushes a catalogue the moment its applied version
+changes), so nothing polls while a transfer runs. Measured: from the trainer
+announcing version 1 to each node announcing it; CPU seconds of every node
+process over the same window plus the trainer's publish (``/proc``); after the
+run, SIGTERM -> exit time of every node. Topologies:
 
 - ``hop``:   trainer -> 1 rollout
 - ``chain``: trainer -> relay -> rollout (depth 2)
 - ``tree``:  trainer -> 2 relays -> 2 rollouts each (6 nodes below the trainer)
 
-each with cut-through on and off. The payload is random bf16 (incompressible,
-so payload bytes ~= model bytes).
+each with cut-through on and off. Every configuration runs ``--repeat`` times;
+the table shows medians, the JSON lines every run.
 
-    .venv/bin/python tools/bench_transport.py --sizes 10,100 --chunk-size 1MiB
+    .venv/bin/python tools/bench_transport.py --sizes 10,100,1000 --repeat 3
 """
 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
-import resource
+import shutil
+import signal
+import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -33,12 +44,73 @@ CLI = [sys.executable, "-c", "import sys; from p2psync.cli import main; sys.exit
 TOPOLOGIES = {"hop": {"r0": None}, "chain": {"relay": None, "r0": "relay"},
               "tree": {"relay-a": None, "relay-b": None, "ra0": "relay-a", "ra1": "relay-a",
                        "rb0": "relay-b", "rb1": "relay-b"}}
+_TICK = os.sysconf("SC_CLK_TCK")
 
 
 def status(url: str) -> dict:
     req = urllib.request.Request(url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         return json.loads(r.read())
+
+
+def metrics(url: str) -> str:
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.read().decode()
+
+
+def wait_ready(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if status(url)["loaded"] and "p2psync_codec_warm_seconds" in metrics(url):
+                return
+        except OSError:  # still starting on a busy machine: try again
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{url} not ready after {timeout} s")
+        time.sleep(0.1)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _TICK  # utime + stime
+
+
+class Watch:
+    """Follows one node's event stream in a thread; records when each version first appears."""
+
+    def __init__(self, url: str) -> None:
+        host, port = url.split("//", 1)[1].rsplit(":", 1)
+        self.conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        self.seen: dict[int, float] = {}
+        self.cond = threading.Condition()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.conn.request("GET", "/v1/events", headers={"Authorization": f"Bearer {TOKEN}"})
+            resp = self.conn.getresponse()
+            while line := resp.readline():
+                if line.startswith(b"data:"):
+                    now = time.monotonic()
+                    v = json.loads(line[5:])["version"]
+                    with self.cond:
+                        if v is not None and v not in self.seen:
+                            self.seen[v] = now
+                            self.cond.notify_all()
+        except (OSError, http.client.HTTPException, ValueError, AttributeError):
+            pass  # the node stopped, or close() closed the connection under us
+
+    def wait(self, version: int, timeout: float) -> float:
+        with self.cond:
+            if not self.cond.wait_for(lambda: version in self.seen, timeout):
+                raise TimeoutError(f"version {version} not reached in {timeout} s")
+            return self.seen[version]
+
+    def close(self) -> None:
+        self.conn.close()
 
 
 def start(root: Path, keydir: Path, name: str, role: str, parent: str | None, cut_through: bool,
@@ -56,63 +128,124 @@ def start(root: Path, keydir: Path, name: str, role: str, parent: str | None, cu
     return p, p.stdout.readline().strip()
 
 
-def make_artifact(path: Path, priv, mbytes: int, chunk_size: int) -> int:
+def make_artifact(path: Path, priv, nbytes: int, chunk_size: int, version: int, name: str = "w") -> int:
     import torch
 
     from p2psync.artifact import build_manifest, write_file
     from p2psync.codec.encode import CodecOptions, encode_snapshot
     from p2psync.state import ModelState
 
-    n = mbytes * (1 << 20) // 2
-    g = torch.Generator().manual_seed(0)
-    state = ModelState({"w": torch.randint(-32768, 32767, (n,), dtype=torch.int16, generator=g).view(torch.bfloat16)})
+    n = nbytes // 2
+    g = torch.Generator().manual_seed(version)
+    state = ModelState({name: torch.randint(-32768, 32767, (n,), dtype=torch.int16, generator=g)
+                        .view(torch.bfloat16)})
     enc = encode_snapshot(state, CodecOptions(chunk_size=chunk_size, zstd_level=0))
-    m = build_manifest(enc, model_id="bench", target_version=0, chunk_size=chunk_size, private_key=priv)
+    del state
+    m = build_manifest(enc, model_id="bench", target_version=version, chunk_size=chunk_size, private_key=priv)
     write_file(path, m, enc.chunks)
     return m.payload_bytes
 
 
-def run_one(topology: str, cut_through: bool, artifact: Path, keydir: Path, streams: int) -> dict:
+def stop(procs: dict[str, subprocess.Popen]) -> dict[str, float]:
+    """SIGTERM every node at once; seconds until each exited."""
+    t0 = time.monotonic()
+    for p in procs.values():
+        p.send_signal(signal.SIGTERM)
+    out = {}
+    for name, p in procs.items():
+        try:
+            p.wait(180)  # a node that moved checkpoints its weights on the way out
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(5)
+        out[name] = time.monotonic() - t0
+    return out
+
+
+def run_one(topology: str, cut_through: bool, artifact: Path, warm: Path, keydir: Path, streams: int,
+            timeout: float) -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"bench-{topology}-"))
     publish = root / "publish"
     publish.mkdir()
-    procs = []
+    procs: dict[str, subprocess.Popen] = {}
+    watches: dict[str, Watch] = {}
     try:
-        tp, turl = start(root, keydir, "trainer", "trainer", None, cut_through, streams, publish)
-        procs.append(tp)
+        procs["trainer"], turl = start(root, keydir, "trainer", "trainer", None, cut_through, streams, publish)
         urls = {"trainer": turl}
         for name, parent in TOPOLOGIES[topology].items():
             role = "relay" if name.startswith("relay") else "rollout"
-            p, urls[name] = start(root, keydir, name, role, urls[parent or "trainer"], cut_through, streams)
-            procs.append(p)
-        for u in urls.values():  # every node has loaded and is idle
-            while not status(u)["loaded"]:
-                time.sleep(0.05)
-        cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+            procs[name], urls[name] = start(root, keydir, name, role, urls[parent or "trainer"], cut_through,
+                                            streams)
+        for u in urls.values():  # loaded, and the codec warm (as in a node that has run for a while)
+            wait_ready(u, timeout)
+        watches = {name: Watch(u) for name, u in urls.items()}
+        os.link(warm, publish / warm.name)
+        for w in watches.values():
+            w.wait(0, timeout)
+        time.sleep(0.5)  # let the warm-up's checkpoint and retention settle
+        cpu0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
         os.link(artifact, publish / artifact.name)
-        t_pub = None
-        done: dict[str, float] = {}
-        while len(done) < len(urls):
-            for name, u in urls.items():
-                if name not in done and status(u)["version"] == 0:
-                    done[name] = time.monotonic()
-                    if name == "trainer":
-                        t_pub = done[name]
-            time.sleep(0.01)
-        assert t_pub is not None
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait(30)
-        cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-        last = max(done.values())
-        return {"topology": topology, "cut_through": cut_through, "nodes": len(urls) - 1,
-                "publish_to_last_s": round(last - t_pub, 3),
-                "cpu_s": round(cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime, 1)}
+        t = {name: w.wait(1, timeout) for name, w in watches.items()}
+        cpu1 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
+        t_pub = t.pop("trainer")
+        shutdown = stop(procs)
+        arrive = {name: round(v - t_pub, 3) for name, v in t.items()}
+        cpu = {name: round(cpu1[name] - cpu0[name], 2) for name in procs}
+        return {"topology": topology, "cut_through": cut_through, "nodes": len(t),
+                "publish_to_last_s": max(arrive.values()), "arrive_s": arrive, "cpu_s": cpu,
+                "shutdown_s": {k: round(v, 3) for k, v in shutdown.items()}}
     finally:
-        for p in procs:
+        for w in watches.values():
+            w.close()
+        for p in procs.values():
             if p.poll() is None:
                 p.kill()
+                p.wait(5)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def idle_shutdown(warm: Path, keydir: Path, timeout: float) -> dict[str, float]:
+    """SIGTERM -> exit of a trainer and a rollout node that synced the warm-up version and sat idle."""
+    root = Path(tempfile.mkdtemp(prefix="bench-idle-"))
+    publish = root / "publish"
+    publish.mkdir()
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        procs["trainer"], turl = start(root, keydir, "trainer", "trainer", None, True, 4, publish)
+        procs["r0"], rurl = start(root, keydir, "r0", "rollout", turl, True, 4)
+        for u in (turl, rurl):
+            wait_ready(u, timeout)
+        w = Watch(rurl)
+        os.link(warm, publish / warm.name)
+        w.wait(0, timeout)
+        time.sleep(1.0)  # idle: the warm-up version applied, nothing in flight
+        w.close()
+        return {k: round(v, 3) for k, v in stop(procs).items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(5)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["mb"], r["topology"], r["cut_through"]), []).append(r)
+    out = []
+    for (mb, topo, ct), rs in groups.items():
+        last = statistics.median(r["publish_to_last_s"] for r in rs)
+        payload = rs[0]["payload"]
+        followers = [c for r in rs for n, c in r["cpu_s"].items() if n != "trainer"]
+        out.append({"mb": mb, "topology": topo, "cut_through": ct, "nodes": rs[0]["nodes"], "runs": len(rs),
+                    "last_s": last, "min_s": min(r["publish_to_last_s"] for r in rs),
+                    "max_s": max(r["publish_to_last_s"] for r in rs),
+                    "mb_per_s": payload / 1e6 / last,
+                    "cpu_trainer": statistics.median(r["cpu_s"]["trainer"] for r in rs),
+                    "cpu_node": statistics.median(followers),
+                    "shutdown_max": max(max(r["shutdown_s"].values()) for r in rs)})
+    return out
 
 
 def main() -> int:
@@ -122,29 +255,57 @@ def main() -> int:
     from p2psync.cli.delta import parse_size
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--sizes", default="10,100", help="artifact sizes in MB, comma separated")
+    ap.add_argument("--sizes", default="10,100", help="artifact sizes in MB (10**6 bytes), comma separated")
     ap.add_argument("--chunk-size", type=parse_size, default="1MiB")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--topologies", default="hop,chain,tree")
+    ap.add_argument("--cut-through", default="on,off", help="on, off or on,off")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per configuration (the table shows medians)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for one version")
+    ap.add_argument("--json", help="append every run as a JSON line to this file")
+    ap.add_argument("--idle-shutdown", type=int, default=3, help="times to measure SIGTERM -> exit of idle nodes")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-keys-"))
-    priv = keys.generate()
-    keys.write_pair(priv, work)
-    rows = []
-    for mb in (int(s) for s in args.sizes.split(",")):
-        art = work / f"{mb:06d}-snapshot.p2sa"
-        payload = make_artifact(art, priv, mb, args.chunk_size)
-        for topo in args.topologies.split(","):
-            for ct in (True, False):
-                r = run_one(topo, ct, art, work, args.streams)
-                r.update(mb=mb, payload=payload, mb_per_s=round(payload / 2**20 / r["publish_to_last_s"], 1))
-                rows.append(r)
-                print(json.dumps(r), flush=True)
-    print("\n| MB | topology | nodes | cut-through | publish -> last node (s) | MB/s | CPU s (all nodes) |")
-    print("|---:|---|---:|---|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['mb']} | {r['topology']} | {r['nodes']} | {'on' if r['cut_through'] else 'off'} | "
-              f"{r['publish_to_last_s']} | {r['mb_per_s']} | {r['cpu_s']} |")
+    try:
+        priv = keys.generate()
+        keys.write_pair(priv, work)
+        warm = work / "000000-snapshot.p2sa"
+        make_artifact(warm, priv, 128 << 10, 64 << 10, 0, "warm-up")
+        idle = []
+        for _ in range(args.idle_shutdown):
+            idle.append(idle_shutdown(warm, work, args.timeout))
+            print(json.dumps({"idle_shutdown_s": idle[-1]}), flush=True)
+            if args.json:
+                with open(args.json, "a") as f:
+                    f.write(json.dumps({"idle_shutdown_s": idle[-1]}) + "\n")
+        rows = []
+        for mb in (int(s) for s in args.sizes.split(",")):
+            art = work / "000001-snapshot.p2sa"
+            payload = make_artifact(art, priv, mb * 10**6, args.chunk_size, 1)
+            for topo in args.topologies.split(","):
+                for ct in (c == "on" for c in args.cut_through.split(",")):
+                    for _ in range(args.repeat):
+                        r = run_one(topo, ct, art, warm, work, args.streams, args.timeout)
+                        r.update(mb=mb, payload=payload, chunk_size=args.chunk_size, streams=args.streams)
+                        rows.append(r)
+                        print(json.dumps(r), flush=True)
+                        if args.json:
+                            with open(args.json, "a") as f:
+                                f.write(json.dumps(r) + "\n")
+            art.unlink()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("\n| MB | topology | nodes | cut-through | runs | publish -> last node, median (min-max) s "
+          "| MB/s per node | CPU s trainer | CPU s per node | slowest SIGTERM -> exit s |")
+    print("|---:|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    for s in summarise(rows):
+        print(f"| {s['mb']} | {s['topology']} | {s['nodes']} | {'on' if s['cut_through'] else 'off'} | {s['runs']} "
+              f"| {s['last_s']:.3f} ({s['min_s']:.3f}-{s['max_s']:.3f}) | {s['mb_per_s']:.0f} | {s['cpu_trainer']:.2f} "
+              f"| {s['cpu_node']:.2f} | {s['shutdown_max']:.2f} |")
+    if idle:
+        every = sorted(v for d in idle for v in d.values())
+        print(f"\nidle SIGTERM -> exit ({len(every)} nodes): median {statistics.median(every):.3f} s, "
+              f"max {every[-1]:.3f} s")
     return 0
 
 

@@ -31,11 +31,11 @@ def traffic(sim: Sim, seconds: float, churn: bool, step: int = 30) -> tuple[floa
                 e = default_member(n + s)
                 sim.join(e, seeds=(default_member(0).address,))
                 sim.leave(default_member(1 + (s // 10) * 3).address)
-            if s % step == 0:  # a new head version: trainer publishes head + plan, every node its versions
+            if s % step == 0:  # a new head version: trainer publishes head + plan, every node reports its versions
                 v = s // step + 1
-                trainer.publish("head", {"version": v})
+                trainer.publish("head", {"version": v}, sim.now)
                 parents = {nd.id: trainer.id for nd in sim.running() if nd.id != trainer.id}
-                trainer.publish("plan", {"epoch": v, "root": trainer.id, "parents": parents})
+                trainer.publish("plan", {"epoch": v, "root": trainer.id, "parents": parents}, sim.now)
                 for nd in sim.running():
                     nd.update_self(sim.now, versions=(v - 1, v), throughput=1100.0)
         sim.run_until(start + s + 1)
@@ -74,7 +74,8 @@ def main() -> None:
     print(f"failure: 99 % hold it suspect after {r_suspect} rounds, dead after {r_suspect + r_dead} rounds "
           f"(suspect_after 10 s + dead_after 20 s + spreading)")
     print(f"traffic idle: mean {idle[0] / 1e3:.2f} KB/s per node, max {idle[1] / 1e3:.2f} KB/s")
-    print(f"traffic with churn (1 join + 1 leave / 10 s, a new version on every node + head + plan every {args.step_seconds} s): "
+    print(f"traffic with churn (1 join + 1 leave / 10 s, every {args.step_seconds} s a new version on every node "
+          f"(reported to the coordinator) + head + plan): "
           f"mean {churn[0] / 1e3:.2f} KB/s per node, max {churn[1] / 1e3:.2f} KB/s")
 
     for loss in (0.05, 0.20):

@@ -8,42 +8,44 @@ Contract of :class:`CoordinatorState`:
 - An entry whose ``writer`` is not the coordinator is refused with
   :class:`NotCoordinator`, whoever forwarded it. The writer field is a claim;
   ``verify`` (for example a check of a trainer-key signature) makes it a proof.
-- A coordinator that restarts must first learn the largest version in the
-  cluster (``max_version``, e.g. after one exchange with a seed) and continue
-  from it, or its new writes would lose to its old ones.
+- ``verify`` (for example a check of a trainer-key signature, see
+  :mod:`p2psync.gossip.signing`) turns the claim into a proof: an entry that
+  fails it is refused too, so a relay can neither forge nor alter a plan, head
+  or lease entry. ``sign`` is the coordinator's side of the same check.
+- Versions follow the coordinator's clock: a write given ``now`` takes
+  ``max(max_version + 1, now in milliseconds)``, so a coordinator that restarts
+  with no state still writes versions above its old ones, and an entry's
+  version tells when it was written.
+- ``leases/<node>`` with an empty list is a tombstone: every node removes it
+  ``tombstone_ttl`` after it was written (:meth:`expire`) and refuses it from
+  then on, so the keys of nodes that left do not pile up.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from p2psync.errors import IntegrityError
+from p2psync.errors import NotCoordinator
 from p2psync.gossip.index import BucketIndex
 from p2psync.gossip.messages import LEASES_PREFIX, CoordEntry, _check_coord_value
 
 
-class NotCoordinator(IntegrityError):
-    """A coordinator entry was written, or claims to be written, by a node that is not the coordinator.
-
-    Lives here until it moves to :mod:`p2psync.errors`.
-    """
-
-    def __init__(self, writer: str, coordinator: str | None, name: str) -> None:
-        super().__init__(f"coordinator entry {name!r} written by {writer!r}, but the coordinator is {coordinator!r}")
-        self.writer = writer
-        self.coordinator = coordinator
-        self.name = name
+def is_tombstone(e: CoordEntry) -> bool:
+    return e.name.startswith(LEASES_PREFIX) and not e.value
 
 
 class CoordinatorState:
     """The coordinator entries this node holds, merged by version."""
 
     def __init__(self, my_id: str, coordinator: str | None, index: BucketIndex,
-                 verify: Callable[[CoordEntry], bool] | None = None) -> None:
+                 verify: Callable[[CoordEntry], bool] | None = None,
+                 sign: Callable[[CoordEntry], CoordEntry] | None = None, tombstone_ttl: float = 300.0) -> None:
         self.my_id = my_id
         self.coordinator = coordinator
         self.index = index
         self.verify = verify
+        self.sign = sign
+        self.tombstone_ttl = tombstone_ttl
         self.entries: dict[str, CoordEntry] = {}
         self.max_version = 0
         self.rejected = 0
@@ -53,27 +55,50 @@ class CoordinatorState:
     def is_coordinator(self) -> bool:
         return self.coordinator is not None and self.coordinator == self.my_id
 
-    def merge(self, e: CoordEntry) -> bool:
-        """Take ``e`` if newer; True if it changed the state. Raises :class:`NotCoordinator`."""
-        if self.coordinator is None or e.writer != self.coordinator or (self.verify and not self.verify(e)):
+    def merge(self, e: CoordEntry, now: float | None = None) -> bool:
+        """Take ``e`` if newer; True if it changed the state. Raises :class:`NotCoordinator`
+        (and changes nothing) if its writer is not the coordinator or ``verify`` refuses it."""
+        if self.coordinator is None or e.writer != self.coordinator:
             self.rejected += 1
             raise NotCoordinator(e.writer, self.coordinator, e.name)
         cur = self.entries.get(e.name)
         if cur is not None and e.version <= cur.version:
+            return False  # not newer: nothing to check (the signature costs ~0.1 ms)
+        if self.verify is not None and not self.verify(e):
+            self.rejected += 1
+            raise NotCoordinator(e.writer, self.coordinator, e.name, "but its signature does not verify")
+        if now is not None and is_tombstone(e) and self._expired(e, now):
             return False
         self.entries[e.name] = e
         self.index.replace(e.key, cur.hash if cur else None, e.hash)
         self.max_version = max(self.max_version, e.version)
         return True
 
-    def write(self, name: str, value: Any) -> CoordEntry:
-        """Write an entry (coordinator only): the next version, validated like a received one."""
+    def _expired(self, e: CoordEntry, now: float) -> bool:
+        return e.version / 1000.0 + self.tombstone_ttl <= now
+
+    def write(self, name: str, value: Any, now: float | None = None) -> CoordEntry:
+        """Write an entry (coordinator only): the next version, validated like a received one, signed
+        with ``sign`` if given. With ``now`` the version is at least ``now`` in milliseconds."""
         if not self.is_coordinator:
             raise NotCoordinator(self.my_id, self.coordinator, name)
         _check_coord_value(name, value)
-        e = CoordEntry(name, self.max_version + 1, self.my_id, value)
+        version = self.max_version + 1
+        if now is not None:
+            version = max(version, int(now * 1000))
+        e = CoordEntry(name, version, self.my_id, value)
+        if self.sign is not None:
+            e = self.sign(e)
         self.merge(e)
         return e
+
+    def expire(self, now: float) -> list[str]:
+        """Remove lease tombstones older than ``tombstone_ttl``; the names removed."""
+        gone = [n for n, e in self.entries.items() if is_tombstone(e) and self._expired(e, now)]
+        for n in gone:
+            e = self.entries.pop(n)
+            self.index.replace(e.key, e.hash, None)
+        return gone
 
     # ------------------------------------------------------------ typed views
 

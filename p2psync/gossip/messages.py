@@ -8,7 +8,10 @@ a half-valid message. The exchange (see :mod:`p2psync.gossip.protocol`):
 ``Syn`` (root hash) -> ``Buckets`` (bucket hashes, only when roots differ) ->
 ``Digest`` (keys and versions of the differing buckets) -> ``Delta`` (entries the
 initiator lacks, plus keys it should send) -> ``Delta`` (the wanted entries).
-``Heartbeat`` goes from a member to its watchers only.
+``Heartbeat`` goes from a member to its watchers only. ``Report`` (versions held,
+measured throughput and bandwidth) goes from a member to the coordinator only:
+those change every version on every node, and only the coordinator (scheduler,
+planner) reads them, so they stay out of the cluster-wide table.
 
 Items in the replicated table have a *key* (``m:<id>`` for a member,
 ``c:<name>`` for a coordinator entry) and a *version tuple*; for one key the
@@ -196,10 +199,16 @@ def _check_coord_value(name: str, value: Any) -> None:
 class CoordEntry:
     """A coordinator-owned entry: ``plan``, ``head`` or ``leases/<node id>``.
 
+    ``leases/<node>`` with an empty list is a tombstone: the node holds nothing, and
+    every node drops the entry ``tombstone_ttl`` after it was written (its version
+    is the coordinator's write time in milliseconds, see
+    :meth:`~p2psync.gossip.coordinator_state.CoordinatorState.write`).
+
     ``version`` comes from one counter on the coordinator, so two entries with the
     same name and version are the same write. ``writer`` names the node that
     wrote it; receivers drop entries whose writer is not the coordinator.
-    ``signature`` is reserved for a trainer-key signature over the entry.
+    ``signature`` is the trainer-key signature over :meth:`signed_bytes` (base64),
+    checked by receivers that were given the trainer's public key.
     """
 
     name: str
@@ -215,6 +224,11 @@ class CoordEntry:
     @cached_property
     def hash(self) -> int:
         return item_hash(self.key, (self.version,))
+
+    def signed_bytes(self) -> bytes:
+        """What the trainer signs: canonical JSON of name, version, writer and value."""
+        body = {"name": self.name, "version": self.version, "writer": self.writer, "value": self.value}
+        return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
     def to_dict(self) -> dict[str, Any]:
         d = {"name": self.name, "version": self.version, "writer": self.writer, "value": self.value}
@@ -287,8 +301,24 @@ class Heartbeat:
     heartbeat: int
 
 
-Message = Union[Syn, Buckets, Digest, Delta, Heartbeat]
-_TYPES = {"syn": Syn, "buckets": Buckets, "digest": Digest, "delta": Delta, "heartbeat": Heartbeat}
+@dataclass(frozen=True)
+class Report:
+    """A member's fast-changing figures, sent to the coordinator only (when they change, and
+    every ``report_interval`` as a keep-alive)."""
+
+    sender: str
+    incarnation: int
+    versions: tuple[int, ...] = ()
+    """Weight versions the sender holds, newest last (at most MAX_VERSIONS)."""
+    throughput: float = 0.0
+    """Measured decode throughput, tokens/s (0: not measured)."""
+    bandwidth: float = 0.0
+    """Measured download bandwidth, bytes/s (0: unknown)."""
+
+
+Message = Union[Syn, Buckets, Digest, Delta, Heartbeat, Report]
+_TYPES = {"syn": Syn, "buckets": Buckets, "digest": Digest, "delta": Delta, "heartbeat": Heartbeat,
+          "report": Report}
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
 
@@ -305,6 +335,8 @@ def encode(msg: Message) -> dict[str, Any]:
     elif isinstance(msg, Delta):
         d.update(members=[m.to_dict() for m in msg.members], coord=[c.to_dict() for c in msg.coord],
                  want=list(msg.want))
+    elif isinstance(msg, Report):
+        d.update(inc=msg.incarnation, versions=list(msg.versions), tps=msg.throughput, bw=msg.bandwidth)
     else:
         d.update(inc=msg.incarnation, hb=msg.heartbeat)
     return d
@@ -346,6 +378,11 @@ def decode(d: Any) -> Message:
         want = _list(d, "want")
         _want(all(isinstance(k, str) and len(k) <= 2 * MAX_ID for k in want), "want must be a list of keys")
         return Delta(sender, members, coord, tuple(want))
+    if kind == "report":
+        versions = _list(d, "versions")
+        _want(len(versions) <= MAX_VERSIONS and all(type(v) is int and v >= 0 for v in versions),
+              f"versions must be at most {MAX_VERSIONS} non-negative integers")
+        return Report(sender, _int(d, "inc"), tuple(versions), _num(d, "tps"), _num(d, "bw"))
     return Heartbeat(sender, _int(d, "inc"), _int(d, "hb"))
 
 

@@ -18,7 +18,10 @@ So an idle cluster exchanges ~100-byte Syns, and a change costs each node a few
 bucket digests plus the changed entries. Messages are bounded: at most
 ``max_entries`` entries and ``max_digest_items`` digest items each; what does not
 fit goes in a later round. Each round a node also sends a ``Heartbeat`` to its
-ring successors (see :mod:`p2psync.gossip.membership`).
+ring successors (see :mod:`p2psync.gossip.membership`), and a ``Report`` of its
+versions held and measured throughput to the coordinator when they changed (at
+least every ``report_interval``): those figures change on every node with every
+version, so they go to their only reader instead of through the whole table.
 
 Joining: a node that knows no live peer sends its Syns to the seed addresses.
 Leaving: :meth:`GossipNode.leave` returns the tombstone pushed to a few peers;
@@ -29,14 +32,16 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from p2psync.errors import CodecError
-from p2psync.gossip.coordinator_state import CoordinatorState, NotCoordinator
+from p2psync.errors import NotCoordinator
+from p2psync.gossip.coordinator_state import CoordinatorState
 from p2psync.gossip.index import BucketIndex
 from p2psync.gossip.membership import DetectorConfig, MemberTable
 from p2psync.gossip.messages import (
-    Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Message, Syn, item_version,
+    MAX_VERSIONS, Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Message, Report, Syn, item_version,
 )
 
 logger = logging.getLogger(__name__)
@@ -57,12 +62,16 @@ class GossipConfig:
     max_digest_items: int = 512
     """Keys and versions per Digest at most."""
     metrics_interval: float = 30.0
-    """Throughput/bandwidth are republished at most this often unless they move by 25 %."""
+    """Throughput/bandwidth are reported at most this often unless they move by 25 %."""
+    report_interval: float = 10.0
+    """A member re-sends its report to the coordinator at least this often (a lost report heals)."""
     detector: DetectorConfig = field(default_factory=DetectorConfig)
 
     def __post_init__(self) -> None:
         if not self.interval > 0:
             raise ValueError("interval must be > 0")
+        if not self.report_interval > 0:
+            raise ValueError("report_interval must be > 0")
         if self.fanout < 1 or self.max_entries < 1 or self.max_digest_items < 1:
             raise ValueError("fanout, max_entries and max_digest_items must be >= 1")
 
@@ -77,12 +86,21 @@ class GossipNode:
     """
 
     def __init__(self, me: MemberEntry, *, seeds: tuple[str, ...] = (), coordinator: str | None = None,
-                 config: GossipConfig | None = None, seed: int = 0, now: float = 0.0) -> None:
+                 config: GossipConfig | None = None, seed: int = 0, now: float = 0.0,
+                 verify: Callable[[CoordEntry], bool] | None = None,
+                 sign: Callable[[CoordEntry], CoordEntry] | None = None) -> None:
         self.config = config or GossipConfig()
         self.rng = random.Random(seed)
         self.index = BucketIndex()
         self.members = MemberTable(me, self.index, self.config.detector)
-        self.coord = CoordinatorState(me.id, coordinator, self.index)
+        self.coord = CoordinatorState(me.id, coordinator, self.index, verify=verify, sign=sign,
+                                      tombstone_ttl=self.config.detector.tombstone_ttl)
+        self.report = Report(me.id, me.incarnation, me.versions, me.throughput, me.bandwidth)
+        """This node's figures as last given to :meth:`update_self`."""
+        self._report_due = True
+        self._last_report = now
+        self.reports: dict[str, tuple[float, Report]] = {}
+        """Coordinator only: member id -> (time received, its latest report)."""
         self.seeds = tuple(s for s in seeds if s != me.address)
         self.id = me.id
         # A random phase spreads the rounds of nodes started together.
@@ -103,8 +121,9 @@ class GossipNode:
         self.members.check(now)
         if now < self._next_round:
             return []
+        self.coord.expire(now)
         self._next_round = max(self._next_round + self.config.interval, now)
-        out: Outgoing = []
+        out: Outgoing = self._send_report(now)
         syn = Syn(self.id, self.index.root, self.index.count)
         for addr in self._pick_peers(self.config.fanout):
             out.append((addr, syn))
@@ -113,6 +132,21 @@ class GossipNode:
         for e in self.members.heartbeat_targets():
             out.append((e.address, hb))
         return out
+
+    def _send_report(self, now: float) -> Outgoing:
+        if not self._report_due and now - self._last_report < self.config.report_interval:
+            return []
+        coord = self.coord.coordinator
+        rep = replace(self.report, incarnation=self.members.me.incarnation)
+        if coord == self.id:
+            self.reports[self.id] = (now, rep)
+        else:
+            e = self.members.get(coord) if coord is not None else None
+            if e is None or not e.live:
+                return []
+        self._report_due = False
+        self._last_report = now
+        return [] if coord == self.id else [(e.address, rep)]  # type: ignore[union-attr]
 
     def _pick_peers(self, k: int) -> list[str]:
         ring = self.members._ring_ids()
@@ -147,6 +181,10 @@ class GossipNode:
         if isinstance(msg, Heartbeat):
             e = self.members.on_heartbeat(now, msg.sender, msg.incarnation, msg.heartbeat)
             return [] if e is None else [(sender, Delta(self.id, members=(e,)))]
+        if isinstance(msg, Report):
+            if self.coord.is_coordinator:
+                self.reports[msg.sender] = (now, msg)
+            return []
         raise CodecError(f"gossip: not a gossip message: {type(msg).__name__}")
 
     def _on_buckets(self, sender: str, msg: Buckets) -> Outgoing:
@@ -211,7 +249,7 @@ class GossipNode:
                 self.coord.coordinator = e.id
         for c in msg.coord:
             try:
-                self.coord.merge(c)
+                self.coord.merge(c, now)
             except NotCoordinator as exc:
                 logger.warning("dropping coordinator entry from %s: %s", sender, exc)
         if not msg.want:
@@ -224,34 +262,42 @@ class GossipNode:
 
     def update_self(self, now: float, *, versions: tuple[int, ...] | None = None, throughput: float | None = None,
                     bandwidth: float | None = None, address: str | None = None) -> bool:
-        """Publish this node's versions held, address, and measured metrics.
+        """Record this node's versions held, measured metrics and address.
 
-        Versions and address publish at once. Metrics publish when they moved by
-        25 % or more, or ``metrics_interval`` has passed; returns True if published.
+        The address changes the member entry at once (it spreads through the table).
+        Versions, throughput and bandwidth go to the coordinator in a ``Report`` on
+        the next round: at once for new versions, for metrics when they moved by
+        25 % or more or ``metrics_interval`` has passed. Returns True if anything
+        is to be published.
         """
-        me = self.members.me
+        if address is not None and address != self.members.me.address:
+            self.members.update_self(now, address=address)
+            published = True
+        else:
+            published = False
+        rep = self.report
         changes: dict[str, object] = {}
-        if versions is not None and tuple(versions) != me.versions:
-            changes["versions"] = tuple(versions)[-16:]
-        if address is not None and address != me.address:
-            changes["address"] = address
+        if versions is not None and tuple(versions)[-MAX_VERSIONS:] != rep.versions:
+            changes["versions"] = tuple(versions)[-MAX_VERSIONS:]
         due = now - self._last_metrics >= self.config.metrics_interval
         for name, value in (("throughput", throughput), ("bandwidth", bandwidth)):
             if value is None:
                 continue
-            old = getattr(me, name)
+            old = getattr(rep, name)
             if value != old and (changes or due or abs(value - old) >= 0.25 * max(old, 1e-9)):
                 changes[name] = float(value)
-        if not changes:
-            return False
-        if "throughput" in changes or "bandwidth" in changes:
-            self._last_metrics = now
-        self.members.update_self(now, **changes)
-        return True
+        if changes:
+            if "throughput" in changes or "bandwidth" in changes:
+                self._last_metrics = now
+            self.report = replace(rep, **changes)  # type: ignore[arg-type]
+            self._report_due = True
+        return published or bool(changes)
 
-    def publish(self, name: str, value: object) -> CoordEntry:
-        """Write a coordinator entry (``plan``, ``head``, ``leases/<node>``); coordinator only."""
-        return self.coord.write(name, value)
+    def publish(self, name: str, value: object, now: float | None = None) -> CoordEntry:
+        """Write a coordinator entry (``plan``, ``head``, ``leases/<node>``); coordinator only.
+        With ``now``, the entry's version is at least ``now`` in milliseconds (see
+        :class:`~p2psync.gossip.coordinator_state.CoordinatorState`)."""
+        return self.coord.write(name, value, now)
 
     def leave(self, now: float) -> Outgoing:
         """Leave gracefully: mark this node left and push the tombstone to ``2 * fanout`` peers."""
@@ -275,6 +321,11 @@ class GossipNode:
 
     def live_members(self) -> list[MemberEntry]:
         return [e for e in self.members.live()]
+
+    def report_of(self, member_id: str) -> Report | None:
+        """Coordinator only: the latest report of ``member_id`` (None if none arrived)."""
+        r = self.reports.get(member_id)
+        return None if r is None else r[1]
 
     def alive_member_ids(self) -> set[str]:
         return {e.id for e in self.members.entries.values() if e.status == "alive"}

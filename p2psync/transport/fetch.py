@@ -95,8 +95,47 @@ class Upstream:
         raise PeerUnreachable("all parents", f"manifest {aid}: {last}")
 
 
+class Pipeline:
+    """Runs ``fn(index, data)`` on verified chunks in worker threads, so that the stream that
+    fetched a chunk goes on to the next one meanwhile (decoding overlaps the download).
+
+    At most ``depth`` calls are queued or running; :meth:`submit` waits for a free slot (so
+    memory stays bounded and a slow consumer slows the download down). The first call that
+    fails is raised by the next :meth:`submit` or by :meth:`drain`.
+    """
+
+    def __init__(self, fn: Callable[[int, bytes | memoryview], object], depth: int) -> None:
+        self._fn = fn
+        self._slots = asyncio.Semaphore(max(1, depth))
+        self._pending: set[asyncio.Future] = set()
+        self._error: BaseException | None = None
+
+    async def submit(self, index: int, data: bytes | memoryview) -> None:
+        self._raise()
+        await self._slots.acquire()
+        fut = asyncio.get_running_loop().run_in_executor(None, self._fn, index, data)
+        self._pending.add(fut)
+        fut.add_done_callback(self._done)
+
+    def _done(self, fut: asyncio.Future) -> None:
+        self._pending.discard(fut)
+        self._slots.release()
+        if not fut.cancelled() and fut.exception() is not None and self._error is None:
+            self._error = fut.exception()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    async def drain(self) -> None:
+        """Wait for every call submitted; raise the first failure."""
+        while self._pending:
+            await asyncio.wait(set(self._pending))
+        self._raise()
+
+
 async def fetch_chunks(up: Upstream, store: VersionStore, board: Board, manifest: Manifest, streams: int,
-                       on_chunk: Callable[[int, bytes], Awaitable[None]]) -> None:
+                       on_chunk: Callable[[int, memoryview], Awaitable[None]]) -> None:
     """Fetch every chunk of ``manifest`` not yet in ``store``; ``streams`` at a time."""
     aid = manifest.artifact_id
     todo: asyncio.Queue[int] = asyncio.Queue()
@@ -123,7 +162,8 @@ async def fetch_chunks(up: Upstream, store: VersionStore, board: Board, manifest
                     # Nobody has it (e.g. retention dropped it upstream): the caller re-plans.
                     raise PeerUnreachable("all parents", f"chunk {i} of {aid}: {exc.reason}") from None
                 continue
-            data = bytes(partial.pop(i))
+            # Nothing else holds the buffer now; a read-only view of it is stored, served and decoded.
+            data = memoryview(partial.pop(i)).toreadonly()
             try:
                 await asyncio.to_thread(store.put_chunk, aid, i, data)
             except ChunkHashMismatch as exc:

@@ -3,7 +3,9 @@
 Contract: :meth:`ParentSet.current` returns the most preferred candidate that is
 neither resting after a failure nor avoided for serving corrupt data; when all
 are out, the one that comes back first. Chunks already held are never tied to a
-parent, so switching loses nothing.
+parent, so switching loses nothing. The candidates are the planned parent (from
+the live plan, :meth:`ParentSet.plan`) first, then the configured ones; a new
+plan changes the order, never the failure and corruption records.
 """
 
 from __future__ import annotations
@@ -27,10 +29,28 @@ class ParentSet:
     _last: str | None = None
     switches: int = 0
 
+    planned: str | None = None
+    """The parent the live plan gives this node (first candidate), if any."""
+    configured: list[str] = field(default_factory=list)
+    """The candidates from the node's configuration, in their order."""
+
     def __post_init__(self) -> None:
         if not self.candidates:
             raise ValueError("parents: at least one candidate is needed")
         self.candidates = [c.rstrip("/") for c in self.candidates]
+        if not self.configured:
+            self.configured = list(self.candidates)
+
+    def plan(self, url: str | None) -> bool:
+        """Make ``url`` (the planned parent; None: no plan) the first candidate, the configured
+        ones after it. Returns True if the candidate list changed."""
+        url = url.rstrip("/") if url else None
+        cands = list(dict.fromkeys(([url] if url else []) + self.configured))
+        self.planned = url
+        if cands == self.candidates:
+            return False
+        self.candidates = cands
+        return True
 
     def _out_until(self, url: str) -> float:
         return max(self._down_until.get(url, 0.0), self._avoid_until.get(url, 0.0))

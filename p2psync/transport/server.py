@@ -11,8 +11,10 @@
 
 Contract: every request without the cluster token gets 401 before any other
 work (routing included); a declared body above the limit gets 413 unread; a
+request line or header field above ``limits.max_header_bytes`` gets 431; a
 chunk leaves this node only after it matched the signed manifest (re-checked
-on every read from disk). Each connection is its own task, and every write to
+on every read from disk; recent chunks are served from the store's memory copy
+of the bytes it verified). Each connection is its own task, and every write to
 a client is bounded by ``limits.idle_timeout``, so a slow or idle client is cut
 off without holding up anyone else.
 """
@@ -27,7 +29,8 @@ import re
 import socket
 from typing import Protocol
 
-from aiohttp import web
+from aiohttp import web, web_protocol, web_server
+from aiohttp.http_exceptions import LineTooLong
 
 from p2psync.config import NodeConfig
 from p2psync.errors import IntegrityError
@@ -161,8 +164,10 @@ class Server:
                     payload = ": keepalive\n\n"
                 await self._write(resp, payload.encode())
                 await heads.wait(seq, self.limits.sse_keepalive)
-        except (ConnectionResetError, TimeoutError):
-            pass  # the child went away or stopped reading; nothing else to do for it
+        except ConnectionResetError:
+            pass  # the child went away; nothing else to do for it
+        except TimeoutError:
+            self._cut(request)
         return resp
 
     async def rpc_snapshots(self, request: web.Request) -> web.Response:
@@ -228,7 +233,9 @@ class Server:
                 raise web.HTTPServiceUnavailable(text=f"chunk {index} of {aid} not here yet",
                                                  headers={"Retry-After": "1"})
         try:
-            data = await asyncio.to_thread(store.read_chunk, aid, index)
+            data = store.cached_chunk(aid, index)  # verified when stored: no disk read, no re-hash
+            if data is None:
+                data = await asyncio.to_thread(store.read_chunk, aid, index)
         except IntegrityError as exc:
             logger.error("store: %s; not serving it", exc)
             raise web.HTTPServiceUnavailable(text="chunk failed its re-check", headers={"Retry-After": "1"}) from None
@@ -250,10 +257,10 @@ class Server:
             for off in range(0, len(body), _WRITE_PIECE):
                 await self._write(resp, body[off:off + _WRITE_PIECE])
             await resp.write_eof()
-        except (ConnectionResetError, TimeoutError):
-            # Cut off a child that went away or stopped reading; it resumes elsewhere with Range.
-            if request.transport is not None:
-                request.transport.close()
+        except ConnectionResetError:
+            return resp  # the child went away; it resumes elsewhere with Range
+        except TimeoutError:
+            self._cut(request)  # it stopped reading; it may resume elsewhere with Range
             return resp
         self.view.metrics.inc("p2psync_bytes_out_total", len(body))
         self.view.metrics.inc("p2psync_chunks_out_total")
@@ -275,10 +282,45 @@ class Server:
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
         return start, stop
 
+    def _cut(self, request: web.Request) -> None:
+        """Drop a client that stopped reading (closing, not finishing, the response: finishing
+        it would wait on that client again)."""
+        self.view.metrics.inc("p2psync_slow_clients_cut_total")
+        if request.transport is not None:
+            request.transport.abort()
+
     async def _write(self, resp: web.StreamResponse, data: bytes | memoryview) -> None:
         # A client that does not read for idle_timeout is dropped; others are unaffected.
         async with asyncio.timeout(self.limits.idle_timeout):
             await resp.write(data)
+
+
+class _Connection(web_protocol.RequestHandler):
+    """aiohttp's per-connection protocol, except that a request line or header field longer
+    than ``limits.max_header_bytes`` gets 431 (aiohttp answers every parse error with 400),
+    counted in the metrics and without an error-level log line per offending client."""
+
+    metrics: Metrics
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if not isinstance(exc, LineTooLong):
+            return super().handle_error(request, status, exc, message)
+        self.metrics.inc("p2psync_requests_total", code="431")
+        resp = _error(431, f"request line or header field longer than {exc.args[1]} bytes")
+        resp.force_close()
+        return resp
+
+
+class _Connections(web_server.Server):
+    """Makes :class:`_Connection` protocols (the runner builds this server; we only swap the class)."""
+
+    metrics: Metrics
+
+    def __call__(self) -> web_protocol.RequestHandler:
+        conn = _Connection(self, loop=self._loop, **self._kwargs)
+        conn.metrics = self.metrics
+        return conn
 
 
 async def serve(view: NodeView, sock: socket.socket) -> web.AppRunner:
@@ -288,6 +330,10 @@ async def serve(view: NodeView, sock: socket.socket) -> web.AppRunner:
                            keepalive_timeout=lim.idle_timeout, max_line_size=lim.max_header_bytes,
                            max_field_size=lim.max_header_bytes, shutdown_timeout=1.0)
     await runner.setup()
+    server = runner.server
+    assert type(server) is web_server.Server, type(server)
+    server.__class__ = _Connections  # same object and layout, different protocol factory
+    server.metrics = view.metrics
     await web.SockSite(runner, sock).start()
     return runner
 

@@ -35,15 +35,67 @@ def test_bad_requests_get_their_codes_and_the_node_keeps_serving(cluster: Cluste
     assert request(f"{tr.url}/v1/artifacts/{aid}/chunks/99999")[0] == 400
     assert request(chunk_url, headers={"Range": "bytes=oops"})[0] == 400
     assert request(chunk_url, headers={"Range": f"bytes={len(full)}-"})[0] == 416
-    assert request(tr.url + "/v1/head", headers={"X-Big": "y" * 20000})[0] == 400
+    assert request(tr.url + "/v1/head", headers={"X-Big": "y" * 20000})[0] == 431
+    assert request(tr.url + "/v1/head", headers={"X-Big" + "y" * 9000: "1"})[0] == 431
+    assert request(tr.url + "/v1/" + "a" * 9000)[0] == 431
 
     code, part = request(chunk_url, headers={"Range": "bytes=100-"})
     assert code == 206 and part == full[100:]
     assert request(tr.url + "/v1/status")[0] == 200
     metrics = request(tr.url + "/metrics")[1].decode()
     assert 'p2psync_requests_total{code="401"' in metrics
+    assert 'p2psync_requests_total{code="431"' in metrics
 
     idle.settimeout(20)
     assert idle.recv(1024) == b""  # the idle connection was closed by the server
     idle.close()
     assert TOKEN and request(tr.url + "/v1/head")[0] == 200
+
+
+@pytest.mark.timeout(120)
+def test_a_client_that_stops_reading_is_cut_off_while_others_are_served(cluster: Cluster):
+    import torch
+
+    from p2psync.artifact import build_manifest, write_file
+    from p2psync.codec.encode import CodecOptions, encode_snapshot
+    from p2psync.state import ModelState
+
+    # One 32 MiB chunk: far more than loopback socket buffers hold, so a client that stops
+    # reading leaves the server with a write that cannot finish.
+    size = 32 << 20
+    g = torch.Generator().manual_seed(5)
+    state = ModelState({"w": torch.randint(-32768, 32767, (size // 2,), dtype=torch.int16, generator=g)})
+    enc = encode_snapshot(state, CodecOptions(chunk_size=size + (1 << 20), zstd_level=0))
+    m = build_manifest(enc, model_id="test", target_version=0, chunk_size=size + (1 << 20),
+                       private_key=cluster.priv)
+    write_file(cluster.publish_dir / "000000-snapshot.p2sa", m, enc.chunks)
+    tr = cluster.start("trainer", "trainer", publish=True, extra=["--limits.idle_timeout=2"])
+    wait_for(lambda: at_version(tr, 0), 60, "trainer published")
+    host, port = tr.url.split("//")[1].rsplit(":", 1)
+    path = f"/v1/artifacts/{m.artifact_id}/chunks/0"
+
+    slow = socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    slow.connect((host, int(port)))
+    slow.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+
+    # While that write is stuck, other clients get whole chunks and answers.
+    for _ in range(2):
+        code, body = request(tr.url + path, timeout=60)
+        assert code == 200 and body == enc.chunks[0]
+    assert request(tr.url + "/v1/head")[0] == 200
+
+    def cut() -> bool:
+        text = request(tr.url + "/metrics")[1].decode()
+        return "p2psync_slow_clients_cut_total" in text
+    wait_for(cut, 60, "the stalled client to be cut off")
+    got = 0
+    slow.settimeout(20)
+    try:
+        while piece := slow.recv(1 << 20):
+            got += len(piece)
+    except ConnectionResetError:
+        pass
+    slow.close()
+    assert got < len(enc.chunks[0])  # it never got the whole chunk: the connection was dropped
+    assert request(tr.url + "/v1/head")[0] == 200

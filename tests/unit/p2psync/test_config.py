@@ -84,3 +84,37 @@ def test_bad_toml_and_missing_file(tmp_path):
         load(_write(tmp_path, "id = "))
     with pytest.raises(ConfigError, match="cannot read"):
         load(tmp_path / "missing.toml")
+
+
+def test_gossip_and_control_sections(tmp_path):
+    text = BASE + """
+[gossip]
+seeds = ["http://10.0.0.1:7070"]
+interval = 0.5
+node_class = "preemptible"
+
+[control]
+lease_ttl = 12.0
+"""
+    cfg = load(_write(tmp_path, text))
+    assert cfg.gossip.seeds == ["http://10.0.0.1:7070"] and cfg.gossip.interval == 0.5
+    assert cfg.gossip.on("relay") and cfg.control.lease_ttl == 12.0 and cfg.gossip.node_class == "preemptible"
+    plain = load(_write(tmp_path))
+    assert not plain.gossip.on("relay") and plain.gossip.on("trainer")  # default: seeds given, or the trainer
+    assert not load(_write(tmp_path), ["--gossip.enabled=false"]).gossip.on("trainer")
+
+
+@pytest.mark.parametrize("override,field", [
+    ("--gossip.seeds=10.0.0.1:7070", "gossip.seeds"),
+    ("--gossip.node_class=spot", "gossip.node_class"),
+    ("--gossip.interval=0", "gossip.interval"),
+    ("--gossip.suspect_after=0.5", "gossip.suspect_after"),
+    ("--gossip.fanout=0", "gossip.fanout"),
+    ("--control.lease_ttl=-1", "control.lease_ttl"),
+    ("--control.coordinator_url=10.0.0.1", "control.coordinator_url"),
+    ("--control.max_staleness=-1", "control.max_staleness"),
+])
+def test_bad_control_settings_name_the_field(tmp_path, override, field):
+    with pytest.raises(ConfigError) as exc:
+        load(_write(tmp_path), [override])
+    assert exc.value.field == field

@@ -73,6 +73,28 @@ def test_release_all_on_preemption_notice():
     assert t.grant(3.0, "b", leases[0].work_id).resume == {0: (7, 7, 7)}
 
 
+def test_migration_carries_logprobs_versions_and_finished_responses():
+    t = _table()
+    a = t.grant(0.0, "a", "w0")
+    t.progress(1.0, "a", "w0", a.lease_id, 0, 0, [1, 2, 3], logprobs=[-0.1, -0.2, -0.3], versions=[4, 4, 5])
+    t.progress(2.0, "a", "w0", a.lease_id, 0, 2, [9, 4], logprobs=[-0.9, -0.4], versions=[5, 5])  # a retry
+    t.progress(3.0, "a", "w0", a.lease_id, 1, 0, [7], logprobs=[-0.7], versions=[5], finish_reason="stop")
+    with pytest.raises(ValueError):
+        t.progress(3.0, "a", "w0", a.lease_id, 0, 4, [5, 6], logprobs=[-0.5], versions=[5, 5])
+    assert t.history("w0")[0] == ((1, 2, 9, 4), (-0.1, -0.2, -0.9, -0.4), (4, 4, 5, 5))  # nothing half-applied
+    t.release(4.0, "a", "w0", a.lease_id)
+    b = t.grant(5.0, "b", "w0")
+    assert b.resume == {0: (1, 2, 9, 4)} and b.done == frozenset({1})
+    assert b.resume_logprobs == {0: (-0.1, -0.2, -0.9, -0.4)} and b.resume_versions == {0: (4, 4, 5, 5)}
+    assert b.finish == {1: "stop"} and t.history("w0")[1] == ((7,), (-0.7,), (5,))
+    # A range reported without the extra columns cuts them there: they stay a gap-free prefix.
+    t.progress(6.0, "b", "w0", b.lease_id, 0, 4, [5, 6])
+    assert t.history("w0")[0] == ((1, 2, 9, 4, 5, 6), (-0.1, -0.2, -0.9, -0.4), (4, 4, 5, 5))
+    with pytest.raises(LeaseExpired):
+        t.release(7.0, "a", "w0", a.lease_id)
+    assert t.holders_of("w0") == ["a", "b"] and t.pending() == 3
+
+
 def test_bad_calls_raise_typed_errors():
     t = _table()
     lease = t.grant(0.0, "a", "w0")

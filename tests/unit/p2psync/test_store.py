@@ -82,12 +82,23 @@ def test_bit_rot_on_disk_is_caught_on_read(tmp_path, signed):
     _fill(store, items[:1])
     aid = items[0][0].artifact_id
     path = tmp_path / "artifacts" / aid / "chunk-0"
+    good = bytes(items[0][1][0])
     data = bytearray(path.read_bytes())
     data[5] ^= 0x10
     path.write_bytes(bytes(data))
+    # The copy kept in memory when the chunk was stored (and verified) is what gets served...
+    assert bytes(store.read_chunk(aid, 0)) == good
+    # ...and once it is gone (eviction, restart), the rotten file is caught on its way out.
+    store = VersionStore.open(tmp_path, priv.public_key())
     with pytest.raises(ChunkHashMismatch):
         store.read_chunk(aid, 0)
     assert not store.has_chunk(aid, 0)  # dropped, so it is fetched again rather than served
+    uncached = VersionStore.open(tmp_path, priv.public_key(), cache_bytes=0)
+    uncached.add_manifest(items[0][0])
+    uncached.put_chunk(aid, 0, good)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChunkHashMismatch):
+        uncached.read_chunk(aid, 0)
 
 
 def test_a_manifest_that_no_longer_verifies_is_dropped_on_open(tmp_path, signed):

@@ -64,6 +64,9 @@ class View:
     def note_child(self, node_id: str, address: str) -> None:
         self.children[node_id] = address
 
+    def extra_routes(self) -> list:
+        return []
+
 
 def _fill(view, m, chunks):
     view.store.add_manifest(m)

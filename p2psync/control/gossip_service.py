@@ -1,0 +1,291 @@
+"""The gossip service: the sans-IO :class:`~p2psync.gossip.protocol.GossipNode` on the node's HTTP server.
+
+``POST /v1/gossip`` carries one gossip message (``messages.dumps``); the sender's
+advertised URL rides the ``X-P2PSync-Gossip-From`` header (not the TCP source
+port, which is an ephemeral client port). Replies go out as new POSTs, fire and
+forget with a short timeout: a lost message only slows convergence.
+``GET /v1/cluster`` answers :meth:`p2psync.node.Node.cluster` as JSON.
+
+What rides on it, per node:
+
+- membership and failure detection (suspect, then dead; graceful leave on stop);
+- its versions held and measured throughput/bandwidth, reported to the
+  coordinator only (:meth:`update_self`);
+- on the trainer (the coordinator): ``head`` after every applied version, and
+  the ``plan``, re-planned with :class:`~p2psync.control.live_plan.LivePlanner`
+  whenever the alive membership changes (after ``control.replan_delay`` of
+  quiet). Every coordinator entry is signed with the trainer key and every node
+  refuses entries whose signature does not verify, so relays cannot forge them;
+- on every other node: the planned parent becomes its first candidate parent
+  (:meth:`p2psync.node.Node.set_planned_parent`), the configured parents follow.
+
+Contracts: the timer task and the sender tasks are owned by the service and
+cancelled in :meth:`stop`; :meth:`stop` sends the leave tombstone first (best
+effort, bounded by ``gossip.send_timeout``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from p2psync.errors import CodecError
+from p2psync.gossip import DetectorConfig, GossipConfig, GossipNode, MemberEntry
+from p2psync.gossip.messages import Message, dumps, loads
+from p2psync.gossip.signing import signer, verifier
+from p2psync.transport.client import cancel_quietly
+from p2psync.transport.messages import API
+
+if TYPE_CHECKING:
+    from p2psync.control.live_plan import LivePlanner
+    from p2psync.node import Node
+
+logger = logging.getLogger(__name__)
+
+FROM_HEADER = "X-P2PSync-Gossip-From"
+_MAX_IN_FLIGHT = 256
+"""Gossip POSTs under way at once; more are dropped (the next round heals it). Each message is its
+own task: one slow or dead peer must not hold up heartbeats to the others."""
+
+
+def _valid_url(url: str) -> bool:
+    return url.startswith(("http://", "https://")) and 8 < len(url) <= 256 and not any(c.isspace() for c in url)
+
+
+class GossipService:
+    """Gossip for one node; ``node.gossip`` points at it."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.settings = node.config.gossip
+        self.gossip: GossipNode | None = None
+        self.planner: LivePlanner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._in_flight: set[asyncio.Task] = set()
+        self._tasks: list[asyncio.Task] = []
+        self._changed = asyncio.Event()
+        self._plan_applied: tuple[int, str | None] | None = None
+        self._head_published: int | None = None
+        self._bw = (0.0, 0.0)  # (time, bytes_in) at the last bandwidth sample
+        self.bandwidth = 0.0
+        self.dropped = 0
+        node.gossip = self
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def routes(self) -> list[web.RouteDef]:
+        return [web.post(f"{API}/gossip", self.rpc_gossip), web.get(f"{API}/cluster", self.rpc_cluster)]
+
+    async def rpc_cluster(self, request: web.Request) -> web.Response:
+        """``GET /v1/cluster``: :meth:`p2psync.node.Node.cluster` as JSON."""
+        return web.json_response({"format": 1, "nodes": self.node.cluster()})
+
+    async def start(self) -> None:
+        node, s = self.node, self.settings
+        cfg = node.config
+        coordinator = s.coordinator or (cfg.id if cfg.role == "trainer" else None)
+        me = MemberEntry(id=cfg.id, address=node.address, role=cfg.role, region=cfg.region,
+                         node_class=s.node_class)
+        gcfg = GossipConfig(interval=s.interval, fanout=s.fanout, report_interval=s.report_interval,
+                            detector=DetectorConfig(suspect_after=s.suspect_after, dead_after=s.dead_after,
+                                                    tombstone_ttl=s.tombstone_ttl))
+        sign = signer(node.private_key) if cfg.role == "trainer" and node.private_key is not None else None
+        now = time.time()
+        self.gossip = GossipNode(me, seeds=tuple(u.rstrip("/") for u in s.seeds), coordinator=coordinator,
+                                 config=gcfg, seed=hash((cfg.id, now)) & 0xFFFFFFFF, now=now,
+                                 verify=verifier(node.public_key), sign=sign)
+        if cfg.role == "trainer":
+            if sign is None:
+                node.log.warning("gossip: no trainer_private_key, so the plan and leases cannot be signed "
+                                 "and no node would accept them; the live plan is off")
+            else:
+                from p2psync.control.live_plan import LivePlanner
+
+                self.planner = LivePlanner(cfg.id)
+        headers = {"Authorization": f"Bearer {cfg.token()}", FROM_HEADER: node.address,
+                   "Content-Type": "application/json"}
+        self._session = aiohttp.ClientSession(
+            headers=headers, timeout=aiohttp.ClientTimeout(total=s.send_timeout),
+            connector=aiohttp.TCPConnector(limit=128, limit_per_host=8))
+        self._spawn(self._timer(), "gossip-timer")
+        if self.planner is not None or cfg.role != "trainer":
+            self._spawn(self._react(), "gossip-plan")
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=f"{self.node.config.id}:{name}")
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self.node.log.error("gossip task %s crashed: %r", task.get_name(), task.exception(),
+                                exc_info=task.exception())
+
+    async def stop(self) -> None:
+        """Leave (tombstone to a few peers, bounded by ``send_timeout``), then stop every task."""
+        g = self.gossip
+        if g is not None and not g.stopped and self._session is not None:
+            out = g.leave(time.time())
+            if out:
+                await asyncio.gather(*(self._post(addr, msg) for addr, msg in out), return_exceptions=True)
+            g.stop()
+        for t in [*self._tasks, *self._in_flight]:
+            await cancel_quietly(t)
+        if self._session is not None:
+            await self._session.close()
+
+    # --- wire ----------------------------------------------------------------------------------
+    def send(self, out: list[tuple[str, Message]]) -> None:
+        """Fire and forget: one task per message, at most ``_MAX_IN_FLIGHT`` at once."""
+        for addr, msg in out:
+            if len(self._in_flight) >= _MAX_IN_FLIGHT:
+                self.dropped += 1
+                continue
+            t = asyncio.create_task(self._post(addr, msg), name=f"{self.node.config.id}:gossip-post")
+            self._in_flight.add(t)
+            t.add_done_callback(self._in_flight.discard)
+
+    async def _post(self, addr: str, msg: Message) -> bool:
+        assert self._session is not None
+        try:
+            async with self._session.post(addr + f"{API}/gossip", data=dumps(msg)) as resp:
+                await resp.read()
+                return resp.status < 300
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False  # fire and forget: the next round heals it
+
+    async def rpc_gossip(self, request: web.Request) -> web.Response:
+        sender = request.headers.get(FROM_HEADER, "")
+        if not _valid_url(sender):
+            return web.json_response({"error": f"missing or bad {FROM_HEADER} header", "status": 400}, status=400)
+        try:
+            msg = loads(await request.read())
+        except CodecError as exc:
+            return web.json_response({"error": str(exc), "status": 400}, status=400)
+        g = self.gossip
+        if g is None or g.stopped:
+            return web.json_response({"error": "gossip is not running", "status": 503}, status=503)
+        self.send(g.receive(time.time(), sender.rstrip("/"), msg))
+        self._changed.set()
+        return web.Response(status=204)
+
+    # --- timers --------------------------------------------------------------------------------
+    async def _timer(self) -> None:
+        g = self.gossip
+        assert g is not None
+        while True:
+            now = time.time()
+            self._update_self(now)
+            self.send(g.tick(now))
+            self._changed.set()
+            await asyncio.sleep(max(0.01, min(g.next_wakeup() - time.time(), g.config.interval)))
+
+    def _update_self(self, now: float) -> None:
+        node, g = self.node, self.gossip
+        assert g is not None
+        total = node.metrics.total("p2psync_bytes_in_total")
+        t0, b0 = self._bw
+        if t0 and total > b0 and now > t0:
+            rate = (total - b0) / (now - t0)
+            self.bandwidth = rate if not self.bandwidth else 0.7 * self.bandwidth + 0.3 * rate
+        self._bw = (now, total)
+        versions = () if node.version is None else (node.version,)
+        g.update_self(now, versions=versions, bandwidth=self.bandwidth or None)
+
+    def update_self(self, *, throughput: float | None = None, bandwidth: float | None = None) -> None:
+        """Report a measured decode throughput (tokens/s) or download bandwidth (bytes/s)."""
+        if self.gossip is not None:
+            self.gossip.update_self(time.time(), throughput=throughput, bandwidth=bandwidth)
+
+    async def _react(self) -> None:
+        """Coordinator: publish head and re-plan; everyone: follow the planned parent."""
+        delay = self.node.config.control.replan_delay
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            if self.planner is not None:
+                self._publish_head()
+                await asyncio.sleep(delay)  # let a burst of joins or failures settle into one plan
+                await self._replan()
+            else:
+                self._follow_plan()
+
+    def _publish_head(self) -> None:
+        v = self.node.version
+        g = self.gossip
+        if v is not None and v != self._head_published and g is not None and g.coord.sign is not None:
+            g.publish("head", {"version": v}, time.time())
+            self._head_published = v
+
+    async def _replan(self) -> None:
+        from p2psync.control.live_plan import PlanMember
+
+        g, planner = self.gossip, self.planner
+        assert g is not None and planner is not None
+        members = []
+        for e in g.members.entries.values():
+            if e.status != "alive":
+                continue
+            rep = g.report_of(e.id)
+            members.append(PlanMember(e.id, e.role, e.region, rep.bandwidth if rep else 0.0))
+        new = await asyncio.to_thread(planner.update, members)
+        if new is None:
+            return
+        g.publish("plan", {"epoch": new.epoch, "root": new.root, "parents": dict(new.parents)}, time.time())
+        self.node.log.info("plan epoch %d: %d nodes, %s", new.epoch, len(new.nodes),
+                           {c: p for c, p in sorted(new.parents.items())} if len(new.parents) <= 16 else "...")
+
+    def _follow_plan(self) -> None:
+        g = self.gossip
+        assert g is not None
+        e = g.coord.get("plan")
+        if e is None:
+            return
+        parent_id = g.coord.parent_of(self.node.config.id)
+        url = None
+        if parent_id is not None:
+            m = g.members.get(parent_id)
+            if m is None or not m.live:
+                return  # not known yet (or gone): keep what we have until gossip catches up
+            url = m.address
+        if self._plan_applied == (e.version, url):
+            return
+        self._plan_applied = (e.version, url)
+        self.node.set_planned_parent(url, parent_id)
+
+    # --- views ---------------------------------------------------------------------------------
+    def coordinator_address(self) -> str | None:
+        """Advertised URL of the coordinator, if gossip knows it (also while it is suspected or
+        declared dead: a busy trainer is still the coordinator, and only it can say otherwise)."""
+        g = self.gossip
+        if g is None or g.coord.coordinator is None:
+            return None
+        e = g.members.get(g.coord.coordinator)
+        return e.address if e is not None else None
+
+    def cluster(self) -> list[dict]:
+        """Every member this node knows (see :meth:`p2psync.node.Node.cluster`)."""
+        g = self.gossip
+        if g is None:
+            return []
+        plan = g.coord.plan
+        parents = plan[2] if plan else {}
+        me = self.node.config.id
+        out = []
+        for e in sorted(g.members.entries.values(), key=lambda e: e.id):
+            rep = g.report_of(e.id)
+            if e.id == me:
+                version = self.node.version
+            elif rep is not None and rep.versions:
+                version = rep.versions[-1]
+            else:
+                version = e.versions[-1] if e.versions else None
+            out.append({"id": e.id, "role": e.role, "region": e.region, "address": e.address,
+                        "version": version, "status": e.status, "parent": parents.get(e.id),
+                        "node_class": e.node_class,
+                        "throughput": rep.throughput if rep is not None else e.throughput})
+        return out

@@ -1,0 +1,212 @@
+"""Control-plane services in real nodes on loopback (one process, real HTTP): the coordinator's
+lease API and its errors, migration with the full token history, hand-back on stop, gossip
+membership, the live plan followed by the nodes' parent choice, forged entries refused."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from p2psync import config, keys
+from p2psync.control.api import ResponseResult
+from p2psync.errors import LeaseExpired
+from p2psync.gossip.messages import CoordEntry, Delta, dumps
+from p2psync.gossip.signing import signer
+from p2psync.node import Node
+
+pytestmark = pytest.mark.timeout(90)
+
+TOKEN = "test-cluster-token-0123456789"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+FAST = {"gossip": {"interval": 0.1, "suspect_after": 1.0, "dead_after": 1.0}}
+
+
+class Keys:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.priv = keys.generate()
+        keys.write_pair(self.priv, root / "keys")
+
+    def cfg(self, name: str, role: str, *, seeds: list[str] = (), parents: list[str] = (), **over) -> config.NodeConfig:
+        o = json.loads(json.dumps(FAST))
+        o["gossip"]["seeds"] = list(seeds)
+        for k, v in over.items():
+            o.setdefault(k, {}).update(v)
+        extra = {"trainer_private_key": str(self.root / "keys/trainer.key")} if role == "trainer" else {}
+        return config.load(overrides=o, id=name, role=role, data_dir=str(self.root / name), cluster_token=TOKEN,
+                           trainer_public_key=str(self.root / "keys/trainer.pub"), parents=list(parents) or None,
+                           **extra)
+
+
+async def _until(pred, timeout: float = 20.0, what: str = "condition"):
+    async with asyncio.timeout(timeout):
+        while not (v := pred()):
+            await asyncio.sleep(0.05)
+    return v
+
+
+async def _post(url: str, body, raw: bytes | None = None) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(headers=AUTH) as s:
+        async with s.post(url, data=raw if raw is not None else json.dumps(body)) as r:
+            return r.status, await r.json(content_type=None)
+
+
+def _result(tokens: list[int], version: int = 0) -> ResponseResult:
+    return ResponseResult(tokens, [-1.0] * len(tokens), [version] * len(tokens), "stop")
+
+
+def test_lease_api_errors_leave_state_untouched(tmp_path):
+    k = Keys(tmp_path)
+
+    async def go():
+        tr = await Node.create(k.cfg("trainer", "trainer", control={"lease_ttl": 3.0}))
+        try:
+            tr.coordinator.submit("w1", {"p": 1}, responses=2)
+            base = tr.address + "/v1/control"
+            before = tr.coordinator.table.counts()
+            assert (await _post(base + "/lease", None, raw=b"not json"))[0] == 400
+            assert (await _post(base + "/lease", {"max_items": 1}))[0] == 400  # no node
+            assert (await _post(base + "/lease", {"node": "a", "max_items": 0}))[0] == 400
+            assert (await _post(base + "/renew", {"node": "a", "work_id": "nope", "lease_id": 1}))[0] == 404
+            assert tr.coordinator.table.counts() == before
+            status, got = await _post(base + "/lease", {"node": "a", "max_items": 1, "wait": 1})
+            assert status == 200 and [g["work_id"] for g in got["grants"]] == ["w1"]
+            lid = got["grants"][0]["lease_id"]
+            prog = {"node": "a", "work_id": "w1", "lease_id": lid, "response": 0, "offset": 0, "tokens": [1, 2],
+                    "logprobs": [-1.0], "versions": [0, 0]}
+            assert (await _post(base + "/progress", prog))[0] == 400  # lengths differ
+            assert (await _post(base + "/progress", {**prog, "logprobs": [-1.0, -1.0], "response": 5}))[0] == 400
+            status, gap = await _post(base + "/progress", {**prog, "logprobs": [-1.0, -1.0], "offset": 3})
+            assert status == 409 and gap["kind"] == "gap" and gap["have"] == 0
+            assert tr.coordinator.table.tokens("w1") == {0: ()}
+            assert (await _post(base + "/complete", {"node": "a", "work_id": "w1", "lease_id": lid,
+                                                     "responses": {"0": _result([1]).to_json()}}))[0] == 400
+            assert tr.coordinator.table.counts()["completed"] == 0
+            await asyncio.sleep(3.5)  # the lease expires (nobody renews it)
+            status, exp = await _post(base + "/renew", {"node": "a", "work_id": "w1", "lease_id": lid})
+            assert status == 409 and exp["kind"] == "expired"
+            assert (await _post(base + "/progress", {**prog, "logprobs": [-1.0, -1.0]}))[0] == 409
+            assert tr.coordinator.table.counts()["queued"] == 1
+            assert tr.coordinator.pending() == 1
+        finally:
+            await tr.close()
+
+    asyncio.run(go())
+
+
+def test_migration_keeps_full_history_and_results_come_once(tmp_path):
+    k = Keys(tmp_path)
+
+    async def go():
+        tr = await Node.create(k.cfg("trainer", "trainer"))
+        a = await Node.create(k.cfg("a", "rollout", seeds=[tr.address], parents=[tr.address]))
+        b = await Node.create(k.cfg("b", "rollout", seeds=[tr.address], parents=[tr.address]))
+        try:
+            await _until(lambda: a.work.coordinator_url() and b.work.coordinator_url())
+            tr.coordinator.submit("w1", {"prompt_ids": [1]}, responses=2)
+            tr.coordinator.submit("w1", {"prompt_ids": [2]}, responses=2)  # idempotent
+            [g] = await a.work.request(2, wait=5)
+            assert g.work_id == "w1" and g.resume == {} and g.done == {}
+            await a.work.progress(g, 0, 0, [10, 11, 12], [-0.1, -0.2, -0.3], [4, 4, 5])
+            await a.work.progress(g, 1, 0, [20], [-0.9], [5], finish_reason="stop")
+            await a.work.progress(g, 0, 2, [13, 14], [-0.35, -0.4], [5, 5])  # overlap: replaces token 2
+            await a.close()  # stop hands back the grant at once, with its tokens
+            [g2] = await b.work.request(1, wait=5)
+            assert g2.lease_id > g.lease_id
+            assert g2.resume == {0: ([10, 11, 13, 14], [-0.1, -0.2, -0.35, -0.4], [4, 4, 5, 5])}
+            assert g2.done == {1: ResponseResult([20], [-0.9], [5], "stop").to_json()}
+            final = {0: ResponseResult([10, 11, 13, 14, 15], [-0.1, -0.2, -0.35, -0.4, -0.5], [4, 4, 5, 5, 6], "stop"),
+                     1: ResponseResult.from_json(g2.done[1])}
+            assert await b.work.complete(g2, final) is True
+            it = tr.coordinator.results()
+            r = await anext(it)
+            assert (r.work_id, r.node, r.migrated) == ("w1", "b", True)
+            assert r.responses == [final[0], final[1]] and r.payload == {"prompt_ids": [1]}
+            assert tr.coordinator.pending() == 0
+            # The old holder's late result is a duplicate: dropped, not yielded again.
+            status, dup = await _post(tr.address + "/v1/control/complete", {
+                "node": "a", "work_id": "w1", "lease_id": g.lease_id,
+                "responses": {str(i): x.to_json() for i, x in final.items()}})
+            assert status == 200 and dup["accepted"] is False
+            with pytest.raises(LeaseExpired):
+                await b.work.progress(g2, 0, 0, [1], [0.0], [0])  # completed: no longer held
+            with pytest.raises(asyncio.TimeoutError):
+                async with asyncio.timeout(0.3):
+                    await anext(it)
+        finally:
+            await b.close()
+            await tr.close()
+
+    asyncio.run(go())
+
+
+def test_gossip_membership_live_plan_and_parent_switch(tmp_path):
+    k = Keys(tmp_path)
+
+    async def go():
+        tr = await Node.create(k.cfg("trainer", "trainer"))
+        relay = await Node.create(k.cfg("relay", "relay", seeds=[tr.address], parents=[tr.address]))
+        leaf = await Node.create(k.cfg("leaf", "rollout", seeds=[tr.address], parents=[tr.address]))
+        try:
+            def full():
+                c = {n["id"]: n for n in leaf.cluster()}
+                return len(c) == 3 and all(n["status"] == "alive" for n in c.values()) and c["leaf"]["parent"] and c
+            c = await _until(full)
+            assert set(c["relay"]) >= {"id", "role", "region", "address", "version", "status", "parent"}
+            assert c["relay"]["address"] == relay.address and c["trainer"]["parent"] is None
+            # The relay (10x the uplink of a rollout node by default) is planned as the leaf's parent,
+            # and the leaf pulls from it first, its configured parent second.
+            assert c["leaf"]["parent"] == "relay"
+            await _until(lambda: leaf.upstream.parents.candidates == [relay.address, tr.address])
+            # The relay leaves: the coordinator re-plans and the leaf goes back to the trainer.
+            await relay.close()
+            await _until(lambda: {n["id"]: n for n in tr.cluster()}["relay"]["status"] == "left")
+            await _until(lambda: leaf.upstream.parents.candidates == [tr.address])
+            assert {n["id"]: n["parent"] for n in tr.cluster()}["leaf"] == "trainer"
+        finally:
+            await leaf.close()
+            await tr.close()
+
+    asyncio.run(go())
+
+
+def test_forged_coordinator_entries_are_refused(tmp_path):
+    k = Keys(tmp_path)
+
+    async def go():
+        tr = await Node.create(k.cfg("trainer", "trainer"))
+        leaf = await Node.create(k.cfg("leaf", "rollout", seeds=[tr.address], parents=[tr.address]))
+        try:
+            g = leaf.gossip.gossip
+            await _until(lambda: g.coord.plan is not None)
+            plan_before = g.coord.plan
+            url = leaf.address + "/v1/gossip"
+            hdr = {**AUTH, "X-P2PSync-Gossip-From": "http://127.0.0.1:9"}
+            evil = {"epoch": 99, "root": "trainer", "parents": {"leaf": "relay-evil"}}
+            # A relay claiming the trainer as writer: unsigned, signed by another key, or altered.
+            other = signer(keys.generate())
+            good = signer(k.priv)(CoordEntry("plan", 10**15, "trainer",
+                                             {"epoch": 1, "root": "trainer", "parents": {"leaf": "trainer"}}))
+            forged = [CoordEntry("plan", 10**15, "trainer", evil),
+                      other(CoordEntry("plan", 10**15, "trainer", evil)),
+                      CoordEntry("plan", 10**15, "trainer", evil, good.signature)]
+            async with aiohttp.ClientSession(headers=hdr) as s:
+                for e in forged:
+                    async with s.post(url, data=dumps(Delta("relay-evil", coord=(e,)))) as r:
+                        assert r.status == 204
+                async with s.post(url, data=b'{"format": 1, "type": "nope"}') as r:
+                    assert r.status == 400
+                async with s.post(url, data=dumps(Delta("x")), headers={"X-P2PSync-Gossip-From": ""}) as r:
+                    assert r.status == 400
+            assert g.coord.rejected >= 3
+            assert "relay-evil" not in g.coord.plan[2].values() and g.coord.plan[0] == plan_before[0]
+            assert leaf.upstream.parents.candidates[0] != "relay-evil"
+        finally:
+            await leaf.close()
+            await tr.close()
+
+    asyncio.run(go())
