@@ -1,0 +1,479 @@
+"""Dissemination on the emulated multi-region WAN, side by side: time until the last machine holds the weights.
+
+One command per suite (root; builds the testbed, runs, removes it):
+
+    .venv/bin/python tools/bench_wan.py main     # 4 regions x 4 machines, every method, delta + snapshot
+    .venv/bin/python tools/bench_wan.py scaling  # p2psync tree and star on the delta, 2..4 regions x 2..8
+
+Methods (each measured from the moment the payload is available at the
+trainer until the last machine has it; for p2psync that is the moment the
+artifact file is dropped into the trainer's publish folder, so its pick-up
+(polled every 0.2 s) and the trainer's own apply count against it):
+
+- ``p2psync-tree``: real ``p2psync node`` processes wired as the topology
+  planner's tree for the testbed's network model (fallbacks as extra
+  candidates); a machine "has it" when it *applied* the version (decoded,
+  fingerprint checked). ``received`` (the artifact complete in its store) is
+  reported beside it.
+- ``p2psync-star``: the same nodes, every one pulling from the trainer.
+- ``http-unicast``: an aiohttp file server at the trainer, every machine
+  downloads the file at once (``tools/wan/unicast.py``).
+- ``shardcast``: PyPI shardcast, origin at the trainer, one middle node per
+  region (its first machine), the others as clients of their middle node
+  (``tools/wan/shardcast_node.py``), moving the same files.
+- ``gloo``: ``torch.distributed`` gloo broadcast of the full bf16 weights
+  (full weights only: a collective cannot skip the unchanged bytes).
+
+Payloads: the real delta artifact and the full snapshot artifact of the codec
+workload (``tools/wan/artifacts.py``). Beside each time: the lower bound
+``max over machines of (payload / path capacity + one-way delay)``. Writes JSON,
+a markdown table and a PNG under ``--out`` (default docs/benchmarks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tools"))
+
+TOKEN = "wan-bench-token-0123456789"
+PY = sys.executable
+
+
+# ---- bounds and cost ---------------------------------------------------------------------------
+
+def lower_bound(cfg, payload_bytes: int) -> float:
+    """No scheme beats, for any machine, its payload over the path's tightest cap plus the one-way delay."""
+    t = next(m for m in cfg.machines() if m.role == "trainer")
+    worst = 0.0
+    for m in cfg.machines():
+        if m.role == "trainer":
+            continue
+        cap = cfg.path_mbit(t, m) * 1e6
+        worst = max(worst, payload_bytes * 8 / cap + cfg.one_way_ms(t.region, m.region) / 1000)
+    return worst
+
+
+def tokens_per_dollar(cfg, sync_s: float, rollout_s: float) -> float:
+    """A synchronous RL step: every rollout machine generates for ``rollout_s``, then waits ``sync_s`` for the
+    new weights; every machine (trainer included) is paid for the whole step."""
+    ms = cfg.machines()
+    tokens = sum(cfg.tokens_per_s[m.node_class] * rollout_s for m in ms if m.role != "trainer")
+    dollars = sum(cfg.prices[m.node_class] for m in ms) * (rollout_s + sync_s) / 3600
+    return tokens / dollars
+
+
+# ---- methods -----------------------------------------------------------------------------------
+
+def run_p2psync(tb, art: dict, parents: dict, work: Path, timeout: float) -> dict:
+    from p2psync.testbed import nodes
+
+    d = Path(tempfile.mkdtemp(prefix="p2p-", dir=work))
+    publish = d / "publish"
+    publish.mkdir()
+    ns = nodes.start(tb, parents, d, Path(art["keys"]), TOKEN, publish,
+                     extra=["--store.snapshot_interval=0", "--store.checkpoint_interval=0",
+                            "--limits.sse_keepalive=1", "--limits.stall_timeout=30"])
+    out = {}
+    try:
+        # v0 (cold: every node starts from nothing and loads its codec on the way) is kept apart;
+        # v1 the delta and v2 the full snapshot are measured on running nodes.
+        for version, kind, file in ((0, "snapshot-cold", "snapshot"), (1, "delta", "delta"),
+                                    (2, "snapshot", "snapshot2")):
+            src = Path(art[file])
+            dropped: list[float] = []
+
+            def drop(src: Path = src) -> None:
+                dropped.append(time.monotonic())
+                os.link(src, publish / src.name)
+
+            seen = ns.watch(version, timeout, then=drop)
+            # t0: the artifact file appears in the trainer's publish folder (so the trainer's own
+            # pick-up, verification and apply count against p2psync, as a user would see them).
+            t0 = dropped[0]
+            trainer_s = seen["nodes"][tb.trainer.id]["applied"]
+            rest = {n: r for n, r in seen["nodes"].items() if n != tb.trainer.id}
+            fp_ok = all(r["fingerprint"] == art["fingerprints"][str(version)] for r in rest.values())
+            out[kind] = {
+                "seconds": None if seen["timed_out"] else round(max(r["applied"] for r in rest.values()) - t0, 3),
+                "received_s": None if seen["timed_out"] else round(max(r["received"] for r in rest.values()) - t0, 3),
+                "per_node_s": {n: None if r["applied"] is None else round(r["applied"] - t0, 3) for n, r in rest.items()},
+                "trainer_applied_s": None if trainer_s is None else round(trainer_s - t0, 3),
+                "timed_out": seen["timed_out"], "bit_exact": fp_ok and not seen["timed_out"],
+            }
+            time.sleep(2)  # let relays settle before the next version
+    finally:
+        ns.stop()
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def run_unicast(tb, art: dict, work: Path, timeout: float, kinds=("snapshot", "delta")) -> dict:
+    d = Path(tempfile.mkdtemp(prefix="uni-", dir=work))
+    serve_dir = d / "serve"
+    serve_dir.mkdir()
+    t = tb.trainer
+    out = {}
+    server = tb.spawn(t.id, [PY, "tools/wan/unicast.py", "serve", "--host", t.ip, "--dir", str(serve_dir)],
+                      stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        for kind in kinds:
+            src = Path(art[kind])
+            os.link(src, serve_dir / src.name)
+            clients = {m.id: tb.spawn(m.id, [PY, "tools/wan/unicast.py", "fetch", "--url",
+                                             f"http://{t.ip}:8080/{src.name}", "--out", str(d / f"{m.id}.bin")],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                       for m in tb.rollout_machines()}
+            for p in clients.values():  # every client has started and imported what it needs
+                assert p.stdout.readline().strip() == "ready"
+            go = time.monotonic() + 0.5
+            for p in clients.values():
+                p.stdin.write(f"{go!r}\n")
+                p.stdin.flush()
+            ends = {}
+            for n, p in clients.items():
+                o, _ = p.communicate(timeout=timeout)
+                r = json.loads(o.strip().splitlines()[-1])
+                assert r["bytes"] == src.stat().st_size, (n, r)
+                ends[n] = r["end"]
+            out[kind] = {"seconds": round(max(ends.values()) - go, 3),
+                         "per_node_s": {n: round(e - go, 3) for n, e in ends.items()}}
+            for m in tb.rollout_machines():
+                (d / f"{m.id}.bin").unlink(missing_ok=True)
+    finally:
+        tb.stop([server])
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def run_shardcast(tb, art: dict, work: Path, timeout: float) -> dict:
+    d = Path(tempfile.mkdtemp(prefix="sc-", dir=work))
+    t = tb.trainer
+    procs = []
+    out = {}
+    try:
+        origin = tb.spawn(t.id, [PY, "tools/wan/shardcast_node.py", "origin", "--dir", str(d / "origin")],
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        procs.append(origin)
+        assert origin.stdout.readline().strip() == "ready"
+        middles, clients = {}, {}
+        by_region: dict[str, list] = {}
+        for m in tb.rollout_machines():
+            by_region.setdefault(m.region, []).append(m)
+        for region, ms in by_region.items():
+            mid = ms[0]
+            p = tb.spawn(mid.id, [PY, "tools/wan/shardcast_node.py", "middle", "--dir", str(d / mid.id),
+                                  "--upstream", f"http://{t.ip}:8000"], stdout=subprocess.PIPE, text=True)
+            procs.append(p)
+            assert p.stdout.readline().strip() == "ready"
+            middles[mid.id] = p
+            for c in ms[1:]:
+                q = tb.spawn(c.id, [PY, "tools/wan/shardcast_node.py", "client", "--dir", str(d / c.id),
+                                    "--server", f"http://{mid.ip}:8000", "--versions", "v1,v2"],
+                             stdout=subprocess.PIPE, text=True)
+                procs.append(q)
+                clients[c.id] = q
+        for q in clients.values():
+            assert q.stdout.readline().strip() == "ready"
+        for kind in ("snapshot", "delta"):
+            origin.stdin.write(art[kind] + "\n")
+            origin.stdin.flush()
+            pub = json.loads(origin.stdout.readline())
+            ends = {}
+            deadline = time.monotonic() + timeout
+            for n, p in {**middles, **clients}.items():
+                line = p.stdout.readline()  # one line per version, in order
+                if not line or time.monotonic() > deadline:
+                    raise RuntimeError(f"shardcast {n} gave no result for {pub['version']}")
+                r = json.loads(line)
+                assert r.get("version") == pub["version"] and "end" in r, (n, r)
+                ends[n] = r["end"]
+            out[kind] = {"seconds": round(max(ends.values()) - pub["published"], 3),
+                         "per_node_s": {n: round(e - pub["published"], 3) for n, e in ends.items()}}
+    finally:
+        tb.stop(procs)
+        shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def run_gloo(tb, art: dict, work: Path, timeout: float) -> dict:
+    ms = [tb.trainer, *tb.rollout_machines()]
+    numel = art["params"]
+    procs = []
+    try:
+        for rank, m in enumerate(ms):
+            argv = [PY, "tools/wan/gloo_bcast.py", "--master", tb.trainer.ip, "--rank", str(rank),
+                    "--world", str(len(ms)), "--numel", str(numel), "--timeout", str(timeout)]
+            if rank == 0:
+                argv += ["--weights", art["weights"]]
+            with open(work / f"gloo-{m.id}.log", "ab") as log:
+                procs.append(tb.spawn(m.id, argv, stdout=subprocess.PIPE, stderr=log, text=True,
+                                      env={"OMP_NUM_THREADS": "1"}))
+        res = []
+        for p in procs:
+            o, _ = p.communicate(timeout=timeout + 120)
+            res.append(json.loads(o.strip().splitlines()[-1]))
+    finally:
+        tb.stop(procs)
+    t0 = res[0]["start"]
+    ok = all(r["crc_head"] == res[0]["crc_head"] for r in res)
+    return {"snapshot": {"seconds": round(max(r["end"] for r in res) - t0, 3), "bit_exact": ok,
+                         "per_node_s": {ms[r["rank"]].id: round(r["end"] - t0, 3) for r in res[1:]},
+                         "payload_bytes": 2 * numel}}
+
+
+# ---- suites ------------------------------------------------------------------------------------
+
+def plan_parents(cfg, payload: int, chunk: int) -> dict:
+    from p2psync.testbed.model import network_model
+    from topology.planner import PlannerConfig, plan
+
+    p = plan(network_model(cfg), PlannerConfig(payload_bytes=payload, chunk_bytes=chunk))
+    return {c: [par, *p.fallbacks.get(c, [])] for c, par in p.parents.items()}, p
+
+
+def star_parents(cfg) -> dict:
+    return {m.id: ["trainer"] for m in cfg.machines() if m.role != "trainer"}
+
+
+def suite(args, cfg, art: dict, methods: list[str]) -> dict:
+    from p2psync.testbed.runner import Testbed
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    plan_info = None
+    with Testbed.up(cfg) as tb:
+        for method in methods:
+            t = time.monotonic()
+            print(f"[{cfg.name}] {method} ...", file=sys.stderr, flush=True)
+            if method == "p2psync-tree":
+                parents, p = plan_parents(cfg, art["delta_bytes"], art["delta_chunk"])
+                plan_info = {"parents": p.parents, "est_completion_s": p.est_completion_s}
+                results[method] = run_p2psync(tb, art, parents, work, args.timeout)
+            elif method == "p2psync-star":
+                results[method] = run_p2psync(tb, art, star_parents(cfg), work, args.timeout)
+            elif method == "http-unicast":
+                results[method] = run_unicast(tb, art, work, args.timeout)
+            elif method == "shardcast":
+                results[method] = run_shardcast(tb, art, work, args.timeout)
+            elif method == "gloo":
+                results[method] = run_gloo(tb, art, work, args.timeout)
+            else:
+                raise SystemExit(f"unknown method {method}")
+            print(f"[{cfg.name}] {method}: {json.dumps({k: v.get('seconds') for k, v in results[method].items()})} "
+                  f"({time.monotonic() - t:.0f} s)", file=sys.stderr, flush=True)
+    return {"results": results, "plan": plan_info}
+
+
+def machine_note() -> str:
+    load = os.getloadavg()
+    return (f"{platform.machine()} {os.cpu_count()} cores (shared with other engineers' work), "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, no GPU; "
+            f"load average at start {load[0]:.1f}")
+
+
+def rows_of(cfg, art: dict, results: dict, rollout_s: float) -> list[dict]:
+    rows = []
+    for method, per in results.items():
+        for kind, r in per.items():
+            if kind == "snapshot-cold":
+                continue
+            payload = r.get("payload_bytes") or art[f"{kind}_bytes"]
+            lb = lower_bound(cfg, payload)
+            s = r.get("seconds")
+            rows.append({"method": method, "payload": kind, "bytes": payload, "seconds": s,
+                         "received_s": r.get("received_s"), "lower_bound_s": round(lb, 4),
+                         "x_lower_bound": None if s is None else round(s / lb, 2),
+                         "tokens_per_dollar": None if s is None else round(tokens_per_dollar(cfg, s, rollout_s)),
+                         "bit_exact": r.get("bit_exact")})
+    return rows
+
+
+def markdown(rows: list[dict], cfg, rollout_s: float) -> str:
+    tree = {r["payload"]: r["seconds"] for r in rows if r["method"] == "p2psync-tree"}
+    ideal = tokens_per_dollar(cfg, 0.0, rollout_s)
+    out = ["| method | payload | MB | time to last machine (s) | lower bound (s) | x bound | x p2psync tree, same payload "
+           f"| rollout tokens per $ (no-sync ideal {ideal:,.0f}) |",
+           "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        s, ref = r["seconds"], tree.get(r["payload"]) if r["payload"] in tree else None
+        if r["method"] == "gloo":
+            ref = tree.get("snapshot")
+        ratio = f"{s / ref:.1f}x" if s and ref else "-"
+        out.append(f"| {r['method']} | {r['payload']} | {r['bytes'] / 1e6:.2f} | {'timeout' if s is None else s} | "
+                   f"{r['lower_bound_s']} | {r['x_lower_bound'] or '-'} | {ratio} | "
+                   f"{'-' if r['tokens_per_dollar'] is None else format(r['tokens_per_dollar'], ',')} |")
+    return "\n".join(out)
+
+
+def targets(rows: list[dict]) -> list[dict]:
+    """The issue's targets, each as measured / required."""
+    get = {(r["method"], r["payload"]): r for r in rows}
+
+    def sec(m: str, k: str) -> float | None:
+        r = get.get((m, k))
+        return r["seconds"] if r else None
+
+    out = []
+    d = sec("p2psync-tree", "delta")
+    if d:
+        lb = get[("p2psync-tree", "delta")]["lower_bound_s"]
+        out.append({"target": "real delta within 1.15x of the lower bound", "measured": round(d / lb, 2),
+                    "required": "<= 1.15", "met": d / lb <= 1.15})
+        for m, k, need, what in (("http-unicast", "snapshot", 50, ">= 50x faster than full-weight unicast"),
+                                 ("shardcast", "delta", 3, ">= 3x faster than shardcast on the delta file")):
+            o = sec(m, k)
+            if o:
+                out.append({"target": what, "measured": round(o / d, 2), "required": f">= {need}", "met": o / d >= need})
+    s, o = sec("p2psync-tree", "snapshot"), sec("shardcast", "snapshot")
+    if s and o:
+        out.append({"target": ">= 1.5x faster than shardcast on the full snapshot", "measured": round(o / s, 2),
+                    "required": ">= 1.5", "met": o / s >= 1.5})
+    return out
+
+
+def chart(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.38
+    for k, (kind, colour) in enumerate((("delta", "#1f77b4"), ("snapshot", "#ff7f0e"))):
+        xs, ys, lbs = [], [], []
+        for i, m in enumerate(methods):
+            r = next((r for r in rows if r["method"] == m and r["payload"] == kind and r["seconds"]), None)
+            if r:
+                xs.append(i + (k - 0.5) * width)
+                ys.append(r["seconds"])
+                lbs.append(r["lower_bound_s"])
+        ax.bar(xs, ys, width, label=f"{kind} payload", color=colour)
+        ax.scatter(xs, lbs, marker="_", s=400, color="black", zorder=3,
+                   label="lower bound" if k == 0 else None)
+    ax.set_xticks(range(len(methods)), methods)
+    ax.set_yscale("log")
+    ax.set_ylabel("time to last machine (s, log)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> int:
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(REPO / ".numba_cache"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("suite", choices=["main", "scaling"])
+    ap.add_argument("--config", help="testbed description (TOML/JSON); default: the built-in 4x4 testbed")
+    ap.add_argument("--name", default="wanb", help="testbed name (namespace prefix)")
+    ap.add_argument("--regions", type=int, default=4)
+    ap.add_argument("--per-region", type=int, default=4)
+    ap.add_argument("--preset", default="bench", help="model preset of trainer/workload.py (main: bench)")
+    ap.add_argument("--methods", default="p2psync-tree,p2psync-star,http-unicast,shardcast,gloo")
+    ap.add_argument("--grid", default="2x2,2x4,2x8,4x2,4x4,4x8", help="scaling: REGIONSxPER_REGION list")
+    ap.add_argument("--rollout-seconds", type=float, default=60.0, help="cost model: rollout phase per RL step")
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--work", default="/tmp/p2psync-wan", help="artifacts cache and scratch space")
+    ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
+    args = ap.parse_args()
+    from p2psync.testbed.config import load, scaled
+    from wan.artifacts import make
+
+    base = load(args.config, name=args.name) if args.config else None
+    print(f"building the {args.preset} workload's artifacts (cached in {args.work}) ...", file=sys.stderr, flush=True)
+    art = make(Path(args.work), preset=args.preset)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    header = {"command": "tools/bench_wan.py " + " ".join(sys.argv[1:]), "machine": machine_note(),
+              "date": time.strftime("%Y-%m-%d %H:%M"),
+              "workload": {k: art[k] for k in ("preset", "lr", "warmup", "params", "bf16_bytes", "snapshot_bytes",
+                                                "delta_bytes", "delta_chunk", "snapshot_chunk")},
+              "rollout_seconds": args.rollout_seconds}
+    if args.suite == "main":
+        cfg = scaled(args.regions, args.per_region, base, name=args.name)
+        res = suite(args, cfg, art, args.methods.split(","))
+        rows = rows_of(cfg, art, res["results"], args.rollout_seconds)
+        goals = targets(rows)
+        doc = {**header, "testbed": cfg.to_dict(), "plan": res["plan"], "results": res["results"], "rows": rows,
+               "targets": goals}
+        (out / "wan.json").write_text(json.dumps(doc, indent=1) + "\n")
+        table = markdown(rows, cfg, args.rollout_seconds) + "\n\n" + "\n".join(
+            f"- {g['target']}: {g['measured']} (needs {g['required']}): {'met' if g['met'] else 'MISSED'}" for g in goals)
+        (out / "wan_main.md").write_text(table + "\n")
+        chart(rows, out / "wan_main.png", f"{len(cfg.machines()) - 1} machines in {len(cfg.regions)} regions, "
+                                          f"{art['preset']} model ({art['params'] / 1e6:.0f}M params)")
+        print(table)
+        return 0
+    points = []
+    for spec in args.grid.split(","):
+        r, n = (int(x) for x in spec.split("x"))
+        cfg = scaled(r, n, base, name=args.name)
+        res = suite(args, cfg, art, ["p2psync-tree", "p2psync-star"])
+        rows = rows_of(cfg, art, res["results"], args.rollout_seconds)
+        get = {(x["method"], x["payload"]): x for x in rows}
+        points.append({"regions": r, "per_region": n, "machines": r * n,
+                       "tree_delta_s": get[("p2psync-tree", "delta")]["seconds"],
+                       "star_delta_s": get[("p2psync-star", "delta")]["seconds"],
+                       "tree_snapshot_s": get[("p2psync-tree", "snapshot")]["seconds"],
+                       "star_snapshot_s": get[("p2psync-star", "snapshot")]["seconds"],
+                       "delta_lower_bound_s": get[("p2psync-tree", "delta")]["lower_bound_s"],
+                       "snapshot_lower_bound_s": get[("p2psync-tree", "snapshot")]["lower_bound_s"],
+                       "results": res["results"]})
+        print(json.dumps({k: v for k, v in points[-1].items() if k != "results"}), flush=True)
+        (out / "wan_scaling.json").write_text(json.dumps({**header, "points": points}, indent=1) + "\n")
+    lines = ["| regions x machines | delta: tree (s) | delta: star (s) | delta bound (s) | snapshot: tree (s) | "
+             "snapshot: star (s) | snapshot bound (s) |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for p in points:
+        lines.append(f"| {p['regions']} x {p['per_region']} | {p['tree_delta_s']} | {p['star_delta_s']} | "
+                     f"{p['delta_lower_bound_s']} | {p['tree_snapshot_s']} | {p['star_snapshot_s']} | "
+                     f"{p['snapshot_lower_bound_s']} |")
+    (out / "wan_scaling.md").write_text("\n".join(lines) + "\n")
+    scaling_chart(points, out / "wan_scaling.png", art)
+    print("\n".join(lines))
+    return 0
+
+
+def scaling_chart(points: list[dict], path: Path, art: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, kind in zip(axes, ("delta", "snapshot")):
+        for regions, style in ((2, "-"), (3, "-."), (4, "--")):
+            ps = sorted((p for p in points if p["regions"] == regions), key=lambda p: p["machines"])
+            if not ps:
+                continue
+            xs = [p["machines"] for p in ps]
+            for key, colour in (("tree", "#1f77b4"), ("star", "#d62728")):
+                ax.plot(xs, [p[f"{key}_{kind}_s"] or float("nan") for p in ps], style, marker="o", color=colour,
+                        label=f"{key}, {regions} regions")
+            ax.plot(xs, [p[f"{kind}_lower_bound_s"] for p in ps], style, color="grey",
+                    label=f"lower bound, {regions} regions")
+        ax.set_xlabel("receiving machines")
+        ax.set_ylabel("time to last machine (s)")
+        ax.set_title(f"{kind} ({art[f'{kind}_bytes'] / 1e6:.1f} MB)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
