@@ -391,8 +391,9 @@ def main() -> int:
     ap.add_argument("--work", default="/tmp/p2psync-wan", help="artifacts cache and scratch space")
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
     args = ap.parse_args()
-    from p2psync.testbed.config import load, scaled
     from wan.artifacts import make
+
+    from p2psync.testbed.config import load, scaled
 
     base = load(args.config, name=args.name) if args.config else None
     print(f"building the {args.preset} workload's artifacts (cached in {args.work}) ...", file=sys.stderr, flush=True)

@@ -10,9 +10,8 @@ which the model's per-pair pipes do not express.)
 
 from __future__ import annotations
 
-from topology.model import Defaults, NetworkModel, NodeSpec, Region, RegionLink
-
 from p2psync.testbed.config import TestbedConfig
+from topology.model import Defaults, NetworkModel, NodeSpec, Region, RegionLink
 
 UNCAPPED_BPS = 10e9
 

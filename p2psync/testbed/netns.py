@@ -60,7 +60,7 @@ def tbf_args(mbit: float, mtu: int) -> list[str]:
     rate_bytes = mbit * 1e6 / 8
     burst = max(2 * mtu + 1600, int(rate_bytes * 0.002))
     limit = max(burst + 4 * mtu, int(rate_bytes * 0.1))
-    return ["tbf", "rate", f"{int(round(mbit * 1000))}kbit", "burst", str(burst), "limit", str(limit)]
+    return ["tbf", "rate", f"{round(mbit * 1000)}kbit", "burst", str(burst), "limit", str(limit)]
 
 
 def plan_commands(cfg: TestbedConfig) -> list[Cmd]:
@@ -166,7 +166,7 @@ def check_host() -> None:
 
 def _run(cmd: Cmd | list[str], check: bool = True) -> subprocess.CompletedProcess:
     argv = list(cmd.argv if isinstance(cmd, Cmd) else cmd)
-    r = subprocess.run(argv, capture_output=True, text=True)
+    r = subprocess.run(argv, capture_output=True, text=True, check=False)
     if check and r.returncode != 0:
         why = cmd.why if isinstance(cmd, Cmd) else "command"
         raise TestbedError(f"{why}: `{' '.join(argv)}` failed ({r.returncode}): {r.stderr.strip()}")
@@ -335,11 +335,10 @@ def _start_delay_line(cfg: TestbedConfig, spec: dict, log_dir: Path) -> int:
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])}
     log_dir.mkdir(parents=True, exist_ok=True)
-    log = open(log_dir / f"{cfg.name}-delay.log", "ab")
     argv = ["ip", "netns", "exec", cfg.core_namespace, sys.executable, "-m", "p2psync.testbed.delay",
             "--spec", json.dumps(spec), "--testbed", cfg.name]
-    p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
-    log.close()
+    with open(log_dir / f"{cfg.name}-delay.log", "ab") as log:  # the child keeps its own descriptor
+        p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
     assert p.stdout is not None
     line = p.stdout.readline().decode().strip()
     if line != "ready":

@@ -89,9 +89,8 @@ def start(tb: Testbed, parents: Mapping[str, Sequence[str]], workdir: Path, keyd
             else:
                 cands = [f"http://{tb.machines[p].ip}:{PORT}" for p in parents[name]]
                 args.append("--parents=" + ",".join(cands))
-            log = open(workdir / f"{name}.log", "ab")
-            p = tb.spawn(name, args, stdout=subprocess.PIPE, stderr=log, text=True)
-            log.close()
+            with open(workdir / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
+                p = tb.spawn(name, args, stdout=subprocess.PIPE, stderr=log, text=True)
             ns.procs[name] = p
             assert p.stdout is not None
             line = p.stdout.readline().strip()

@@ -59,7 +59,7 @@ class Testbed:
     def __enter__(self) -> Testbed:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.down()
 
     @property
@@ -103,6 +103,7 @@ class Testbed:
     def run(self, target: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
             timeout: float | None = None, **kw: Any) -> subprocess.CompletedProcess:
         kw.setdefault("cwd", str(REPO))
+        kw.setdefault("check", False)
         return subprocess.run(self.argv(target, argv), env=self.env(env), timeout=timeout, **kw)
 
     @staticmethod
