@@ -11,8 +11,8 @@ Every file is written to a temporary name and renamed into place, so a crash
 leaves either the old file or the new one, never half of one; leftover
 temporaries are removed on open. Manifests are re-verified against the
 trainer's key when the store is opened, chunks whenever they are read from
-disk. The chunks stored most recently (``cache_bytes`` of them) are also kept
-in memory, as the verified bytes :meth:`VersionStore.put_chunk` checked, so that
+disk. The chunks stored or read most recently (``cache_bytes`` of them) are also
+kept in memory, as the verified bytes that were checked, so that
 a relay serves its children what it just received without reading it back and
 hashing it again for every child (cut-through children ask for a chunk moments
 after it arrived).
@@ -253,6 +253,7 @@ class VersionStore:
             art.held.discard(index)
             (art.path / f"chunk-{index}").unlink(missing_ok=True)
             raise
+        self._remember(aid, index, data)  # verified: the next child asking for it gets this copy
         return data
 
     def chunks(self, aid: str) -> list[bytes | memoryview]:

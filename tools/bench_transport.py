@@ -10,7 +10,9 @@ of random bf16 words of the requested size (incompressible, so payload bytes
 changes), so nothing polls while a transfer runs. Measured: from the trainer
 announcing version 1 to each node announcing it; CPU seconds of every node
 process over the same window plus the trainer's publish (``/proc``); after the
-run, SIGTERM -> exit time of every node. Topologies:
+run, SIGTERM -> exit time of every node (which then checkpoints its new weights;
+above ``--sigterm-max-mb`` the nodes are killed instead), and separately the
+SIGTERM -> exit time of idle nodes (``--idle-shutdown``). Topologies:
 
 - ``hop``:   trainer -> 1 rollout
 - ``chain``: trainer -> relay -> rollout (depth 2)
@@ -146,11 +148,11 @@ def make_artifact(path: Path, priv, nbytes: int, chunk_size: int, version: int, 
     return m.payload_bytes
 
 
-def stop(procs: dict[str, subprocess.Popen]) -> dict[str, float]:
-    """SIGTERM every node at once; seconds until each exited."""
+def stop(procs: dict[str, subprocess.Popen], sig: int = signal.SIGTERM) -> dict[str, float]:
+    """Signal every node at once; seconds until each exited."""
     t0 = time.monotonic()
     for p in procs.values():
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(sig)
     out = {}
     for name, p in procs.items():
         try:
@@ -163,7 +165,7 @@ def stop(procs: dict[str, subprocess.Popen]) -> dict[str, float]:
 
 
 def run_one(topology: str, cut_through: bool, artifact: Path, warm: Path, keydir: Path, streams: int,
-            timeout: float) -> dict:
+            timeout: float, sigterm: bool = True) -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"bench-{topology}-"))
     publish = root / "publish"
     publish.mkdir()
@@ -188,7 +190,8 @@ def run_one(topology: str, cut_through: bool, artifact: Path, warm: Path, keydir
         t = {name: w.wait(1, timeout) for name, w in watches.items()}
         cpu1 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
         t_pub = t.pop("trainer")
-        shutdown = stop(procs)
+        # SIGTERM makes every node checkpoint the new weights on its way out (seconds per GB).
+        shutdown = stop(procs) if sigterm else {}
         arrive = {name: round(v - t_pub, 3) for name, v in t.items()}
         cpu = {name: round(cpu1[name] - cpu0[name], 2) for name in procs}
         return {"topology": topology, "cut_through": cut_through, "nodes": len(t),
@@ -244,7 +247,7 @@ def summarise(rows: list[dict]) -> list[dict]:
                     "mb_per_s": payload / 1e6 / last,
                     "cpu_trainer": statistics.median(r["cpu_s"]["trainer"] for r in rs),
                     "cpu_node": statistics.median(followers),
-                    "shutdown_max": max(max(r["shutdown_s"].values()) for r in rs)})
+                    "shutdown_max": max((max(r["shutdown_s"].values(), default=0) for r in rs), default=0)})
     return out
 
 
@@ -263,6 +266,8 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per configuration (the table shows medians)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for one version")
     ap.add_argument("--json", help="append every run as a JSON line to this file")
+    ap.add_argument("--sigterm-max-mb", type=int, default=100,
+                    help="end nodes with SIGTERM (timed, checkpoints the weights) up to this size, SIGKILL above")
     ap.add_argument("--idle-shutdown", type=int, default=3, help="times to measure SIGTERM -> exit of idle nodes")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-keys-"))
@@ -285,7 +290,8 @@ def main() -> int:
             for topo in args.topologies.split(","):
                 for ct in (c == "on" for c in args.cut_through.split(",")):
                     for _ in range(args.repeat):
-                        r = run_one(topo, ct, art, warm, work, args.streams, args.timeout)
+                        r = run_one(topo, ct, art, warm, work, args.streams, args.timeout,
+                                    sigterm=mb <= args.sigterm_max_mb)
                         r.update(mb=mb, payload=payload, chunk_size=args.chunk_size, streams=args.streams)
                         rows.append(r)
                         print(json.dumps(r), flush=True)
