@@ -32,7 +32,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -88,6 +90,9 @@ class Node:
         self._applied: list[Manifest] = []
         self._applied_base = 0
         self._applied_signal = HeadSignal()
+        self._keep_decoded = 0
+        self._decoded: OrderedDict[str, tuple[dict, list[tuple[int, int]]]] = OrderedDict()
+        self._decoded_lock = threading.Lock()
         self._children: dict[str, tuple[str, float]] = {}
         self._upstream_cat: Catalogue | None = None
         self._wake = asyncio.Event()
@@ -309,7 +314,10 @@ class Node:
             ap = applier or Applier.onto(self.state, manifest)
             if chunks is not None:
                 ap.add_chunks(enumerate(chunks), 2)
+            ap.keep_changes = self._keep_decoded > 0
             fp = ap.commit()
+            if ap.changes is not None:
+                self._remember_decoded(manifest.artifact_id, ap.changes, ap.state.tensor_sums())
             return ap.state, fp
 
         state, fp = await asyncio.to_thread(work)
@@ -361,10 +369,19 @@ class Node:
 
     # --- trainer --------------------------------------------------------------------------------
     async def publish(self, manifest: Manifest, chunks: list[bytes]) -> None:
-        """Trainer only: verify, apply to the trainer's copy, store, and announce ``manifest``.
+        """Trainer only: verify, store and announce ``manifest``, then apply it to the trainer's copy.
+
+        Children are told about the artifact as soon as its manifest is stored, and may fetch
+        each chunk the moment it is verified and stored here (cut-through, as on a relay): the
+        trainer's own apply (decode, fingerprint check, write) runs after the announcement, not
+        in front of it. That is safe because no node ever commits an artifact whose result does
+        not hash to the signed target fingerprint; if the trainer's own commit fails, the
+        artifact is withdrawn (removed and the head announced again) and the error raised, so a
+        publisher learns about it at once.
 
         A delta must have the current version as its base; a snapshot may start or restart the
         chain. Raises (and stores nothing new) if the signature, a chunk or the result is wrong.
+        Returns once the trainer's copy is at the new version.
         """
         if self.config.role != "trainer":
             raise P2PSyncError(f"only the trainer publishes (this node is a {self.config.role})")
@@ -380,16 +397,32 @@ class Node:
             aid = manifest.artifact_id
             fresh = aid not in self.store.artifacts
             self.store.add_manifest(manifest)
-            try:
+            announced = self.config.cut_through
+            if announced:
+                self.board.begin(aid, len(manifest.chunks))
+                self.heads.bump()
+            loop = asyncio.get_running_loop()
+
+            def store_all() -> None:
                 for i, c in enumerate(chunks):
-                    await asyncio.to_thread(self.store.put_chunk, aid, i, c)
+                    self.store.put_chunk(aid, i, c)
+                    if announced:
+                        loop.call_soon_threadsafe(self.board.arrived, aid, i)
+
+            try:
+                await asyncio.to_thread(store_all)
+                if announced:
+                    self.board.end(aid)
+                self.heads.bump()  # complete: listed as held from now on
+                self.log.info("published %s", aid)
                 await self._commit(manifest, chunks)
             except BaseException:
+                self.board.end(aid)
                 if fresh:
                     self.store.remove(aid)
+                    self.log.error("withdrew %s: it did not apply to the trainer's own copy", aid)
+                self.heads.bump()
                 raise
-            self.heads.bump()
-            self.log.info("published %s", aid)
             every = self.config.store.snapshot_interval
             if self.private_key is not None and every and manifest.kind == "delta" \
                     and manifest.target_version % every == 0:
@@ -592,3 +625,28 @@ class Node:
             self.log.warning("rebuilt snapshot of version %d does not match the signed manifest; not serving it",
                              version)
 
+    # --- decoded changes for an engine in this process ----------------------------------------
+    def keep_decoded(self, count: int = 2) -> None:
+        """Keep the decoded changes of the last ``count`` deltas this node applied (0: none), so
+        that an engine in the same process adopts them (:meth:`decoded`) instead of decoding
+        every artifact a second time. Memory: about 10 bytes per changed element per delta."""
+        with self._decoded_lock:
+            self._keep_decoded = max(0, int(count))
+            while len(self._decoded) > self._keep_decoded:
+                self._decoded.popitem(last=False)
+
+    def decoded(self, artifact_id: str) -> tuple[dict, list[tuple[int, int]]] | None:
+        """``(changes, sums)`` of a delta this node applied, if still kept: ``changes`` maps a
+        tensor index to (positions, new words), exactly as written to the node's weights, and
+        ``sums`` are the per-tensor fingerprint sums after it (they hold for any copy of the
+        weights whose fingerprint equals the delta's base). Treat both as read-only."""
+        with self._decoded_lock:
+            return self._decoded.get(artifact_id)
+
+    def _remember_decoded(self, artifact_id: str, changes: dict, sums: list[tuple[int, int]]) -> None:
+        with self._decoded_lock:
+            if self._keep_decoded <= 0:
+                return
+            self._decoded[artifact_id] = (changes, sums)
+            while len(self._decoded) > self._keep_decoded:
+                self._decoded.popitem(last=False)

@@ -28,8 +28,13 @@ What it promises:
   with ``node.work.release_all()`` (bounded by ``release_timeout``) and
   re-raises.
 
-- **Short pauses.** The next artifact is decoded against the engine's weights
-  while generation goes on (both only read them); at the safe point only the
+- **One decode per node.** The node decodes each delta once, while it downloads
+  it, and keeps the decoded changes of the last few (``Node.keep_decoded``);
+  the engine adopts them (:meth:`RolloutEngine.prepare_decoded`: base check,
+  no decode). Artifacts the node no longer keeps, and snapshots, are decoded
+  from the node's store as before.
+- **Short pauses.** Preparing the next artifact reads the engine's weights
+  only, so it runs while generation goes on; at the safe point only the
   commit (fingerprint check and the writes) pauses generation. The audit
   (fingerprint from every weight) also runs beside generation and must finish
   before the next commit.
@@ -38,7 +43,7 @@ Events (``events_path``, JSON lines): ``{"event": "switch", version,
 fingerprint (engine's, recomputed from its weights), expected (manifest
 target), ok, switch_s (artifact complete -> engine serving it), stall_s
 (generation paused for the switch), apply_s (decode start -> serving),
-audit_s, how, time}`` and ``{"event": "batch", batch_s, tokens, grants,
+audit_s, how (snapshot, delta, node-decoded, copy), time}`` and ``{"event": "batch", batch_s, tokens, grants,
 sequences, versions, switches, time}``. "Artifact complete" is the moment the
 node's ``subscribe()`` yielded it (the node had every chunk and applied its own
 copy); a version the worker found without that signal counts from when it
@@ -60,11 +65,13 @@ from p2psync.control.api import Grant, ResponseResult, RolloutRequest
 from p2psync.errors import ConfigError, FingerprintMismatch, LeaseExpired, P2PSyncError, UnknownWork, WrongBase
 from p2psync.logs import NodeAdapter
 from p2psync.store import plan_catchup
-from rollout.engine import EngineConfig, Prepared, RolloutEngine, SeqRequest, SeqState, build_engine, stream_seed
+from rollout.engine import DecodedApplier, EngineConfig, Prepared, RolloutEngine, SeqRequest, SeqState, build_engine, stream_seed
 
 logger = logging.getLogger(__name__)
 
 EXIT_DIVERGED = 3
+_KEEP_DECODED = 3
+"""Deltas whose decoded changes the node keeps for the engine (more than one: the engine may lag)."""
 
 
 class EngineDiverged(P2PSyncError):
@@ -183,6 +190,9 @@ class RolloutWorker:
         if engine is None:
             engine = await asyncio.to_thread(build_engine, opts.engine_config())
         self = cls(node, opts, engine)
+        keep = getattr(node, "keep_decoded", None)
+        if keep is not None:
+            keep(_KEEP_DECODED)
         try:
             self._watch = asyncio.create_task(self._watch_applied(), name="rollout:watch-versions")
             await asyncio.sleep(0)  # let the watcher subscribe before we read the node's version
@@ -269,6 +279,10 @@ class RolloutWorker:
         return v is not None and (self.engine.version is None or v > self.engine.version)
 
     def _prepare(self, aid: str, manifest: Any) -> Prepared:
+        decoded = getattr(self.node, "decoded", None)
+        got = decoded(aid) if decoded is not None and manifest.kind == "delta" else None
+        if got is not None:  # the node decoded it already (one decode per node, not two)
+            return self.engine.prepare_decoded(manifest, *got)
         return self.engine.prepare(manifest, self.node.store.chunks(aid), self._threads())
 
     def _prefetch(self) -> None:
@@ -329,7 +343,8 @@ class RolloutWorker:
                     prepared = await asyncio.to_thread(self._prepare, info.id, manifest)
                 await self._audit_done()  # the audit reads what commit is about to write
                 await asyncio.to_thread(self.engine.commit, prepared)
-                self._switched(manifest.target_version, manifest.target_fingerprint, t0, t_safe, manifest.kind)
+                how = "node-decoded" if isinstance(prepared.applier, DecodedApplier) else manifest.kind
+                self._switched(manifest.target_version, manifest.target_fingerprint, t0, t_safe, how)
                 t_safe = time.time()
         except WrongBase as exc:
             raise self._diverged(exc) from exc

@@ -151,6 +151,10 @@ class Applier:
         self._parts: dict[int, list[tuple]] = {}
         self._committed = False
         self._staged: ModelState | None = None
+        self.keep_changes = False
+        """Set before :meth:`commit` to keep a delta's decoded changes in :attr:`changes` afterwards."""
+        self.changes: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
+        """After a kept delta commit: tensor index -> (positions, new words), as written."""
         if kind == "snapshot":
             self._staged = state if scratch else ModelState.empty_like(state.specs)
 
@@ -246,6 +250,8 @@ class Applier:
             if fp != self.target:
                 raise FingerprintMismatch(self.target, fp)
             state.apply_sparse(changes, sums)
+            if self.keep_changes:
+                self.changes = changes
         else:
             # Every element written exactly once (no gap, no overlap), so the per-segment sums
             # add up to what a full audit of the staged words computes.

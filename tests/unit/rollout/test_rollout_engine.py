@@ -171,3 +171,50 @@ def test_prepare_writes_nothing_and_a_stale_prepare_is_refused(versions, engine)
     with pytest.raises(P2PSyncError):
         engine.commit(p1_again)  # decoded against version 0; the engine is at 1 now
     assert engine.version == 1 and engine.audit() == versions.states[1].fingerprint
+
+
+def _node_decoded(state: ModelState, m, chunks):
+    """What a node in the same process hands over: it applies the delta to its own copy, keeping the changes."""
+    from p2psync.codec.decode import Applier
+
+    ap = Applier.for_manifest(state, m)
+    ap.add_chunks(enumerate(chunks), 1)
+    ap.keep_changes = True
+    ap.commit()
+    return ap.changes, state.tensor_sums()
+
+
+def test_deltas_decoded_by_the_node_apply_bit_exact_without_a_second_decode(versions, engine, monkeypatch):
+    node_state = versions.states[0].clone()
+    import p2psync.codec.decode as decode_mod
+
+    def no_decode(*a, **kw):
+        raise AssertionError("the engine decoded the artifact again")
+    for m, chunks in versions.deltas:
+        changes, sums = _node_decoded(node_state, m, chunks)
+        with monkeypatch.context() as mp:
+            mp.setattr(decode_mod, "_decode_delta", no_decode)
+            prepared = engine.prepare_decoded(m, changes, sums)
+            assert engine.commit(prepared) == m.target_fingerprint
+        assert bits_equal(versions.states[m.target_version], engine.model.state_dict()) == []
+        assert engine.audit() == m.target_fingerprint
+
+
+def test_decoded_changes_for_another_base_or_target_write_nothing(versions, engine):
+    node_state = versions.states[0].clone()
+    m0, c0 = versions.deltas[0]
+    m1, c1 = versions.deltas[1]
+    changes0, sums0 = _node_decoded(node_state, m0, c0)
+    changes1, sums1 = _node_decoded(node_state, m1, c1)
+    before = _words(engine)
+    with pytest.raises(WrongBase):  # 1 -> 2 offered to an engine at version 0
+        engine.prepare_decoded(m1, changes1, sums1)
+    prepared = engine.prepare_decoded(m0, changes0, sums1)  # sums of another version: wrong target
+    with pytest.raises(FingerprintMismatch):
+        engine.commit(prepared)
+    with pytest.raises(CodecError):  # a snapshot is never adopted as decoded changes
+        engine.prepare_decoded(versions.snapshot[0], changes0, sums0)
+    assert engine.version == 0
+    assert all(torch.equal(before[n].view(torch.int16), t.view(torch.int16))
+               for n, t in engine.model.state_dict().items())
+    assert engine.audit() == versions.states[0].fingerprint

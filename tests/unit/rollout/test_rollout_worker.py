@@ -185,6 +185,7 @@ def test_new_version_mid_generation_switches_between_steps(tmp_path, versions, e
             assert [e["version"] for e in sw] == [0, 1]
             assert sw[1]["ok"] and sw[1]["fingerprint"] == versions.deltas[0][0].target_fingerprint
             assert sw[1]["switch_s"] >= 0
+            assert sw[1]["how"] == "node-decoded"  # adopted from the node's own decode
             (b,) = [e for e in _events(tmp_path) if e["event"] == "batch"]
             assert b["versions"] == [0, 1] and b["switches"] == 1
         finally:
@@ -368,6 +369,29 @@ def test_engine_changed_before_an_apply_exits_nonzero(tmp_path, versions, engine
             assert eng.version == 0  # nothing applied
             sw = [e for e in _events(tmp_path) if e["event"] == "switch"]
             assert sw[-1]["how"] == "base-check" and not sw[-1]["ok"]
+        finally:
+            await node.close()
+    asyncio.run(go())
+
+
+def test_versions_the_node_no_longer_keeps_decoded_are_decoded_from_its_store(tmp_path, versions, engine_factory):
+    async def go():
+        node = await _node(tmp_path, versions)
+        node.work = MemoryWork()
+        try:
+            eng = engine_factory()
+            w = await RolloutWorker.create(node, _opts(tmp_path), eng)
+            node.keep_decoded(0)
+            for m, chunks in versions.deltas[:2]:
+                await node.publish(m, chunks)
+            node.keep_decoded(1)
+            await node.publish(*versions.deltas[2])
+            await w.reach(3)
+            await w._audit_done()  # the last switch is recorded once its audit finished
+            assert bits_equal(versions.states[3], eng.model.state_dict()) == []
+            sw = [e for e in _events(tmp_path) if e["event"] == "switch"]
+            assert [(e["version"], e["how"], e["ok"]) for e in sw] == [
+                (0, "copy", True), (1, "delta", True), (2, "delta", True), (3, "node-decoded", True)]
         finally:
             await node.close()
     asyncio.run(go())

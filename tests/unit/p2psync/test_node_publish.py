@@ -1,0 +1,133 @@
+"""Trainer node publishing: the artifact is announced before the trainer's own apply; a bad one is withdrawn."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from p2psync import config, keys
+from p2psync.artifact import build_manifest
+from p2psync.codec.encode import CodecOptions, encode_delta, encode_snapshot
+from p2psync.errors import FingerprintMismatch
+from p2psync.node import Node
+from p2psync.state import ModelState
+
+pytestmark = pytest.mark.timeout(60)
+TOKEN = "node-publish-test-token"
+CHUNK = 64 << 10
+
+
+def _configs(tmp_path):
+    priv = keys.generate()
+    keys.write_pair(priv, tmp_path / "keys")
+    common = {"cluster_token": TOKEN, "trainer_public_key": str(tmp_path / "keys" / "trainer.pub"),
+              "limits": {"poll_interval": 0.5, "sse_keepalive": 1.0, "retry_after": 0.2},
+              "store": {"snapshot_interval": 0}}
+    tr = config.load(overrides={**common, "id": "trainer", "role": "trainer", "data_dir": str(tmp_path / "t")})
+    return priv, tr, common
+
+
+def _states() -> list[ModelState]:
+    g = torch.Generator().manual_seed(5)
+    w = {"a": torch.randn(200_000, generator=g).bfloat16(), "b": torch.randn(300, 7, generator=g).bfloat16()}
+    out = [ModelState({k: v.clone() for k, v in w.items()})]
+    for _ in range(3):
+        for t in w.values():
+            flat = t.view(-1)
+            idx = torch.randint(0, flat.numel(), (flat.numel() // 50,), generator=g)
+            flat[idx] = (flat[idx].float() * 1.01).bfloat16()
+        out.append(ModelState({k: v.clone() for k, v in w.items()}))
+    return out
+
+
+def _artifacts(priv, states):
+    opts = CodecOptions(chunk_size=CHUNK, segment_elements=8192)
+    enc = encode_snapshot(states[0], opts)
+    arts = [(build_manifest(enc, model_id="m", target_version=0, chunk_size=CHUNK, private_key=priv), enc.chunks)]
+    for v in range(1, len(states)):
+        enc = encode_delta(states[v - 1], states[v], opts)
+        m = build_manifest(enc, model_id="m", target_version=v, base_version=v - 1, chunk_size=CHUNK,
+                           private_key=priv)
+        arts.append((m, enc.chunks))
+    return arts
+
+
+def _same(a: ModelState, b: ModelState) -> bool:
+    return all(np.array_equal(a.words(n), b.words(n)) for n in b)
+
+
+def test_children_fetch_an_artifact_while_the_trainer_still_applies_it(tmp_path):
+    """A follower reaches version 1 while the trainer's own commit of version 1 is held back."""
+    priv, tr_cfg, common = _configs(tmp_path)
+    states = _states()
+    arts = _artifacts(priv, states)
+
+    async def go():
+        tr = await Node.create(tr_cfg)
+        fol_cfg = config.load(overrides={**common, "id": "r", "role": "rollout", "data_dir": str(tmp_path / "r"),
+                                         "parents": [tr.address]})
+        fol = await Node.create(fol_cfg)
+        try:
+            await tr.publish(*arts[0])
+            await asyncio.wait_for(fol.wait_version(0), 20)
+            release = asyncio.Event()
+            real_commit = tr._commit
+
+            async def held_commit(*a, **kw):
+                await release.wait()
+                await real_commit(*a, **kw)
+
+            tr._commit = held_commit
+            pub = asyncio.create_task(tr.publish(*arts[1]))
+            await asyncio.wait_for(fol.wait_version(1), 20)
+            assert tr.version == 0 and not pub.done()  # the trainer has not applied it yet
+            assert _same(fol.state, states[1])
+            release.set()
+            await asyncio.wait_for(pub, 20)
+            assert tr.version == 1 and tr.fingerprint == fol.fingerprint
+        finally:
+            await fol.close()
+            await tr.close()
+
+    asyncio.run(go())
+
+
+def test_an_artifact_that_does_not_apply_on_the_trainer_is_withdrawn(tmp_path):
+    """Signed by the trainer's key but with a wrong target: publish raises, nobody holds or applies it,
+    and the correct artifact for that version goes through afterwards."""
+    priv, tr_cfg, common = _configs(tmp_path)
+    states = _states()
+    arts = _artifacts(priv, states)
+    good, chunks = arts[1]
+    forged = dataclasses.replace(good, target_fingerprint=arts[2][0].target_fingerprint, signature=None).sign(priv)
+
+    async def go():
+        tr = await Node.create(tr_cfg)
+        fol_cfg = config.load(overrides={**common, "id": "r", "role": "rollout", "data_dir": str(tmp_path / "r"),
+                                         "parents": [tr.address]})
+        fol = await Node.create(fol_cfg)
+        try:
+            await tr.publish(*arts[0])
+            await asyncio.wait_for(fol.wait_version(0), 20)
+            fp0 = tr.fingerprint
+            with pytest.raises(FingerprintMismatch):
+                await tr.publish(forged, chunks)
+            assert tr.version == 0 and tr.fingerprint == fp0
+            assert _same(tr.state, states[0])
+            assert forged.artifact_id not in tr.store.artifacts
+            assert all(a.id != forged.artifact_id for a in tr.catalogue().artifacts)
+            await asyncio.sleep(1.0)  # give the follower time to try it
+            assert fol.version == 0 and _same(fol.state, states[0])
+            for m, c in arts[1:]:
+                await tr.publish(m, c)
+            await asyncio.wait_for(fol.wait_version(3), 20)
+            assert _same(fol.state, states[3]) and fol.fingerprint == tr.fingerprint
+        finally:
+            await fol.close()
+            await tr.close()
+
+    asyncio.run(go())
