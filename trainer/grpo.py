@@ -266,8 +266,13 @@ class GRPORun:
         prompt_ids = self.tok.encode(problem.prompt)
         self._counter += 1
         work_id = f"grpo-{self.opts.seed}-{self._counter}"
+        # Staleness-aware admission: the groups already outstanding are consumed first, so this
+        # one is trained on no earlier than ``ahead`` steps from now, when the trainer holds
+        # version + ahead. Asking for at least version + ahead - k keeps it within the bound
+        # then, instead of letting it start on older weights and be dropped as stale later.
         k = self.opts.max_staleness
-        min_version = max(0, version - k) if self.opts.sync else 0
+        ahead = len(self.problems) // max(1, self.opts.groups_per_step)
+        min_version = min(version, max(0, version + ahead - k)) if self.opts.sync else 0
         req = RolloutRequest(prompt_ids, self.task.max_new_tokens, temperature=self.opts.temperature,
                              stop_token_ids=self.tok.stop_ids, min_version=min_version,
                              seed=self.rng.randrange(1 << 31))

@@ -226,8 +226,52 @@ def test_staleness_bound_holds_and_sync_off_keeps_version_zero(tmp_path, sync):
     assert len(rows) == 4
     if sync:
         assert version == 4 and all(r["staleness_max"] <= 1 for r in rows)
-        assert job.dropped_stale > 0  # groups asked for before the last step came back too old: asked again
-        assert max(job.sink.min_versions) == 2  # asked for after step 3 (version 3) with k = 1
+        # Staleness-aware admission: a group with a step's worth of groups ahead of it asks for the
+        # current version, so even a sink that always uses the oldest allowed weights never returns
+        # one too old to train on (nothing generated in vain).
+        assert job.dropped_stale == 0
+        assert job.sink.min_versions[:4] == [0, 0, 0, 0] and job.sink.min_versions[4:] == [1, 1, 2, 2, 3, 3]
     else:
         assert version == 0 and {r["version"] for r in rows} == {0} and job.dropped_stale == 0
         assert set(job.sink.min_versions) == {0} and all(r["payload_bytes"] == 0 for r in rows)
+
+
+class _LaggingSink(_OldestAllowed):
+    """Its first ``lag`` results come from version 0 whatever the request allows (a node that fell behind)."""
+
+    def __init__(self, vocab: int, lag: int) -> None:
+        super().__init__(vocab)
+        self.lag = lag
+
+    def submit(self, work_id, payload, *, prompt_key="", responses=1):
+        if self.lag > 0:
+            self.lag -= 1
+            req = RolloutRequest.from_json(payload)
+            payload = RolloutRequest(req.prompt_ids, req.max_new_tokens, temperature=req.temperature,
+                                     stop_token_ids=req.stop_token_ids, min_version=0, seed=req.seed).to_json()
+            self.min_versions.append(-1)
+            out = [ResponseResult([req.stop_token_ids[0]], [-1.0], [0], "stop") for _ in range(responses)]
+            self.queue.put_nowait(Result(work_id, "r", payload, out, False))
+            return
+        super().submit(work_id, payload, prompt_key=prompt_key, responses=responses)
+
+
+def test_results_older_than_the_bound_are_dropped_and_asked_again(tmp_path):
+    opts = GRPOOptions.from_dict({"steps": 4, "groups_per_step": 2, "group_size": 2, "max_staleness": 1,
+                                  "threads": 1, "publish_threads": 1, "metrics_path": str(tmp_path / "m.jsonl")})
+
+    async def go():
+        node = await Node.create(_trainer_cfg(tmp_path))
+        node.coordinator = _LaggingSink(512, lag=6)
+        job = await GRPORun.create(node, opts)
+        try:
+            await job.train()
+            return job
+        finally:
+            await job.close()
+            await node.close()
+
+    job = asyncio.run(go())
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(r["staleness_max"] <= 1 for r in rows)
+    assert job.dropped_stale > 0 and rows[-1]["dropped_stale"] == job.dropped_stale
