@@ -26,6 +26,12 @@ Layout of the TOML file (every key optional except where a role needs it)::
     [control]
     lease_ttl = 30.0
 
+    [probe]                        # probe endpoints (p2psync.probe) and probe-run defaults
+    max_blob_bytes = 268435456
+    bytes = 8388608                # what one measurement downloads
+    intra_peers = 3
+    representatives = 2
+
 Validation happens once, in :meth:`NodeConfig.validate`, and raises
 :class:`~p2psync.errors.ConfigError` naming the field (``limits.stall_timeout``).
 This module imports nothing heavy, so the CLI can parse before it loads torch.
@@ -78,6 +84,11 @@ class LimitsConfig:
     """Seconds between keep-alive comments on the head event stream."""
     poll_interval: float = 5.0
     """Seconds between catalogue polls of the parent, a backstop for a lost event."""
+    push_bytes: int = 16 << 20
+    """Deltas up to this payload size are pushed whole down a child's open stream (manifest and
+    chunks, verified by the child as if pulled: one one-way delay instead of two round trips per
+    hop); larger artifacts are pulled. 0: announcements only. Asked for by the child, capped by
+    the parent."""
 
 
 @dataclass
@@ -156,6 +167,60 @@ class ControlSettings:
 
 
 @dataclass
+class ProbeSettings:
+    """Probe endpoints of a node (:mod:`p2psync.probe`) and the defaults of a probe run
+    (:mod:`topology.prober`, ``p2psync plan --probe``)."""
+
+    max_blob_bytes: int = 256 << 20
+    """Largest probe download a request may ask this node for; also the most a measurement here pulls per target."""
+    max_blob_streams: int = 4
+    """Probe downloads served at once; one more gets 503 + ``Retry-After``."""
+    max_targets: int = 32
+    """Targets in one measure request this node accepts."""
+    max_rtt_samples: int = 64
+    """RTT samples per target in one measure request this node accepts."""
+    connect_timeout: float = 5.0
+    """Seconds to open a connection to a probe target."""
+    stall_timeout: float = 10.0
+    """Seconds a ping or probe download may go without a byte before it counts as failed."""
+    min_rate_bps: float = 1e6
+    """Bits/s below which a probe download is cut off (it may last ``8 * bytes / min_rate_bps`` plus the timeouts)."""
+    bytes: int = 8 << 20
+    """Probe run: bytes each measurement downloads (the probe payload)."""
+    rtt_samples: int = 5
+    """Probe run: RTT samples per measured pair (median and minimum are kept)."""
+    intra_peers: int = 3
+    """Probe run: peers each node pulls from inside its region (the intra-region sample)."""
+    representatives: int = 2
+    """Probe run: nodes per region that measure across regions (the trainer first, then relays)."""
+    parallel: int = 64
+    """Probe run: measurements in flight at once inside one round."""
+    measurements: str = ""
+    """Trainer: a file ``p2psync plan --probe --save-measurements`` wrote; the coordinator's live plan
+    takes node capacities and pair figures from it (read at start). Empty: reported bandwidth and role
+    defaults only."""
+
+    def validate(self, prefix: str = "probe.") -> ProbeSettings:
+        """Raise :class:`ConfigError` naming the first bad field (``probe.bytes``); return self."""
+        ranges: dict[str, tuple[int, int]] = {
+            "max_blob_bytes": (1, 1 << 32), "max_blob_streams": (1, 256), "max_targets": (1, 1024),
+            "max_rtt_samples": (1, 1024), "bytes": (1, self.max_blob_bytes), "rtt_samples": (1, self.max_rtt_samples),
+            "intra_peers": (1, 1024), "representatives": (1, 1024), "parallel": (1, 4096),
+        }
+        for name, (lo, hi) in ranges.items():
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                raise ConfigError(f"{prefix}{name}", f"must be an integer in {lo}..{hi}, got {v!r}")
+        for name in ("connect_timeout", "stall_timeout", "min_rate_bps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+                raise ConfigError(f"{prefix}{name}", f"must be a positive number, got {v!r}")
+        if not isinstance(self.measurements, str):
+            raise ConfigError(f"{prefix}measurements", "must be a file path")
+        return self
+
+
+@dataclass
 class NodeConfig:
     """Everything a node needs to start. Build with :func:`load`; call :meth:`validate` before use."""
 
@@ -186,6 +251,7 @@ class NodeConfig:
     testing: TestingConfig = field(default_factory=TestingConfig)
     gossip: GossipSettings = field(default_factory=GossipSettings)
     control: ControlSettings = field(default_factory=ControlSettings)
+    probe: ProbeSettings = field(default_factory=ProbeSettings)
 
     @property
     def materialise(self) -> bool:
@@ -239,6 +305,8 @@ class NodeConfig:
                 raise ConfigError(f"limits.{name}", "must be > 0")
         if lim.parallel_streams > 64:
             raise ConfigError("limits.parallel_streams", "must be at most 64")
+        if isinstance(lim.push_bytes, bool) or not isinstance(lim.push_bytes, int) or not 0 <= lim.push_bytes <= 1 << 30:
+            raise ConfigError("limits.push_bytes", f"must be an integer in 0..{1 << 30}, got {lim.push_bytes!r}")
         if self.testing.serve_delay < 0:
             raise ConfigError("testing.serve_delay", "must be >= 0")
         st = self.store
@@ -272,6 +340,7 @@ class NodeConfig:
                               "must be >= 0")
         if c.coordinator_url and not c.coordinator_url.startswith(("http://", "https://")):
             raise ConfigError("control.coordinator_url", "must be an http(s) URL")
+        self.probe.validate()
         return self
 
 

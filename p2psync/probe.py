@@ -11,10 +11,12 @@ A measurement ``a.measure(targets=[b])`` is what ``a`` gets when it pulls from
 Contracts:
 
 - Bad input is answered 400 with a JSON ``{"error": ...}`` naming the field; nothing is measured.
-- Limits hold whatever the request says: a blob is at most ``MAX_BLOB_BYTES``, at most
-  ``MAX_BLOB_STREAMS`` blobs are served at once (more: 503 + ``Retry-After``), a measure request names at
-  most ``MAX_TARGETS`` targets and ``MAX_RTT_SAMPLES`` samples, and a node runs one measurement at a time
-  (a second one while it runs: 409 + ``Retry-After``), so two measurements never share this node's links.
+- Limits hold whatever the request says (the node's ``[probe]`` config section,
+  :class:`p2psync.config.ProbeSettings`; defaults in brackets): a blob is at most ``max_blob_bytes``
+  (256 MiB), at most ``max_blob_streams`` (4) blobs are served at once (more: 503 + ``Retry-After``), a
+  measure request names at most ``max_targets`` (32) targets and ``max_rtt_samples`` (64) samples and asks
+  for at most ``max_blob_bytes``, and a node runs one measurement at a time (a second one while it runs:
+  409 + ``Retry-After``), so two measurements never share this node's links.
 - A target that cannot be reached yields a result with ``error`` set; the other targets are still measured.
 - The probe client sends no node-id header, so probing never makes a node list the prober as its child.
 
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
+from p2psync.config import ProbeSettings
 from p2psync.errors import CodecError, PeerUnreachable
 
 if TYPE_CHECKING:
@@ -49,22 +52,16 @@ logger = logging.getLogger(__name__)
 
 PROBE_FORMAT = 1
 PREFIX = "/v1/probe"
-MAX_BLOB_BYTES = 256 << 20
-"""Largest blob one request may ask for."""
-MAX_BLOB_STREAMS = 4
-"""Blobs served at once by one node."""
-MAX_TARGETS = 32
-"""Targets in one measure request."""
-MAX_RTT_SAMPLES = 64
-"""RTT samples per target."""
-DEFAULT_BYTES = 8 << 20
-DEFAULT_RTT_SAMPLES = 5
+_DEFAULTS = ProbeSettings()
+# The defaults of the [probe] section, under the names earlier versions exported.
+MAX_BLOB_BYTES = _DEFAULTS.max_blob_bytes
+MAX_BLOB_STREAMS = _DEFAULTS.max_blob_streams
+MAX_TARGETS = _DEFAULTS.max_targets
+MAX_RTT_SAMPLES = _DEFAULTS.max_rtt_samples
+DEFAULT_BYTES = _DEFAULTS.bytes
+DEFAULT_RTT_SAMPLES = _DEFAULTS.rtt_samples
 POOL_BYTES = 4 << 20
 _PIECE = 256 << 10
-_CONNECT_TIMEOUT = 5.0
-_STALL_TIMEOUT = 10.0
-_MIN_RATE_BPS = 1e6
-"""A download slower than this (bits/s) is cut off: its bound is ``bytes / _MIN_RATE_BPS`` plus slack."""
 
 
 class ProbeInputError(CodecError):
@@ -92,8 +89,8 @@ class MeasureRequest:
                 "rtt_samples": self.rtt_samples}
 
     @classmethod
-    def from_json(cls, data: Any) -> MeasureRequest:
-        """Validate a decoded body; raises :class:`ProbeInputError` naming the first bad field."""
+    def from_json(cls, data: Any, limits: ProbeSettings = _DEFAULTS) -> MeasureRequest:
+        """Validate a decoded body against ``limits``; raises :class:`ProbeInputError` naming the first bad field."""
         if not isinstance(data, dict):
             raise ProbeInputError("<body>", "must be a JSON object")
         unknown = set(data) - {"format", "targets", "bytes", "rtt_samples"}
@@ -105,14 +102,14 @@ class MeasureRequest:
         targets = data.get("targets")
         if not isinstance(targets, list) or not targets:
             raise ProbeInputError("targets", "must be a non-empty list of URLs")
-        if len(targets) > MAX_TARGETS:
-            raise ProbeInputError("targets", f"{len(targets)} targets exceed the limit of {MAX_TARGETS}")
+        if len(targets) > limits.max_targets:
+            raise ProbeInputError("targets", f"{len(targets)} targets exceed the limit of {limits.max_targets}")
         for i, t in enumerate(targets):
             if not isinstance(t, str) or not t.startswith(("http://", "https://")) or len(t) > 512 \
                     or any(c.isspace() for c in t):
                 raise ProbeInputError(f"targets[{i}]", f"must be an http(s) base URL, got {t!r:.80}")
-        n = _int(data, "bytes", DEFAULT_BYTES, 0, MAX_BLOB_BYTES)
-        k = _int(data, "rtt_samples", DEFAULT_RTT_SAMPLES, 1, MAX_RTT_SAMPLES)
+        n = _int(data, "bytes", min(limits.bytes, limits.max_blob_bytes), 0, limits.max_blob_bytes)
+        k = _int(data, "rtt_samples", min(limits.rtt_samples, limits.max_rtt_samples), 1, limits.max_rtt_samples)
         return cls(tuple(t.rstrip("/") for t in targets), n, k)
 
 
@@ -183,19 +180,22 @@ def _bad(message: str, status: int = 400, **headers: str) -> web.Response:
 class ProbeClient:
     """Calls probe endpoints; build with ``await ProbeClient.create(token)``, close with :meth:`close`.
 
-    Failures to get a usable answer raise :class:`PeerUnreachable` naming the peer.
+    Failures to get a usable answer raise :class:`PeerUnreachable` naming the peer. Timeouts and the
+    slowest download accepted come from ``settings`` (``connect_timeout``, ``stall_timeout``,
+    ``min_rate_bps``).
     """
 
-    def __init__(self, session: aiohttp.ClientSession) -> None:
+    def __init__(self, session: aiohttp.ClientSession, settings: ProbeSettings = _DEFAULTS) -> None:
         self._session = session
+        self.settings = settings
 
     @classmethod
-    async def create(cls, token: str, connections: int = 64) -> ProbeClient:
+    async def create(cls, token: str, connections: int = 64, settings: ProbeSettings = _DEFAULTS) -> ProbeClient:
         # No NODE_HEADER: a prober must not show up in the target's list of children.
         connector = aiohttp.TCPConnector(limit=connections, limit_per_host=2, enable_cleanup_closed=True)
         session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}, connector=connector,
                                         auto_decompress=False)
-        return cls(session)
+        return cls(session, settings)
 
     async def close(self) -> None:
         await self._session.close()
@@ -206,9 +206,9 @@ class ProbeClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    @staticmethod
-    def _timeout(total: float | None = None) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=total, sock_connect=_CONNECT_TIMEOUT, sock_read=_STALL_TIMEOUT)
+    def _timeout(self, total: float | None = None) -> aiohttp.ClientTimeout:
+        s = self.settings
+        return aiohttp.ClientTimeout(total=total, sock_connect=s.connect_timeout, sock_read=s.stall_timeout)
 
     async def call_json(self, url: str, path: str, timeout: float = 5.0, limit: int = 4 << 20) -> dict[str, Any]:
         """GET ``url + path`` as JSON (e.g. ``/v1/status``)."""
@@ -230,12 +230,14 @@ class ProbeClient:
     async def call_ping(self, url: str) -> tuple[dict[str, Any], float]:
         """One ping: (the answer, seconds from request to answer)."""
         t0 = time.perf_counter()
-        data = await self.call_json(url, f"{PREFIX}/ping", timeout=_CONNECT_TIMEOUT + _STALL_TIMEOUT)
+        data = await self.call_json(url, f"{PREFIX}/ping",
+                                    timeout=self.settings.connect_timeout + self.settings.stall_timeout)
         return data, time.perf_counter() - t0
 
     async def call_blob(self, url: str, nbytes: int) -> float:
         """Download a blob of ``nbytes``; returns seconds from request to last byte."""
-        bound = _CONNECT_TIMEOUT + _STALL_TIMEOUT + 8 * nbytes / _MIN_RATE_BPS
+        s = self.settings
+        bound = s.connect_timeout + s.stall_timeout + 8 * nbytes / s.min_rate_bps
         t0 = time.perf_counter()
         got = 0
         try:
@@ -271,13 +273,15 @@ class ProbeClient:
 
     async def call_measure(self, url: str, request: MeasureRequest, timeout: float | None = None) -> MeasureReply:
         """Ask the node at ``url`` to measure ``request.targets``; 409 (busy) raises :class:`PeerUnreachable`."""
+        s = self.settings
         if timeout is None:
-            per = _CONNECT_TIMEOUT * 2 + _STALL_TIMEOUT * (request.rtt_samples + 2) + 8 * request.bytes / _MIN_RATE_BPS
+            # The measuring node's own timeouts bound each target; these are ours, assumed alike.
+            per = s.connect_timeout * 2 + s.stall_timeout * (request.rtt_samples + 2) + 8 * request.bytes / s.min_rate_bps
             timeout = per * len(request.targets) + 10
         try:
             async with self._session.post(f"{url}{PREFIX}/measure", json=request.to_json(),
                                           timeout=aiohttp.ClientTimeout(total=timeout,
-                                                                        sock_connect=_CONNECT_TIMEOUT)) as resp:
+                                                                        sock_connect=s.connect_timeout)) as resp:
                 body = await resp.content.read(4 << 20)
                 if resp.status != 200:
                     raise PeerUnreachable(url, f"POST {PREFIX}/measure: HTTP {resp.status} {body[:300]!r}")
@@ -291,10 +295,11 @@ class ProbeClient:
 
 # --- service ----------------------------------------------------------------------------------------
 class ProbeService:
-    """The probe endpoints of one node. Contract: see the module doc."""
+    """The probe endpoints of one node, limited by its ``[probe]`` settings. Contract: see the module doc."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
+        self.settings: ProbeSettings = node.config.probe
         self._pool = b""
         self._streams = 0
         self._measuring = asyncio.Lock()
@@ -307,7 +312,8 @@ class ProbeService:
 
     async def start(self) -> None:
         self._pool = os.urandom(POOL_BYTES)
-        self._client = await ProbeClient.create(self.node.config.token(), connections=2 * MAX_TARGETS)
+        self._client = await ProbeClient.create(self.node.config.token(), connections=2 * self.settings.max_targets,
+                                                settings=self.settings)
 
     async def stop(self) -> None:
         if self._client is not None:
@@ -326,10 +332,11 @@ class ProbeService:
             n = -1
         if n < 0:
             return _bad(f"bytes: must be a non-negative integer, got {raw!r:.40}")
-        if n > MAX_BLOB_BYTES:
-            return _bad(f"bytes: {n} exceeds the limit of {MAX_BLOB_BYTES}")
-        if self._streams >= MAX_BLOB_STREAMS:
-            return _bad(f"{MAX_BLOB_STREAMS} probe blobs are being served already", 503, **{"Retry-After": "1"})
+        limits = self.settings
+        if n > limits.max_blob_bytes:
+            return _bad(f"bytes: {n} exceeds the limit of {limits.max_blob_bytes}")
+        if self._streams >= limits.max_blob_streams:
+            return _bad(f"{limits.max_blob_streams} probe blobs are being served already", 503, **{"Retry-After": "1"})
         self._streams += 1
         try:
             resp = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
@@ -357,7 +364,7 @@ class ProbeService:
     async def rpc_measure(self, request: web.Request) -> web.Response:
         try:
             body = await request.read()
-            req = MeasureRequest.from_json(json.loads(body))
+            req = MeasureRequest.from_json(json.loads(body), self.settings)
         except ValueError:
             return _bad("<body>: not valid JSON")
         except ProbeInputError as exc:

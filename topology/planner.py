@@ -30,6 +30,9 @@ How a plan is built (each step scored with :func:`topology.tree.estimate`):
 Two reservation policies for the backbone are tried (reserve the full rate;
 reserve no more than the slowest region's rate, which leaves room on a fast
 trainer for direct children) and the plan with the lower estimate is kept.
+Finally a bounded local search (:mod:`topology.refine`) moves nodes on the
+critical path, or hands a region's entry role to a machine with a faster
+measured link into the region, while that lowers the estimate.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from dataclasses import dataclass
 
 from p2psync.errors import ConfigError
 from topology.model import NetworkModel
+from topology.refine import refine
 from topology.tree import Plan, bfs_order, children_of, depths_of, edge_share, estimate
 
 _TARGET_DIVISORS = (1.0, 2.0, 4.0)
@@ -66,14 +70,19 @@ class PlannerConfig:
     """Whether a region may get a second entry point when that lowers the estimate."""
     seed: int = 0
     """Breaks ties between equally strong machines."""
+    refine_budget: int = 100_000
+    """Node visits the local search after construction may spend (a trial costs one per node;
+    see :mod:`topology.refine`); 0 turns it off."""
 
     def __post_init__(self) -> None:
         for name in ("payload_bytes", "chunk_bytes", "max_degree", "gateways_per_region"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(name, f"must be a positive integer, got {v!r}")
-        if isinstance(self.fallbacks, bool) or not isinstance(self.fallbacks, int) or self.fallbacks < 0:
-            raise ConfigError("fallbacks", f"must be a non-negative integer, got {self.fallbacks!r}")
+        for name in ("fallbacks", "refine_budget"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(name, f"must be a non-negative integer, got {v!r}")
 
 
 class _Builder:
@@ -95,6 +104,8 @@ class _Builder:
         self.entries: dict[str, list[str]] = {}
         self.sources: list[str] = [self.root]
         self.serve: dict[str, float] = {}
+        self.completion_s = math.inf
+        """The estimate of the finished tree (set by :func:`_build`)."""
 
     def attach(self, child: str, parent: str) -> None:
         self.parents[child] = parent
@@ -351,6 +362,9 @@ def _build(model: NetworkModel, cfg: PlannerConfig, rank: Mapping[str, int], res
             b.parents, b.children, b.reserved, b.pipe_reserved, b.rate, b.lat, entries = saved
             b.entries[region] = entries
             break
+        b.completion_s = current.completion_s
+    else:
+        b.completion_s = estimate(model, b.root, b.parents, cfg.payload_bytes, cfg.chunk_bytes, b.children).completion_s
     return b
 
 
@@ -367,11 +381,13 @@ def plan(model: NetworkModel, config: PlannerConfig | None = None, epoch: int = 
         # nodes that do not decide the completion time.
         floor_rate = min(first.rate[e[0]] for e in first.entries.values())
         for b in (first, _build(model, cfg, rank, max(floor_rate, 1.0), by_eta)):
-            score = estimate(model, b.root, b.parents, cfg.payload_bytes, cfg.chunk_bytes, b.children).completion_s
+            score = b.completion_s
             if best is None or score < best[0] * (1 - 1e-9):
                 best = (score, b)
     assert best is not None
-    return finish_plan(model, cfg, best[1].parents, epoch)
+    parents = refine(model, best[1].root, best[1].parents, cfg.payload_bytes, cfg.chunk_bytes,
+                     cfg.max_degree, cfg.refine_budget, more_entries=cfg.second_entries)
+    return finish_plan(model, cfg, parents, epoch)
 
 
 def finish_plan(model: NetworkModel, cfg: PlannerConfig, parents: Mapping[str, str], epoch: int) -> Plan:

@@ -27,8 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from p2psync.config import ProbeSettings
 from p2psync.errors import ConfigError, PeerUnreachable
-from p2psync.probe import DEFAULT_BYTES, DEFAULT_RTT_SAMPLES, MeasureRequest, ProbeClient, TargetResult
+from p2psync.probe import MeasureRequest, ProbeClient, TargetResult
 from topology.model import Defaults, Measurement, NetworkModel, model_from_measurements
 from topology.probeplan import Member, Pair, choose_pairs, node_specs, schedule_rounds
 
@@ -37,20 +38,43 @@ logger = logging.getLogger(__name__)
 PROBE_RUN_FORMAT = 1
 
 
+_SETTINGS = ProbeSettings()
+
+
 @dataclass(frozen=True)
 class ProbeOptions:
-    bytes: int = DEFAULT_BYTES
+    """How a run probes. Defaults are those of the node config's ``[probe]`` section
+    (:class:`p2psync.config.ProbeSettings`); :meth:`from_settings` takes a node's section."""
+
+    bytes: int = _SETTINGS.bytes
     """Bytes each measurement downloads."""
-    rtt_samples: int = DEFAULT_RTT_SAMPLES
-    intra_peers: int = 3
+    rtt_samples: int = _SETTINGS.rtt_samples
+    intra_peers: int = _SETTINGS.intra_peers
     """Peers each node pulls from inside its region."""
-    representatives: int = 2
+    representatives: int = _SETTINGS.representatives
     """Nodes per region that measure across regions."""
-    parallel: int = 64
+    parallel: int = _SETTINGS.parallel
     """Measurements in flight at once inside one round (a round larger than this runs in waves)."""
     seed: int = 0
     status_timeout: float = 10.0
     """Seconds to wait for each node's ``GET /v1/status``."""
+    connect_timeout: float = _SETTINGS.connect_timeout
+    stall_timeout: float = _SETTINGS.stall_timeout
+    min_rate_bps: float = _SETTINGS.min_rate_bps
+    """The prober's own timeouts (its calls to the nodes); see :class:`~p2psync.config.ProbeSettings`."""
+
+    @classmethod
+    def from_settings(cls, settings: ProbeSettings, **overrides: Any) -> ProbeOptions:
+        """Options from a node config's ``[probe]`` section (validated), with ``overrides`` on top."""
+        settings.validate()
+        base = {k: getattr(settings, k) for k in ("bytes", "rtt_samples", "intra_peers", "representatives",
+                                                  "parallel", "connect_timeout", "stall_timeout", "min_rate_bps")}
+        return cls(**{**base, **overrides})
+
+    def client_settings(self) -> ProbeSettings:
+        """The settings the prober's :class:`~p2psync.probe.ProbeClient` runs with."""
+        return ProbeSettings(connect_timeout=self.connect_timeout, stall_timeout=self.stall_timeout,
+                             min_rate_bps=self.min_rate_bps, bytes=self.bytes, rtt_samples=self.rtt_samples)
 
 
 @dataclass
@@ -141,7 +165,8 @@ async def probe(urls: Sequence[str], token: str, options: ProbeOptions | None = 
     if options.bytes <= 0:
         raise ConfigError("bytes", "a probe run needs bytes > 0 to measure throughput")
     t0 = time.perf_counter()
-    async with await ProbeClient.create(token, connections=max(8, 2 * options.parallel)) as client:
+    async with await ProbeClient.create(token, connections=max(8, 2 * options.parallel),
+                                        settings=options.client_settings()) as client:
         members, addresses, unreachable = await discover(client, urls, options.status_timeout)
         region_of = {m.id: m.region for m in members}
         pairs = choose_pairs(members, intra_peers=options.intra_peers,

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from p2psync.control.api import ResponseResult, Result
-from p2psync.errors import LeaseExpired, ProgressGap, UnknownWork
+from p2psync.errors import ConfigError, LeaseExpired, ProgressGap, UnknownWork
 from p2psync.gossip.messages import LEASES_PREFIX
 from p2psync.lease import Lease, LeaseTable, WorkItem
 from p2psync.schedule import NodeView, Scheduler
@@ -157,9 +157,26 @@ class Coordinator:
                 web.get(f"{CONTROL}/status", self.rpc_status)]
 
     async def start(self) -> None:
+        self._feed_probe_figures()
         t = asyncio.create_task(self._timer(), name=f"{self.node.config.id}:lease-timer")
         t.add_done_callback(self._task_done)
         self._tasks.append(t)
+
+    def _feed_probe_figures(self) -> None:
+        """Give the live planner (gossip starts first) the probe run named by ``probe.measurements``."""
+        path = self.node.config.probe.measurements
+        planner = getattr(self.node.gossip, "planner", None)
+        if not path or planner is None:
+            return
+        from topology.model import NetworkModel
+
+        try:
+            measured = NetworkModel.load(path)
+        except OSError as exc:
+            raise ConfigError("probe.measurements", f"cannot read {path}: {exc.strerror}") from None
+        planner.use_measurements(measured)
+        self.node.log.info("live plan uses probe figures from %s (%d nodes, %d pairs)", path, len(measured),
+                           len(measured.measurements()))
 
     def _task_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:

@@ -1,29 +1,53 @@
-"""The live dissemination plan: the coordinator re-plans from gossip membership (pure, no I/O).
+"""The live dissemination plan: the coordinator re-plans from gossip membership and measured figures (pure, no I/O).
 
 Contract of :class:`LivePlanner`: :meth:`LivePlanner.update` returns a new
-parent map only when the set of planned members (id, role, region) changed, and
-then moves as few nodes as it can (:func:`topology.replan.replan`): a member
-whose parent is still there keeps it. The map always covers every member given
-except the root, and following parents from any member reaches the root.
+parent map when the set of planned members (id, role, region) changed, or when
+the figures the plan was made with moved enough that a repaired tree is
+estimated clearly faster (see below); otherwise None. Either way it moves as
+few nodes as it can (:func:`topology.replan.replan`). The map always covers
+every member given except the root, and following parents from any member
+reaches the root.
 
-What the model knows: the live members with their role and region, and the
-download bandwidth a member reported (bytes/s), used for its links. Members
-that reported nothing get role defaults: relays and the trainer are assumed to
-have ten times the uplink of a rollout node, so that dedicated relays, not GPU
-machines, become the interior of the tree. Probed pairwise figures
-(``topology.model.model_from_measurements``) can replace these once probes run
-live.
+What the model knows, per member, best source first:
+
+1. **Reported bandwidth**: the download bandwidth (bytes/s) the member reports
+   through gossip (``Node.update_self(bandwidth=...)``, or the rate its
+   gossip service samples from the bytes it receives), which reaches the
+   coordinator in the member's ``Report`` (``GossipNode.report_of``). It is
+   what the node actually gets, so it sets the member's downlink. It does not
+   touch the uplink: a sampled receive rate says little about what the node
+   can send (an idle node reports little), and a weak downlink alone already
+   keeps a node out of the interior (its children could not get more than it).
+2. **Probe figures** (:meth:`use_measurements`, e.g. the file
+   ``p2psync plan --probe --save-measurements`` writes, named by the node
+   config's ``probe.measurements``): the member's uplink and downlink from
+   the probe, every measured pair between live members, and the region-level
+   figures that estimate the unmeasured pairs.
+3. **Role defaults**: relays and the trainer are assumed to have ten times
+   the uplink of a rollout node, so that dedicated relays, not GPU machines,
+   become the interior of the tree.
+
+Figures re-plan only on a real move: when some member's capacity differs
+from the one the current plan was made with by more than ``change_factor``
+(2x by default: a sampled rate wobbles), the current tree is scored on the new
+figures, the members whose figures moved are re-placed together with their
+children (everyone else keeps their parent), and the result is taken only if
+it beats the current tree by ``min_gain`` (see :meth:`LivePlanner._better`). New probe
+figures (:meth:`LivePlanner.use_measurements`) are a deliberate, rare event:
+the next update plans afresh and takes that plan if it beats the current tree
+by ``min_gain``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from topology.model import NetworkModel, NodeSpec
 from topology.planner import PlannerConfig, plan
 from topology.replan import replan
-from topology.tree import Plan
+from topology.tree import Estimate, Plan, estimate
 
 ROLE_UPLINK_BPS = {"trainer": 10e9, "relay": 10e9, "rollout": 1e9}
 
@@ -36,37 +60,132 @@ class PlanMember:
     role: str
     region: str
     bandwidth: float = 0.0
-    """Reported download bandwidth, bytes/s (0: unknown, use the role default)."""
+    """Reported download bandwidth, bytes/s (0: unknown, use the probe figure or the role default)."""
 
 
 class LivePlanner:
-    """Keeps the current :class:`~topology.tree.Plan` and re-plans on membership changes."""
+    """Keeps the current :class:`~topology.tree.Plan` and re-plans on membership and figure changes."""
 
-    def __init__(self, root: str, config: PlannerConfig | None = None) -> None:
+    def __init__(self, root: str, config: PlannerConfig | None = None, *, change_factor: float = 2.0,
+                 min_gain: float = 0.05) -> None:
+        if not change_factor > 1.0 or not 0.0 <= min_gain < 1.0:
+            raise ValueError("change_factor must be > 1 and min_gain in [0, 1)")
         self.root = root
         self.config = config or PlannerConfig()
+        self.change_factor = change_factor
+        self.min_gain = min_gain
         self.plan: Plan | None = None
+        self.model_used: NetworkModel | None = None
+        """The model the current plan was made with (or last checked against)."""
         self._key: frozenset[tuple[str, str, str]] = frozenset()
+        self._probed: NetworkModel | None = None
+        self._probe_fresh = False
 
-    @staticmethod
-    def model(members: Iterable[PlanMember]) -> NetworkModel:
+    def use_measurements(self, measured: NetworkModel) -> None:
+        """Take node capacities, pair figures and region figures from a probe run for the next updates.
+
+        Members the probe did not see keep role defaults; measured pairs whose ends are not both
+        live members are ignored. The next :meth:`update` re-checks the plan against them.
+        """
+        self._probed = measured
+        self._probe_fresh = True
+
+    # --- the model ---------------------------------------------------------------------------------
+    def model(self, members: Iterable[PlanMember]) -> NetworkModel:
+        """The network model of ``members`` from the figures this planner has (see the module doc)."""
+        members = list(members)
+        probed = self._probed
         specs = []
         for m in members:
             default = ROLE_UPLINK_BPS.get(m.role, 1e9)
-            down = m.bandwidth * 8 if m.bandwidth > 0 else default
-            specs.append(NodeSpec(m.id, m.region, m.role, uplink_bps=default, downlink_bps=down))
-        return NetworkModel(specs)
+            up, down = default, default
+            if probed is not None and m.id in probed:
+                s = probed.node(m.id)
+                up, down = s.uplink_bps, s.downlink_bps
+            if m.bandwidth > 0:
+                down = m.bandwidth * 8
+            specs.append(NodeSpec(m.id, m.region, m.role, uplink_bps=up, downlink_bps=down))
+        if probed is None:
+            return NetworkModel(specs)
+        ids = {m.id for m in members}
+        links = [x for x in probed.measurements() if x.src in ids and x.dst in ids]
+        return NetworkModel(specs, links, probed.regions.values(), probed.region_links.values(), probed.defaults)
 
+    # --- updates -----------------------------------------------------------------------------------
     def update(self, members: Iterable[PlanMember]) -> Plan | None:
-        """A new plan if the planned membership changed (None if not, or if the root is absent)."""
+        """A new plan if membership changed or the figures moved enough (None if not, or without the root)."""
         members = [m for m in members if m.role != "trainer" or m.id == self.root]
         if not any(m.id == self.root for m in members):
             return None
         key = frozenset((m.id, m.role, m.region) for m in members)
-        if key == self._key and self.plan is not None:
-            return None
+        if self.plan is not None and key == self._key and not self._probe_fresh and not self._reports_moved(members):
+            return None  # the common case, every gossip round: nothing to do, not even a model to build
         model = self.model(members)
-        epoch = 0 if self.plan is None else self.plan.epoch + 1
-        new = plan(model, self.config, epoch) if self.plan is None else replan(self.plan, model, self.config)
-        self.plan, self._key = new, key
+        if self.plan is None:
+            return self._adopt(plan(model, self.config, 0), model, key)
+        if key != self._key:
+            self._probe_fresh = False
+            return self._adopt(replan(self.plan, model, self.config), model, key)
+        cfg = self.config
+        current = estimate(model, self.plan.root, self.plan.parents, cfg.payload_bytes, cfg.chunk_bytes)
+        if self._probe_fresh:
+            self._probe_fresh = False
+            self.model_used = model
+            fresh = plan(model, cfg, self.plan.epoch + 1)
+            return self._adopt(fresh, model, key) if self._better(fresh, current) else None
+        moved = self._moved_figures(model)
+        if not moved:
+            return None
+        # Re-place the members whose figures moved, with their children; everyone else stays.
+        children = self.plan.children()
+        loose = set(moved) | {c for n in moved for c in children.get(n, ())}
+        kept = {c: p for c, p in self.plan.parents.items() if c not in loose}
+        repaired = replan(dataclasses.replace(self.plan, parents=kept), model, cfg)
+        self.model_used = model  # the plan has been checked against these figures either way
+        return self._adopt(repaired, model, key) if self._better(repaired, current) else None
+
+    def _better(self, new: Plan, current: Estimate) -> bool:
+        """Whether ``new`` beats the current tree by ``min_gain``: on the time the last node holds
+        the artifact, or, that time no more than 1 % worse, on the mean time a node holds it. (A member
+        on a very slow link is the last one whatever the tree; it should still not hold up a subtree.)"""
+        if new.est_completion_s < current.completion_s * (1 - self.min_gain):
+            return True
+        if new.est_completion_s > current.completion_s * 1.01:
+            return False
+        mean_new = sum(new.eta_s.values()) / max(1, len(new.eta_s))
+        mean_now = sum(current.eta_s.values()) / max(1, len(current.eta_s))
+        return mean_new < mean_now * (1 - self.min_gain)
+
+    def _adopt(self, new: Plan, model: NetworkModel, key: frozenset[tuple[str, str, str]]) -> Plan:
+        self.plan, self.model_used, self._key = new, model, key
         return new
+
+    def _reports_moved(self, members: list[PlanMember]) -> bool:
+        """Cheap pre-check of :meth:`_moved_figures` (reports only change downlinks): no model is built."""
+        old, f = self.model_used, self.change_factor
+        assert old is not None
+        for m in members:
+            if m.bandwidth <= 0 or m.id not in old:
+                continue
+            x, y = old.node(m.id).downlink_bps, m.bandwidth * 8
+            if max(x, y) > f * min(x, y):
+                return True
+        return False
+
+    def _moved_figures(self, model: NetworkModel) -> list[str]:
+        """Members whose uplink or downlink differs from the planned-with figure by more than ``change_factor``."""
+        old = self.model_used
+        assert old is not None
+        f = self.change_factor
+        out = []
+        for n in model.node_ids:
+            if n not in old:
+                continue
+            a, b = old.node(n), model.node(n)
+            if any(max(x, y) > f * min(x, y) for x, y in ((a.uplink_bps, b.uplink_bps),
+                                                           (a.downlink_bps, b.downlink_bps))):
+                out.append(n)
+        return [n for n in out if n != self.root]
+
+
+__all__ = ["ROLE_UPLINK_BPS", "LivePlanner", "PlanMember"]

@@ -29,7 +29,9 @@ def _post(url: str, body, timeout: float = 30.0, token: str | None = TOKEN):
 @pytest.mark.timeout(90)
 def test_probe_endpoints_measure_and_refuse_bad_input(cluster: Cluster):
     a = cluster.start("a", "trainer", extra=["--region=us"])
-    b = cluster.start("b", "relay", [a.url], extra=["--region=eu"])
+    # b runs with a tighter [probe] config section than a's defaults.
+    b = cluster.start("b", "relay", [a.url], extra=["--region=eu", "--probe.max_blob_bytes=4194304",
+                                                    "--probe.max_targets=4", "--probe.bytes=1048576"])
     wait_for(lambda: b.status()["loaded"], 60, "b serving")
 
     code, body = request(a.url + "/v1/probe/blob?bytes=1000003")
@@ -69,6 +71,14 @@ def test_probe_endpoints_measure_and_refuse_bad_input(cluster: Cluster):
         code, reply = _post(b.url, body)
         assert code == 400 and reply["error"].startswith(field), (body, code, reply)
     assert _post(b.url, {"targets": [a.url]}, token="wrong-token-123456")[0] == 401
+    # Each node holds its own [probe] limits: b refuses what a serves and accepts.
+    assert request(b.url + f"/v1/probe/blob?bytes={(4 << 20) + 1}")[0] == 400
+    code, body = request(a.url + f"/v1/probe/blob?bytes={(4 << 20) + 1}")
+    assert code == 200 and len(body) == (4 << 20) + 1
+    code, reply = _post(b.url, {"targets": [a.url] * 5, "bytes": 0})
+    assert code == 400 and reply["error"].startswith("targets"), reply
+    code, reply = _post(b.url, {"targets": [a.url], "rtt_samples": 2})  # bytes: b's default, 1 MiB
+    assert code == 200 and reply["results"][0]["bytes"] == 1 << 20, reply
 
 
 @pytest.mark.timeout(90)

@@ -118,3 +118,61 @@ def test_bad_control_settings_name_the_field(tmp_path, override, field):
     with pytest.raises(ConfigError) as exc:
         load(_write(tmp_path), [override])
     assert exc.value.field == field
+
+
+def test_probe_section_is_loaded_and_feeds_the_probe_run(tmp_path):
+    from topology.prober import ProbeOptions
+
+    text = BASE + """
+[probe]
+max_blob_bytes = 67108864
+max_blob_streams = 2
+bytes = 4194304
+rtt_samples = 3
+intra_peers = 5
+representatives = 1
+parallel = 8
+stall_timeout = 2.5
+"""
+    cfg = load(_write(tmp_path, text))
+    p = cfg.probe
+    assert (p.max_blob_bytes, p.max_blob_streams, p.bytes, p.rtt_samples) == (64 << 20, 2, 4 << 20, 3)
+    assert (p.intra_peers, p.representatives, p.parallel, p.stall_timeout) == (5, 1, 8, 2.5)
+    assert p.max_targets == 32 and p.connect_timeout == 5.0  # untouched fields keep their defaults
+    opts = ProbeOptions.from_settings(p, seed=4)
+    assert (opts.bytes, opts.rtt_samples, opts.intra_peers, opts.representatives, opts.parallel) == (4 << 20, 3, 5, 1, 8)
+    assert opts.stall_timeout == 2.5 and opts.seed == 4
+    assert load(_write(tmp_path)).probe.bytes == 8 << 20  # no section: defaults
+    assert load(_write(tmp_path), ["--probe.parallel=2"]).probe.parallel == 2
+
+
+@pytest.mark.parametrize("override,field", [
+    ("--probe.max_blob_bytes=0", "probe.max_blob_bytes"),
+    ("--probe.max_blob_streams=0", "probe.max_blob_streams"),
+    ("--probe.max_targets=-3", "probe.max_targets"),
+    ("--probe.max_rtt_samples=5000", "probe.max_rtt_samples"),
+    ("--probe.bytes=0", "probe.bytes"),
+    ("--probe.rtt_samples=0", "probe.rtt_samples"),
+    ("--probe.intra_peers=0", "probe.intra_peers"),
+    ("--probe.representatives=0", "probe.representatives"),
+    ("--probe.parallel=0", "probe.parallel"),
+    ("--probe.connect_timeout=0", "probe.connect_timeout"),
+    ("--probe.stall_timeout=-1", "probe.stall_timeout"),
+    ("--probe.min_rate_bps=inf", "probe.min_rate_bps"),
+    ("--probe.bytes=abc", "probe.bytes"),
+    ("--probe.samples=3", "probe.samples"),
+])
+def test_bad_probe_settings_name_the_field(tmp_path, override, field):
+    with pytest.raises(ConfigError) as exc:
+        load(_write(tmp_path), [override])
+    assert exc.value.field == field
+
+
+def test_probe_payload_must_fit_the_blob_limit(tmp_path):
+    # A payload above this node's own blob limit could never be measured against a node like it.
+    with pytest.raises(ConfigError) as exc:
+        load(_write(tmp_path), ["--probe.max_blob_bytes=1048576", "--probe.bytes=2097152"])
+    assert exc.value.field == "probe.bytes"
+    with pytest.raises(ConfigError) as exc:
+        load(_write(tmp_path), ["--probe.max_rtt_samples=4", "--probe.rtt_samples=5"])
+    assert exc.value.field == "probe.rtt_samples"

@@ -51,3 +51,18 @@ def test_malformed_reply_is_a_codec_error():
                 {"format": 1, "node": "n", "region": "r", "role": "x", "results": [{"bogus": 1}]}):
         with pytest.raises(CodecError):
             MeasureReply.from_json(bad)
+
+
+def test_a_node_s_probe_settings_set_the_limits():
+    from p2psync.config import ProbeSettings
+
+    tight = ProbeSettings(max_targets=2, max_blob_bytes=1 << 20, max_rtt_samples=3, bytes=1 << 19, rtt_samples=2)
+    ok = MeasureRequest.from_json({"targets": ["http://a:1", "http://b:2"]}, tight)
+    assert (ok.bytes, ok.rtt_samples) == (1 << 19, 2)  # the section's defaults fill missing fields
+    for body, field in (({"targets": ["http://a:1"] * 3}, "targets"),
+                        ({"targets": ["http://a:1"], "bytes": (1 << 20) + 1}, "bytes"),
+                        ({"targets": ["http://a:1"], "rtt_samples": 4}, "rtt_samples")):
+        with pytest.raises(ProbeInputError) as err:
+            MeasureRequest.from_json(body, tight)
+        assert err.value.field == field
+        MeasureRequest.from_json(body)  # within the default limits

@@ -6,11 +6,12 @@ import pytest
 
 from p2psync.errors import ConfigError
 from tests.unit.topology.helpers import G, MiB, model, node, trainer
-from topology.baselines import tree_lower_bound
+from topology.baselines import random_tree, tree_lower_bound
 from topology.planner import PlannerConfig, plan
+from topology.refine import refine
 from topology.simulator import simulate
 from topology.synthetic import synthetic_model
-from topology.tree import Plan
+from topology.tree import Plan, children_of, depths_of, estimate
 
 CFG = PlannerConfig(payload_bytes=64 * MiB, chunk_bytes=4 * MiB)
 BITS = 64 * MiB * 8
@@ -148,3 +149,49 @@ def test_bad_config_names_the_field():
         PlannerConfig(max_degree=0)
     with pytest.raises(ValueError, match="^chunk_bytes:"):
         PlannerConfig(chunk_bytes=-4)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_planned_tree_is_within_1_1x_of_the_tree_bound_with_noisy_measurements(seed):
+    # The scale study's hardest flavour: 30 % of the pairs measured, +-10 % noise, asymmetric.
+    m = synthetic_model(4, 8, seed=seed, measured_fraction=0.3)
+    cfg = PlannerConfig()
+    p = plan(m, cfg)
+    sim = simulate(m, p.parents, cfg.payload_bytes, cfg.chunk_bytes).makespan_s
+    assert sim <= tree_lower_bound(m, cfg.payload_bytes).completion_s * 1.1
+
+
+def test_refinement_never_worsens_and_repairs_a_bad_tree():
+    m = synthetic_model(3, 6, seed=7, measured_fraction=0.3)
+    cfg = PlannerConfig()
+    for seed in range(3):
+        bad = random_tree(m, seed, cfg.max_degree)
+        before = estimate(m, "trainer", bad, cfg.payload_bytes, cfg.chunk_bytes).completion_s
+        out = refine(m, "trainer", bad, cfg.payload_bytes, cfg.chunk_bytes, cfg.max_degree, budget=10**6)
+        after = estimate(m, "trainer", out, cfg.payload_bytes, cfg.chunk_bytes).completion_s
+        assert set(out) == set(bad)
+        depths_of(out, "trainer")  # still a tree: raises on a cycle or a lost node
+        assert max(len(c) for c in children_of(out, "trainer").values()) <= cfg.max_degree
+        assert after < before * 0.9  # a random tree is far from a local optimum
+    # No budget, no change.
+    assert refine(m, "trainer", bad, cfg.payload_bytes, cfg.chunk_bytes, cfg.max_degree, budget=0) == bad
+
+
+def test_refinement_adds_no_region_entry_when_second_entries_are_off():
+    # b1 has a weak uplink and sits mid-chain: the fix is inside region B (b1 becomes a leaf);
+    # a second entry from the trainer (which has uplink to spare) helps too, when allowed.
+    nodes = [trainer("A", up=10 * G), node("b0", "B", up=1 * G), node("b1", "B", up=0.1 * G),
+             node("b2", "B", up=1 * G), node("b3", "B", up=1 * G)]
+    m = model(nodes, regions=("A", "B"), region_links=[("A", "B", 1 * G, 0.01)])
+    chain = {"b0": "T", "b1": "b0", "b2": "b1", "b3": "b2"}
+    cfg = PlannerConfig(payload_bytes=16 * MiB, chunk_bytes=4 * MiB)
+
+    def eta(tree):
+        return estimate(m, "T", tree, cfg.payload_bytes, cfg.chunk_bytes).completion_s
+
+    free = refine(m, "T", chain, cfg.payload_bytes, cfg.chunk_bytes, cfg.max_degree, 10**6)
+    held = refine(m, "T", chain, cfg.payload_bytes, cfg.chunk_bytes, cfg.max_degree, 10**6, more_entries=False)
+    assert len([c for c, p in free.items() if p == "T"]) > 1
+    assert [c for c, p in held.items() if p == "T"] == ["b0"]
+    assert "b1" not in held.values()  # the weak machine serves no one
+    assert eta(free) <= eta(held) < eta(chain) / 4

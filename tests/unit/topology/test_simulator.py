@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import networkx as nx
 import pytest
 
 from tests.unit.topology.helpers import G, MiB, model, node, trainer
-from topology.baselines import fixed_tiers_tree, flow_lower_bound, random_tree, star_tree, tree_lower_bound
+from topology.baselines import (
+    _edge_cap,
+    fixed_tiers_tree,
+    flow_lower_bound,
+    random_tree,
+    star_tree,
+    tree_lower_bound,
+)
 from topology.simulator import max_min_rates, simulate
 from topology.synthetic import synthetic_model
 
@@ -100,3 +108,19 @@ def test_tree_lower_bound_is_exact_on_a_chain_with_one_path():
     m = model([trainer(up=1 * G), node("a", up=0.5 * G)], rtt=0.02)
     # a direct link is the only path: payload / 1G + half the RTT.
     assert tree_lower_bound(m, PAYLOAD).completion_s == pytest.approx(BITS / G + 0.01)
+
+
+def test_tree_lower_bound_is_the_exact_minimum_over_paths():
+    # Measured pairs make every hop capacity distinct; brute force over every simple path.
+    m = synthetic_model(2, 3, seed=3, measured_fraction=0.6)
+    lb = tree_lower_bound(m, PAYLOAD)
+    g = nx.complete_graph(m.node_ids, create_using=nx.DiGraph)
+    for v in m.node_ids:
+        if v == "trainer":
+            continue
+        best = min(
+            BITS / min(_edge_cap(m, a, b) for a, b in zip(path, path[1:]))
+            + sum(m.rtt(a, b) / 2 for a, b in zip(path, path[1:]))
+            for path in nx.all_simple_paths(g, "trainer", v)
+        )
+        assert lb.per_node_s[v] == pytest.approx(best, rel=1e-12)
