@@ -43,7 +43,7 @@ from p2psync import keys
 from p2psync.artifact import ArtifactFile, Manifest
 from p2psync.codec.decode import Applier
 from p2psync.config import NodeConfig
-from p2psync.errors import CodecError, P2PSyncError, PeerUnreachable, WrongBase
+from p2psync.errors import ChunkHashMismatch, CodecError, P2PSyncError, PeerUnreachable, WrongBase
 from p2psync.logs import NodeAdapter
 from p2psync.store import ArtifactInfo, VersionStore, plan_catchup
 from p2psync.transport.board import Board
@@ -53,6 +53,7 @@ from p2psync.transport.listen import advertised, bind
 from p2psync.transport.messages import Catalogue
 from p2psync.transport.metrics import Metrics
 from p2psync.transport.parents import ParentSet
+from p2psync.transport.push import CatalogueFrame, ChunkFrame, ManifestFrame, Pushes, PushUnsupported, read_stream
 from p2psync.transport.server import HeadSignal, serve
 
 if TYPE_CHECKING:
@@ -91,6 +92,8 @@ class Node:
         self._applied_base = 0
         self._applied_signal = HeadSignal()
         self._keep_decoded = 0
+        self._pushes = Pushes()
+        self._no_push: set[str] = set()
         self._decoded: OrderedDict[str, tuple[dict, list[tuple[int, int]]]] = OrderedDict()
         self._decoded_lock = threading.Lock()
         self._children: dict[str, tuple[str, float]] = {}
@@ -496,9 +499,56 @@ class Node:
 
     async def _watch(self, url: str) -> None:
         assert self._client is not None and self.upstream is not None
+        lim = self.config.limits
+        if lim.push_bytes > 0 and url not in self._no_push:
+            try:
+                async for frame in read_stream(self._client, url, lim.push_bytes, self._pushed_chunk_size):
+                    self.upstream.ok(url)
+                    await self._on_frame(url, frame)
+                return
+            except PushUnsupported:
+                self._no_push.add(url)
+                self.log.info("parent %s cannot push; following its event stream instead", url)
         async for cat in self._client.call_events(url):
             self.upstream.ok(url)
             self._note_upstream(cat)
+
+    def _pushed_chunk_size(self, aid: str, index: int) -> int | None:
+        m = self._pushes.manifest(aid)
+        return m.chunks[index].size if m is not None and 0 <= index < len(m.chunks) else None
+
+    async def _on_frame(self, url: str, frame: CatalogueFrame | ManifestFrame | ChunkFrame) -> None:
+        """A frame the parent pushed: verified exactly like pulled data before anything is kept."""
+        assert self.upstream is not None
+        if isinstance(frame, CatalogueFrame):
+            self._note_upstream(frame.catalogue)
+            return
+        if isinstance(frame, ManifestFrame):
+            m = frame.manifest
+            try:
+                m.verify(self.public_key)
+                if m.kind != "delta" or m.payload_bytes > self.config.limits.push_bytes:
+                    raise CodecError(f"a {m.kind} of {m.payload_bytes} bytes was not asked for")
+            except P2PSyncError as exc:
+                self.upstream.corrupt(url, f"a pushed manifest that does not verify ({exc})")
+                raise PeerUnreachable(url, "pushed a bad manifest") from None
+            if m.artifact_id not in self.store.artifacts:
+                await asyncio.to_thread(self.store.add_manifest, m)
+            self._pushes.expect(m)
+            return
+        aid, i = frame.artifact_id, frame.index
+        if aid not in self.store.artifacts or self.store.has_chunk(aid, i):
+            return  # pruned meanwhile, or already held
+        try:
+            await asyncio.to_thread(self.store.put_chunk, aid, i, frame.data)
+        except ChunkHashMismatch as exc:
+            self.upstream.corrupt(url, f"corrupt pushed chunk {i} of {aid} ({exc.actual} != {exc.expected})")
+            raise PeerUnreachable(url, "pushed a corrupt chunk") from None
+        self.metrics.inc("p2psync_bytes_in_total", len(frame.data))
+        self.metrics.inc("p2psync_chunks_in_total")
+        self.metrics.inc("p2psync_chunks_pushed_in_total")
+        self.board.arrived(aid, i)
+        self._pushes.arrived()
 
     def _note_upstream(self, cat: Catalogue) -> None:
         self._upstream_cat = cat
@@ -569,19 +619,48 @@ class Node:
         applier = await asyncio.to_thread(Applier.onto, self.state, manifest)
         # Chunks decode in worker threads while later ones download (bounded, so memory is too).
         decode = Pipeline(applier.add_chunk, self.config.limits.parallel_streams + 2)
-        for i in sorted(art.held):  # kept from an interrupted fetch or an earlier run
-            await decode.submit(i, await asyncio.to_thread(self.store.read_chunk, aid, i))
+        submitted: set[int] = set()
 
+        async def submit(i: int, data: bytes | memoryview) -> None:
+            if i not in submitted:
+                submitted.add(i)
+                await decode.submit(i, data)
+
+        async def submit_held() -> None:
+            # Kept from an interrupted fetch or an earlier run, or pushed by the parent.
+            while extra := sorted(set(art.held) - submitted):
+                for i in extra:
+                    data = self.store.cached_chunk(aid, i)
+                    await submit(i, data if data is not None else
+                                 await asyncio.to_thread(self.store.read_chunk, aid, i))
+
+        await submit_held()
         self.board.begin(aid, len(manifest.chunks))
         self.heads.bump()  # children may start fetching now: cut-through
         try:
+            if self._pushes.manifest(aid) is not None:
+                await self._take_pushed(art, submit_held)
+            await submit_held()  # no await between its last look and fetch_chunks' look at the store
             await fetch_chunks(self.upstream, self.store, self.board, manifest,
-                               self.config.limits.parallel_streams, decode.submit)
+                               self.config.limits.parallel_streams, submit)
             await decode.drain()
             await self._commit(manifest, applier=applier)
         finally:
             self.board.end(aid)
             self.heads.bump()
+
+    async def _take_pushed(self, art: Any, submit_held: Any) -> None:
+        """Decode pushed chunks as they arrive, until all are here or the push stalls for
+        ``limits.stall_timeout`` (then the rest is pulled)."""
+        n = len(art.manifest.chunks)
+        while True:
+            await submit_held()
+            if len(art.held) >= n:
+                break
+            if not await self._pushes.wait(self.config.limits.stall_timeout):
+                self.log.warning("push of %s stalled at %d of %d chunks; pulling the rest",
+                                 art.manifest.artifact_id, len(art.held), n)
+                break
 
     async def _materialise(self, version: int) -> None:
         """Rebuild the trainer-signed raw snapshot of ``version`` from our weights (see module doc)."""

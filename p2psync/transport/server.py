@@ -2,6 +2,7 @@
 
 ``GET /v1/head``                          catalogue: version, head, artifacts held or in flight
 ``GET /v1/events``                        server-sent events: one ``head`` event per catalogue change
+``GET /v1/stream?push=N``                 binary frames: catalogues, plus new deltas up to N bytes pushed whole
 ``GET /v1/artifacts/{id}/manifest``       signed manifest bytes
 ``GET /v1/artifacts/{id}/chunks/{i}``     chunk i (``Range`` honoured); waits while it is in flight
 ``GET /v1/versions/{v}/manifest?kind=``   manifest of the delta (default) or snapshot reaching version v
@@ -109,6 +110,7 @@ class Server:
         r = app.router
         r.add_get(f"{API}/head", self.rpc_head)
         r.add_get(f"{API}/events", self.rpc_events)
+        r.add_get(f"{API}/stream", self.rpc_stream)
         r.add_get(f"{API}/artifacts/{{aid}}/manifest", self.rpc_manifest)
         r.add_get(f"{API}/artifacts/{{aid}}/chunks/{{index}}", self.rpc_chunk)
         r.add_get(f"{API}/versions/{{version}}/manifest", self.rpc_version_manifest)
@@ -169,6 +171,12 @@ class Server:
         except TimeoutError:
             self._cut(request)
         return resp
+
+    async def rpc_stream(self, request: web.Request) -> web.StreamResponse:
+        """Catalogues plus new small deltas pushed whole (:mod:`p2psync.transport.push`)."""
+        from p2psync.transport.push import serve_stream
+
+        return await serve_stream(self, request)
 
     async def rpc_snapshots(self, request: web.Request) -> web.Response:
         snaps = [{"version": a.manifest.target_version, "id": aid, "bytes": a.manifest.payload_bytes,
