@@ -643,6 +643,7 @@ class Node:
             await submit_held()  # no await between its last look and fetch_chunks' look at the store
             await fetch_chunks(self.upstream, self.store, self.board, manifest,
                                self.config.limits.parallel_streams, submit)
+            self.heads.bump()  # held complete (listed so) while it decodes and applies
             await decode.drain()
             await self._commit(manifest, applier=applier)
         finally:

@@ -83,8 +83,12 @@ def plan_commands(cfg: TestbedConfig) -> list[Cmd]:
             "net.ipv4.conf.all.rp_filter=0", "net.ipv4.conf.default.rp_filter=0")
     buf = cfg.tcp_buffer_mb << 20
     for m in cfg.machines():
+        # Long-lived streams keep their congestion window across idle gaps between steps
+        # (Linux otherwise restarts slow start after an RTO of silence), as a WAN deployment of
+        # p2psync should configure its machines (docs/benchmarks/wan.md).
         add(f"TCP buffers of {m.id}", "ip", "netns", "exec", m.namespace, "sysctl", "-qw",
-            f"net.ipv4.tcp_rmem=4096 131072 {buf}", f"net.ipv4.tcp_wmem=4096 16384 {buf}")
+            f"net.ipv4.tcp_rmem=4096 131072 {buf}", f"net.ipv4.tcp_wmem=4096 16384 {buf}",
+            "net.ipv4.tcp_slow_start_after_idle=0")
     mtu = str(cfg.mtu)
     for i, r in enumerate(cfg.regions):
         rt, dev, wan_ip = cfg.router_namespace(r.name), f"r{i}", cfg.router_wan_ip(r.name)

@@ -2,14 +2,19 @@
 
 Runs in the core namespace (``ip netns exec <name>-core``), which reaches every
 machine without crossing the delay line or a region's uplink, so what it sees
-is not delayed by the emulated WAN. One thread per node polls ``/v1/status``
-every ``--interval`` seconds; times are ``time.monotonic()`` (system-wide, so
-comparable with the caller's clock).
+is not delayed by the emulated WAN. One thread per node follows the node's
+event stream (``GET /v1/events``: one catalogue per change, pushed by the node,
+so watching costs the nodes nothing between changes, unlike polling their
+status); times are ``time.monotonic()`` (system-wide, so comparable with the
+caller's clock).
 
     python -m p2psync.testbed.observe --token T --version 3 --timeout 60 NAME=URL ...
 
-Prints "ready" once every node answered a first poll (act then: publish), then one JSON object: per node ``received`` (first poll that listed a complete
-artifact targeting the version), ``applied`` (first poll at that version or
+Prints "ready" once every node delivered its first catalogue (act then:
+publish), then one JSON object: per node ``announced`` (first catalogue that
+listed an artifact targeting the version, complete or still in flight: for the
+trainer, the moment it made the artifact available), ``received`` (first
+catalogue listing it complete), ``applied`` (first catalogue at that version or
 later), ``version`` and ``fingerprint`` as last seen; ``timed_out`` lists the
 nodes that did not get there.
 """
@@ -24,18 +29,25 @@ import time
 import urllib.request
 
 
-def _status(url: str, token: str) -> dict:
-    req = urllib.request.Request(url + "/v1/status", headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return json.loads(r.read())
+def _events(url: str, token: str, timeout: float):
+    """Catalogues from a node's server-sent event stream, as they arrive."""
+    req = urllib.request.Request(url + "/v1/events", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        data: list[str] = []
+        for raw in r:
+            line = raw.decode("utf-8", "replace").rstrip("\r\n")
+            if line.startswith("data:"):
+                data.append(line[5:].strip())
+            elif not line and data:
+                yield json.loads("\n".join(data))
+                data = []
 
 
-def watch(urls: dict[str, str], token: str, version: int, timeout: float, interval: float = 0.01,
-          on_ready=None) -> dict:
-    """Poll until every node applied ``version``; ``on_ready()`` runs once every node answered a first poll."""
+def watch(urls: dict[str, str], token: str, version: int, timeout: float, on_ready=None) -> dict:
+    """Follow every node until it applied ``version``; ``on_ready()`` runs once every node sent a first catalogue."""
     first = threading.Barrier(len(urls), action=on_ready) if on_ready else None
-    out: dict[str, dict] = {n: {"received": None, "applied": None, "version": None, "fingerprint": None}
-                            for n in urls}
+    out: dict[str, dict] = {n: {"announced": None, "received": None, "applied": None, "version": None,
+                                "fingerprint": None} for n in urls}
     deadline = time.monotonic() + timeout
 
     def follow(name: str, url: str) -> None:
@@ -43,26 +55,28 @@ def watch(urls: dict[str, str], token: str, version: int, timeout: float, interv
         waiting = first
         while time.monotonic() < deadline:
             try:
-                s = _status(url, token)
-            except OSError:
-                time.sleep(interval)
-                continue
-            now = time.monotonic()
-            if waiting is not None:
-                waiting.wait(max(1.0, deadline - now))
-                waiting = None
-                continue  # the caller acts on "ready": start timing from the next poll
-            if rec["received"] is None and any(a.get("target") == version and a.get("complete")
-                                               for a in s.get("versions", [])):
-                rec["received"] = now
-            v = s.get("version")
-            rec["version"], rec["fingerprint"] = v, s.get("fingerprint")
-            if v is not None and v >= version:
-                rec["applied"] = now
-                if rec["received"] is None:
-                    rec["received"] = now
-                return
-            time.sleep(interval)
+                for cat in _events(url, token, max(1.0, deadline - time.monotonic())):
+                    now = time.monotonic()
+                    if waiting is not None:
+                        waiting.wait(max(1.0, deadline - now))
+                        waiting = None
+                        continue  # what it held before "ready" does not count
+                    for a in cat.get("artifacts", []):
+                        if a.get("target") == version:
+                            rec["announced"] = rec["announced"] or now
+                            if a.get("complete") and rec["received"] is None:
+                                rec["received"] = now
+                    v = cat.get("version")
+                    rec["version"], rec["fingerprint"] = v, cat.get("fingerprint")
+                    if v is not None and v >= version:
+                        rec["applied"] = now
+                        rec["received"] = rec["received"] or now
+                        rec["announced"] = rec["announced"] or now
+                        return
+                    if now > deadline:
+                        return
+            except (OSError, ValueError):
+                time.sleep(0.05)
 
     threads = [threading.Thread(target=follow, args=(n, u), name=f"watch-{n}", daemon=True) for n, u in urls.items()]
     for t in threads:
@@ -77,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--token", required=True)
     ap.add_argument("--version", type=int, required=True)
     ap.add_argument("--timeout", type=float, default=120.0)
-    ap.add_argument("--interval", type=float, default=0.01)
+    ap.add_argument("--interval", type=float, default=0.01, help="ignored (the observer follows event streams)")
     ap.add_argument("nodes", nargs="+", metavar="NAME=URL")
     a = ap.parse_args(argv)
     urls = dict(n.split("=", 1) for n in a.nodes)
-    result = watch(urls, a.token, a.version, a.timeout, a.interval, on_ready=lambda: print("ready", flush=True))
+    result = watch(urls, a.token, a.version, a.timeout, on_ready=lambda: print("ready", flush=True))
     print(json.dumps(result), flush=True)
     return 0
 
