@@ -470,10 +470,28 @@ def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] |
         for key in ("data_dir", "trainer_public_key", "trainer_private_key", "cluster_token_file"):
             if isinstance(data.get(key), str) and data[key] and not Path(data[key]).is_absolute():
                 data[key] = str(base / data[key])
+        probe = data.get("probe")
+        if isinstance(probe, dict) and isinstance(probe.get("measurements"), str) and probe["measurements"] \
+                and not Path(probe["measurements"]).is_absolute():
+            probe["measurements"] = str(base / probe["measurements"])
     if overrides:
         data = _merge(data, parse_overrides(overrides) if isinstance(overrides, list) else overrides)
     data = _merge(data, {k: v for k, v in direct.items() if v is not None})
     return _build(NodeConfig, data).validate()
+
+
+def load_probe_settings(path: str | Path) -> ProbeSettings:
+    """The ``[probe]`` section of a node config file (defaults where absent), validated."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+    section = data.get("probe", {})
+    if not isinstance(section, dict):
+        raise ConfigError("probe", "must be a table")
+    return _build(ProbeSettings, section, "probe.").validate()
 
 
 def with_overrides(cfg: NodeConfig, **changes: Any) -> NodeConfig:

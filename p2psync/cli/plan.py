@@ -49,13 +49,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--token", help="cluster token (visible in the process list; prefer --token-file)")
     g.add_argument("--save-measurements", metavar="FILE", default="measurements.json",
                    help="write the measured model here, reusable by --from (default measurements.json)")
-    g.add_argument("--probe-bytes", type=int, default=8 * 2**20,
-                   help="bytes each measurement downloads (default 8 MiB)")
-    g.add_argument("--rtt-samples", type=int, default=5, help="RTT samples per pair (default 5)")
-    g.add_argument("--intra-peers", type=int, default=3, help="peers each node measures inside its region (default 3)")
-    g.add_argument("--representatives", type=int, default=2,
-                   help="nodes per region that measure across regions (default 2)")
-    g.add_argument("--parallel", type=int, default=64, help="measurements in flight at once (default 64)")
+    g.add_argument("--config", metavar="NODE.toml",
+                   help="take the probe-run defaults from this node config's [probe] section (flags below win)")
+    g.add_argument("--probe-bytes", type=int, default=None,
+                   help="bytes each measurement downloads (default: [probe] bytes, 8 MiB)")
+    g.add_argument("--rtt-samples", type=int, default=None, help="RTT samples per pair (default: [probe], 5)")
+    g.add_argument("--intra-peers", type=int, default=None,
+                   help="peers each node measures inside its region (default: [probe], 3)")
+    g.add_argument("--representatives", type=int, default=None,
+                   help="nodes per region that measure across regions (default: [probe], 2)")
+    g.add_argument("--parallel", type=int, default=None,
+                   help="measurements in flight at once (default: [probe], 64)")
     p.set_defaults(run=run)
 
 
@@ -82,22 +86,20 @@ def _probe(args: argparse.Namespace):
     import asyncio
 
     from p2psync.errors import ConfigError
-    from p2psync.probe import MAX_BLOB_BYTES, MAX_RTT_SAMPLES
+    from dataclasses import replace
+
+    from p2psync.config import ProbeSettings, load_probe_settings
     from topology.prober import ProbeOptions, probe, read_cluster_file
 
-    if not 0 < args.probe_bytes <= MAX_BLOB_BYTES:
-        raise ConfigError("probe_bytes", f"must be between 1 and {MAX_BLOB_BYTES}")
-    if not 1 <= args.rtt_samples <= MAX_RTT_SAMPLES:
-        raise ConfigError("rtt_samples", f"must be between 1 and {MAX_RTT_SAMPLES}")
-    for name in ("intra_peers", "representatives", "parallel"):
-        if getattr(args, name) < 1:
-            raise ConfigError(name, "must be at least 1")
+    settings = load_probe_settings(args.config) if args.config else ProbeSettings()
+    flags = {"bytes": args.probe_bytes, "rtt_samples": args.rtt_samples, "intra_peers": args.intra_peers,
+             "representatives": args.representatives, "parallel": args.parallel}
+    settings = replace(settings, **{k: v for k, v in flags.items() if v is not None}).validate()
     urls = read_cluster_file(args.cluster) if args.cluster else list(args.probe)
     for u in urls:
         if not u.startswith(("http://", "https://")):
             raise ConfigError("probe", f"{u!r} is not an http(s) URL")
-    options = ProbeOptions(bytes=args.probe_bytes, rtt_samples=args.rtt_samples, intra_peers=args.intra_peers,
-                           representatives=args.representatives, parallel=args.parallel, seed=args.seed)
+    options = ProbeOptions.from_settings(settings, seed=args.seed)
 
     def progress(i: int, n: int, pairs: int, seconds: float) -> None:
         print(f"probe round {i + 1}/{n}: {pairs} pairs in {seconds:.2f} s", file=sys.stderr, flush=True)

@@ -176,3 +176,12 @@ def test_probe_payload_must_fit_the_blob_limit(tmp_path):
     with pytest.raises(ConfigError) as exc:
         load(_write(tmp_path), ["--probe.max_rtt_samples=4", "--probe.rtt_samples=5"])
     assert exc.value.field == "probe.rtt_samples"
+
+
+def test_probe_measurements_path_is_relative_to_the_config_file(tmp_path):
+    d = tmp_path / "conf"
+    d.mkdir()
+    (d / "trainer.toml").write_text('id = "t"\nrole = "trainer"\ncluster_token = "' + "x" * 24 + '"\n'
+                                    'trainer_public_key = "trainer.pub"\n[probe]\nmeasurements = "probe/m.json"\n')
+    cfg = load(d / "trainer.toml", data_dir=str(tmp_path / "data"))
+    assert cfg.probe.measurements == str(d / "probe" / "m.json")

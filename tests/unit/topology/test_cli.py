@@ -56,3 +56,18 @@ def test_help_does_not_import_the_heavy_modules():
             "print(sorted(m for m in ('networkx', 'matplotlib', 'topology.planner') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_probe_settings_come_from_a_node_config_and_bad_ones_are_refused_before_probing(tmp_path, capsys):
+    cfg = tmp_path / "node.toml"
+    cfg.write_text("[probe]\nbytes = 0\n")
+    (tmp_path / "token").write_text("t" * 24)
+    # Unreachable URLs: a run that got past the settings would report them, not a settings error.
+    args = ["plan", "--probe", "http://127.0.0.1:1", "--token-file", str(tmp_path / "token"), "--no-sim"]
+    assert main([*args, "--config", str(cfg)]) != 0
+    assert "probe.bytes" in capsys.readouterr().err
+    cfg.write_text("[probe]\nbytes = 1048576\nmax_blob_bytes = 1048576\n")
+    assert main([*args, "--config", str(cfg), "--probe-bytes", str(2 << 20)]) != 0  # the flag wins, and is checked
+    assert "probe.bytes" in capsys.readouterr().err
+    assert main([*args, "--rtt-samples", "0"]) != 0
+    assert "probe.rtt_samples" in capsys.readouterr().err
