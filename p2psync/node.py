@@ -1,10 +1,13 @@
 """A p2psync peer: version store, HTTP server, and a follower of its candidate parents.
 
 Roles. The trainer node is the root and the only publisher (:meth:`Node.publish`);
-relays and rollout nodes follow: they learn new heads from their parent's event
-stream, plan the cheapest catch-up (:func:`p2psync.store.plan_catchup`), fetch
-with several streams, verify every chunk, apply all-or-nothing, and serve what
-they hold (or are still fetching: cut-through) to their own children.
+relays and rollout nodes follow: they learn new heads from their parent's stream
+(``/v1/stream``, or ``/v1/events`` from a parent without it), plan the cheapest
+catch-up (:func:`p2psync.store.plan_catchup`), fetch with several streams, verify
+every chunk, apply all-or-nothing, and serve what they hold (or are still
+fetching: cut-through) to their own children. Deltas up to ``limits.push_bytes``
+arrive pushed on that stream instead (:mod:`p2psync.transport.push`): verified
+the same way, pulled as before whatever did not arrive.
 
 Snapshots for joiners. Relays cannot sign, so the trainer signs the snapshots a
 relay serves. Every ``store.snapshot_interval`` versions the trainer encodes its
@@ -332,6 +335,7 @@ class Node:
             self._applied.pop(0)
             self._applied_base += 1
         self._applied_signal.bump()
+        self.heads.bump()  # the catalogue names the applied version: event streams announce it now
         self.log.info("applied %s (%d bytes) -> version %d fingerprint %s", manifest.artifact_id,
                       manifest.payload_bytes, manifest.target_version, fp)
 
@@ -419,6 +423,7 @@ class Node:
                 self.heads.bump()  # complete: listed as held from now on
                 self.log.info("published %s", aid)
                 await self._commit(manifest, chunks)
+                self.heads.bump()  # the trainer's own version moved
             except BaseException:
                 self.board.end(aid)
                 if fresh:

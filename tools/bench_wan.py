@@ -80,7 +80,7 @@ def tokens_per_dollar(cfg, sync_s: float, rollout_s: float) -> float:
 
 # ---- methods -----------------------------------------------------------------------------------
 
-def run_p2psync(tb, art: dict, parents: dict, work: Path, timeout: float) -> dict:
+def run_p2psync(tb, art: dict, parents: dict, work: Path, timeout: float, snapshot: bool = True) -> dict:
     from p2psync.testbed import nodes
 
     d = Path(tempfile.mkdtemp(prefix="p2p-", dir=work))
@@ -93,8 +93,10 @@ def run_p2psync(tb, art: dict, parents: dict, work: Path, timeout: float) -> dic
     try:
         # v0 (cold: every node starts from nothing and loads its codec on the way) is kept apart;
         # v1 the delta and v2 the full snapshot are measured on running nodes.
-        for version, kind, file in ((0, "snapshot-cold", "snapshot"), (1, "delta", "delta"),
-                                    (2, "snapshot", "snapshot2")):
+        steps = [(0, "snapshot-cold", "snapshot"), (1, "delta", "delta")]
+        if snapshot:
+            steps.append((2, "snapshot", "snapshot2"))
+        for version, kind, file in steps:
             src = Path(art[file])
             dropped: list[float] = []
 
@@ -279,9 +281,9 @@ def suite(args, cfg, art: dict, methods: list[str]) -> dict:
             if method == "p2psync-tree":
                 parents, p = plan_parents(cfg, art["delta_bytes"], art["delta_chunk"])
                 plan_info = {"parents": p.parents, "est_completion_s": p.est_completion_s}
-                results[method] = run_p2psync(tb, art, parents, work, args.timeout)
+                results[method] = run_p2psync(tb, art, parents, work, args.timeout, not args.delta_only)
             elif method == "p2psync-star":
-                results[method] = run_p2psync(tb, art, star_parents(cfg), work, args.timeout)
+                results[method] = run_p2psync(tb, art, star_parents(cfg), work, args.timeout, not args.delta_only)
             elif method == "http-unicast":
                 results[method] = run_unicast(tb, art, work, args.timeout)
             elif method == "shardcast":
@@ -411,6 +413,8 @@ def main() -> int:
     ap.add_argument("--grid", default="2x2,2x4,2x8,4x2,4x4,4x8", help="scaling: REGIONSxPER_REGION list")
     ap.add_argument("--rollout-seconds", type=float, default=60.0, help="cost model: rollout phase per RL step")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--delta-only", action="store_true",
+                    help="p2psync methods: measure the delta only (the snapshot still seeds version 0, untimed)")
     ap.add_argument("--work", default="/tmp/p2psync-wan", help="artifacts cache and scratch space")
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
     args = ap.parse_args()

@@ -131,3 +131,35 @@ def test_an_artifact_that_does_not_apply_on_the_trainer_is_withdrawn(tmp_path):
             await tr.close()
 
     asyncio.run(go())
+
+
+def test_the_trainers_event_stream_tells_when_its_own_copy_reached_the_version(tmp_path):
+    """Watchers (status pages, the WAN benchmark's observer) learn the trainer's version from its events."""
+    from p2psync.transport.client import PeerClient
+
+    priv, tr_cfg, common = _configs(tmp_path)
+    arts = _artifacts(priv, _states())
+
+    async def go():
+        tr = await Node.create(tr_cfg)
+        client = await PeerClient.create(TOKEN, "watcher", stall_timeout=5.0, sse_keepalive=1.0, parallel_streams=1)
+        try:
+            await tr.publish(*arts[0])
+            seen = []
+
+            async def watch():
+                async for cat in client.call_events(tr.address):
+                    seen.append(cat.version)
+                    if cat.version == 2:
+                        return
+            task = asyncio.create_task(watch())
+            await asyncio.sleep(0.3)
+            for m, c in arts[1:3]:
+                await tr.publish(m, c)
+            await asyncio.wait_for(task, 10)
+            assert seen[0] == 0 and 1 in seen and seen[-1] == 2
+        finally:
+            await client.close()
+            await tr.close()
+
+    asyncio.run(go())
