@@ -35,7 +35,7 @@ from p2psync.dtypes import BY_CODE
 from p2psync.errors import ChunkHashMismatch, CodecError, FormatVersionError, SignatureError, TruncatedError
 from p2psync.state import ModelState, TensorSpec, table_hash
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_MAGIC = b"P2SM"
 FILE_MAGIC = b"P2SA"
 MAX_MANIFEST_BYTES = 64 << 20

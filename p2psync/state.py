@@ -195,7 +195,14 @@ class ModelState:
         if sums is None:
             sums = self.updated_sums(changes)
         for i, (pos, new) in changes.items():
-            self._words[self.specs[i].name][pos] = new
+            words = self._words[self.specs[i].name]
+            pos = np.asarray(pos)
+            new = np.asarray(new)
+            if pos.dtype == np.int64 and new.dtype == words.dtype and pos.shape == new.shape and pos.ndim == 1 \
+                    and (pos.shape[0] == 0 or (int(pos.min()) >= 0 and int(pos.max()) < words.shape[0])):
+                kernels.scatter(words, pos, new)
+            else:
+                words[pos] = new
         self._sums = sums
 
     def clone(self) -> "ModelState":

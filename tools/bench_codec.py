@@ -8,7 +8,8 @@ steps, then ``--measure`` steps whose deltas are measured.
 Reported per learning rate: changed fraction; payload bytes and ratio to full
 bf16 for p2psync and two references (COO int32 indices + raw values, as
 SparseRL-Sync ships; zstd-3 of the full bf16 tensors); encode and
-decode+apply throughput in GB/s of model weights with 1 and 2 threads; this
+decode+apply throughput in GB/s of model weights with 1 and 2 threads; the same
+for the fast mode (``context_buckets=1``: context-free positions); this
 machine's memcpy GB/s measured in the same run; peak extra memory while
 encoding as a fraction of the model size.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -59,8 +61,8 @@ def zstd_full(state: ModelState) -> int:
     return sum(len(c.compress(state.words(n).tobytes())) for n in state)
 
 
-def encode_gbps(prev: ModelState, cur: ModelState, threads: int, repeats: int) -> float:
-    opts = CodecOptions(threads=threads)
+def encode_gbps(prev: ModelState, cur: ModelState, threads: int, repeats: int, buckets: int = 4) -> float:
+    opts = CodecOptions(threads=threads, context_buckets=buckets)
     prev.tensor_sums()  # steady state: the publisher keeps the fingerprint of the last version
     return prev.nbytes / median_time(lambda: encode_delta(prev, cur, opts), repeats) / 1e9
 
@@ -105,6 +107,7 @@ def run_lr(args: argparse.Namespace, lr: float) -> dict:
         work.step()
         cur = ModelState(work.published())
         enc = encode_delta(prev, cur)
+        fast = encode_delta(prev, cur, CodecOptions(context_buckets=1))
         changed = sum(enc.changed)
         numel = sum(s.numel for s in enc.specs)
         payload = sum(map(len, enc.chunks))
@@ -113,6 +116,8 @@ def run_lr(args: argparse.Namespace, lr: float) -> dict:
             "changed_fraction": changed / numel,
             "payload_bytes": payload,
             "ratio": prev.nbytes / payload,
+            "fast_payload_bytes": sum(map(len, fast.chunks)),
+            "fast_ratio": prev.nbytes / sum(map(len, fast.chunks)),
             "coo_ratio": prev.nbytes / (changed * (4 + 2)),
             "position_bits_per_change": 8 * enc.stats.positions / max(1, changed),
             "residual_bits_per_change": 8 * enc.stats.residuals / max(1, changed),
@@ -122,6 +127,8 @@ def run_lr(args: argparse.Namespace, lr: float) -> dict:
             for t in (1, 2):
                 row[f"encode_gbps_{t}t"] = encode_gbps(prev, cur, t, args.repeats)
                 row[f"decode_apply_gbps_{t}t"] = decode_gbps(prev, enc, t, args.repeats)
+                row[f"fast_encode_gbps_{t}t"] = encode_gbps(prev, cur, t, args.repeats, buckets=1)
+                row[f"fast_decode_apply_gbps_{t}t"] = decode_gbps(prev, fast, t, args.repeats)
             row["encode_extra_memory_fraction"] = encode_extra_memory(prev, cur) / prev.nbytes
         rows.append(row)
         print(f"  lr {lr:g} step {row['step']}: {row['changed_fraction']:.4%} changed, ratio {row['ratio']:.1f}x",
@@ -134,6 +141,7 @@ def run_lr(args: argparse.Namespace, lr: float) -> dict:
         "mean_changed_fraction": statistics.mean(r["changed_fraction"] for r in rows),
         "mean_ratio": statistics.mean(r["ratio"] for r in rows),
         "mean_coo_ratio": statistics.mean(r["coo_ratio"] for r in rows),
+        "mean_fast_ratio": statistics.mean(r["fast_ratio"] for r in rows),
         **{k: v for k, v in last.items() if k.endswith(("gbps_1t", "gbps_2t", "_fraction")) and k != "changed_fraction"
            or k == "zstd_full_ratio"},
     }
@@ -156,12 +164,15 @@ def main() -> None:
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {platform.python_version()}",
         "preset": args.preset,
         "model_bytes_bf16": model_bytes,
+        "command": " ".join([".venv/bin/python", "tools/bench_codec.py", *sys.argv[1:]]),
+        "loadavg_start": os.getloadavg(),
         "memcpy_gbps": memcpy_gbps(model_bytes, 5),
         "runs": [],
     }
     for lr in (float(x) for x in args.lrs.split(",")):
         results["runs"].append(run_lr(args, lr))
     results["memcpy_gbps_after"] = memcpy_gbps(model_bytes, 5)
+    results["loadavg_end"] = os.getloadavg()
     mc = statistics.mean([results["memcpy_gbps"], results["memcpy_gbps_after"]])
     print(f"\nmemcpy {mc:.2f} GB/s (before {results['memcpy_gbps']:.2f}, after {results['memcpy_gbps_after']:.2f})")
     print("| lr | changed | p2psync ratio | COO int32+bf16 | zstd full bf16 | encode GB/s 1t / 2t (x memcpy) "
@@ -173,6 +184,13 @@ def main() -> None:
               f"{r['encode_gbps_1t']:.2f} / {r['encode_gbps_2t']:.2f} ({r['encode_gbps_2t'] / mc:.2f}x) | "
               f"{r['decode_apply_gbps_1t']:.2f} / {r['decode_apply_gbps_2t']:.2f} "
               f"({r['decode_apply_gbps_2t'] / mc:.2f}x) | {100 * r['encode_extra_memory_fraction']:.1f} % |")
+    print("\nFast mode (context_buckets=1):\n| lr | ratio | encode GB/s 1t / 2t (x memcpy) | decode+apply GB/s 1t / 2t (x memcpy) |")
+    print("|---|---|---|---|")
+    for r in results["runs"]:
+        print(f"| {r['lr']:g} | {r['mean_fast_ratio']:.0f}x | {r['fast_encode_gbps_1t']:.2f} / "
+              f"{r['fast_encode_gbps_2t']:.2f} ({r['fast_encode_gbps_2t'] / mc:.2f}x) | "
+              f"{r['fast_decode_apply_gbps_1t']:.2f} / {r['fast_decode_apply_gbps_2t']:.2f} "
+              f"({r['fast_decode_apply_gbps_2t'] / mc:.2f}x) |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))

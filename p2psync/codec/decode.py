@@ -16,21 +16,25 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from p2psync import dtypes
-from p2psync.codec import kernels
-from p2psync.codec.encode import CHUNK_MAGIC
+from p2psync.codec import context, kernels
+from p2psync.codec.encode import CHUNK_MAGIC, CHUNK_VERSION
 from p2psync.codec.segment import (
     KIND_DELTA,
     KIND_RAW,
     ParsedSegment,
     SegmentStats,
-    decode_ranks,
-    decode_residuals,
     parse_segment,
     unpack_payload,
-    unzigzag,
 )
+from p2psync.codec.sparse import decode_changes
 from p2psync.codec.wire import Reader
-from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, WrongBase
+from p2psync.errors import (
+    CodecError,
+    FingerprintMismatch,
+    FormatVersionError,
+    P2PSyncError,
+    WrongBase,
+)
 from p2psync.state import ModelState, TensorSpec, check_table, fold_root, tensor_seed
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -38,7 +42,10 @@ MASK64 = 0xFFFFFFFFFFFFFFFF
 
 def split_chunk(chunk: bytes | memoryview) -> list[memoryview]:
     r = Reader(chunk, "chunk")
-    if bytes(r.take(4)) != CHUNK_MAGIC:
+    magic = bytes(r.take(4))
+    if magic != CHUNK_MAGIC:
+        if magic[:3] == CHUNK_MAGIC[:3] and magic[3:] == b"1":
+            raise FormatVersionError(1, CHUNK_VERSION)
         raise CodecError("chunk: bad magic (not a p2psync chunk)")
     count = r.u32()
     if count > len(chunk) // 4:
@@ -57,32 +64,9 @@ def chunk_stats(chunk: bytes | memoryview) -> SegmentStats:
     return st
 
 
-def _decode_delta(p: ParsedSegment, spec: TensorSpec, old: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    d = dtypes.from_code(spec.dtype)
-    assert p.table is not None and p.unary is not None and p.rem is not None and p.res is not None
-    if any(t[0] > d.exp_mask for t in p.table):
-        raise CodecError("segment: context out of range for its dtype")
-    ranks = decode_ranks(p.table, p.unary, p.rem, p.n, p.stop - p.start)
-    width = d.exp_mask + 1
-    next_rank = np.full(width, -1, dtype=np.int64)
-    next_idx = np.zeros(width, dtype=np.int64)
-    end_idx = np.zeros(width, dtype=np.int64)
-    off = 0
-    for c, cnt, _, _ in p.table:
-        next_idx[c] = off
-        end_idx[c] = off + cnt
-        next_rank[c] = ranks[off]
-        off += cnt
-    pos = np.empty(p.n, dtype=np.int64)
-    counts = np.empty(width, dtype=np.int64)
-    found = kernels.scan_decode(old, p.start, p.stop, d.exp_shift, d.exp_mask, next_rank, ranks, next_idx,
-                                end_idx, p.n, pos, counts)
-    if found != p.n:
-        raise CodecError(f"segment of {spec.name}: {p.n - found} changes fall outside the range")
-    old_w = old[pos]
-    ctx = (old_w >> d.word.type(d.exp_shift)) & d.word.type(d.exp_mask) if d.exp_mask else np.zeros(p.n, np.int64)
-    zres = decode_residuals(p.res, ctx, {t[0]: t[3] for t in p.table}, d.word)
-    return pos, old_w + unzigzag(zres)
+def _decode_delta(p: ParsedSegment, spec: TensorSpec, old: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+    """(positions, new words, fingerprint sum change) of one delta segment against ``old``."""
+    return decode_changes(p, dtypes.from_code(spec.dtype), old, tensor_seed(spec.name))
 
 
 def _unplanes_into(buf: bytes | memoryview, dest: np.ndarray) -> None:
@@ -146,15 +130,17 @@ class Applier:
         self.target = target_fingerprint
         self._lock = threading.Lock()
         self._done: set[int] = set()
-        # tensor index -> list of (start, stop, positions, new words) or, for a snapshot,
-        # (start, stop, hash lane a, hash lane b) of words already written to the staging state
+        # tensor index -> list of (start, stop, positions, new words, sum change a, b) or, for a
+        # snapshot, (start, stop, hash lane a, hash lane b) of words already written to the staging state
         self._parts: dict[int, list[tuple]] = {}
         self._committed = False
         self._staged: ModelState | None = None
         self.keep_changes = False
         """Set before :meth:`commit` to keep a delta's decoded changes in :attr:`changes` afterwards."""
         self.changes: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
-        """After a kept delta commit: tensor index -> (positions, new words), as written."""
+        """After a kept delta commit: tensor index -> (positions, new words), as written. Positions
+        are distinct, grouped by segment in range order, and inside a segment by magnitude bucket
+        (not sorted)."""
         if kind == "snapshot":
             self._staged = state if scratch else ModelState.empty_like(state.specs)
 
@@ -181,34 +167,34 @@ class Applier:
     def missing(self) -> list[int]:
         return [i for i in range(self.n_chunks) if i not in self._done]
 
-    def add_chunk(self, index: int, chunk: bytes | memoryview) -> None:
-        """Decode chunk ``index`` (already hash-verified by the caller). Thread-safe."""
+    def _check_index(self, index: int) -> None:
         if not 0 <= index < self.n_chunks:
             raise CodecError(f"chunk index {index} out of range (artifact has {self.n_chunks})")
         with self._lock:
             if index in self._done:
                 raise CodecError(f"chunk {index} given twice")
-        decoded = []
-        for seg in split_chunk(chunk):
-            p = parse_segment(seg)
-            if p.tensor >= len(self.state.specs):
-                raise CodecError(f"segment names tensor #{p.tensor}, table has {len(self.state.specs)}")
-            spec = self.state.specs[p.tensor]
-            if p.stop > spec.numel:
-                raise CodecError(f"segment of {spec.name} covers [{p.start}, {p.stop}), tensor has {spec.numel}")
-            if p.kind == KIND_DELTA and self.kind == "delta":
-                pos, vals = _decode_delta(p, spec, self.state.words(spec.name))
-                decoded.append((p.tensor, (p.start, p.stop, pos, vals)))
-            elif p.kind == KIND_RAW and self.kind == "snapshot":
-                assert self._staged is not None
-                d = dtypes.from_code(spec.dtype)
-                n = p.stop - p.start
-                words = self._staged.words(spec.name)
-                _unplanes_into(unpack_payload(p.res_codec, p.res, n * d.width), words[p.start:p.stop])
-                a, b = kernels.hash_range(words, p.start, p.stop, tensor_seed(spec.name))
-                decoded.append((p.tensor, (p.start, p.stop, int(a), int(b))))
-            else:
-                raise CodecError(f"segment kind {p.kind} does not belong in a {self.kind}")
+
+    def _decode_segment(self, seg: memoryview) -> tuple[int, tuple]:
+        p = parse_segment(seg)
+        if p.tensor >= len(self.state.specs):
+            raise CodecError(f"segment names tensor #{p.tensor}, table has {len(self.state.specs)}")
+        spec = self.state.specs[p.tensor]
+        if p.stop > spec.numel:
+            raise CodecError(f"segment of {spec.name} covers [{p.start}, {p.stop}), tensor has {spec.numel}")
+        d = dtypes.from_code(spec.dtype)
+        if p.kind == KIND_DELTA and self.kind == "delta":
+            pos, vals, (a, b) = _decode_delta(p, spec, self.state.words(spec.name))
+            return p.tensor, (p.start, p.stop, pos, vals, a, b)
+        if p.kind == KIND_RAW and self.kind == "snapshot":
+            assert self._staged is not None
+            n = p.stop - p.start
+            words = self._staged.words(spec.name)
+            _unplanes_into(unpack_payload(p.res_codec, p.res, n * d.width), words[p.start:p.stop])
+            a, b = kernels.hash_range(words, p.start, p.stop, tensor_seed(spec.name))
+            return p.tensor, (p.start, p.stop, int(a), int(b))
+        raise CodecError(f"segment kind {p.kind} does not belong in a {self.kind}")
+
+    def _register(self, index: int, decoded: list[tuple[int, tuple]]) -> None:
         with self._lock:
             if index in self._done:
                 raise CodecError(f"chunk {index} given twice")
@@ -216,15 +202,36 @@ class Applier:
             for t, part in decoded:
                 self._parts.setdefault(t, []).append(part)
 
+    def add_chunk(self, index: int, chunk: bytes | memoryview) -> None:
+        """Decode chunk ``index`` (already hash-verified by the caller). Thread-safe."""
+        self._check_index(index)
+        self._register(index, [self._decode_segment(seg) for seg in split_chunk(chunk)])
+
     def add_chunks(self, chunks: Iterable[tuple[int, bytes | memoryview]], threads: int = 2) -> None:
+        """Decode many chunks on ``threads`` threads, segment by segment (so that one big chunk
+        also uses every thread)."""
         items = list(chunks)
-        if threads <= 1 or len(items) <= 1:
+        if threads <= 1 or not items:
             for i, c in items:
                 self.add_chunk(i, c)
             return
+        split = []
+        seen: set[int] = set()
+        for i, c in items:
+            self._check_index(i)
+            if i in seen:
+                raise CodecError(f"chunk {i} given twice")
+            seen.add(i)
+            split.append((i, split_chunk(c)))
         with ThreadPoolExecutor(threads, thread_name_prefix="p2psync-decode") as pool:
-            for f in [pool.submit(self.add_chunk, i, c) for i, c in items]:
-                f.result()
+            futures = [(i, [pool.submit(self._decode_segment, seg) for seg in segs]) for i, segs in split]
+            try:
+                for i, fs in futures:
+                    self._register(i, [f.result() for f in fs])
+            finally:
+                for _, fs in futures:
+                    for f in fs:
+                        f.cancel()
 
     def _ordered(self, t: int) -> list[tuple]:
         parts = sorted(self._parts.get(t, []), key=lambda x: x[0])
@@ -241,11 +248,18 @@ class Applier:
             raise CodecError(f"{len(self.missing)} of {self.n_chunks} chunks missing (first: {self.missing[0]})")
         state = self.state
         if self.kind == "delta":
+            # The sum changes were computed from the base words while decoding, and nothing can
+            # write to the state in between (it is the applier's until commit).
             changes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+            sums = state.tensor_sums()
             for t in self._parts:
                 parts = self._ordered(t)
-                changes[t] = (np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts]))
-            sums = state.updated_sums(changes)
+                if len(parts) == 1:
+                    changes[t] = (parts[0][2], parts[0][3])
+                else:
+                    changes[t] = (np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts]))
+                a, b = sums[t]
+                sums[t] = ((a + sum(p[4] for p in parts)) & MASK64, (b + sum(p[5] for p in parts)) & MASK64)
             fp = fold_root(state.table_hash, sums)
             if fp != self.target:
                 raise FingerprintMismatch(self.target, fp)
@@ -301,13 +315,19 @@ def warm_up(codes: Iterable[str] = ("BF16", "F16", "F32")) -> None:
 
     from p2psync.codec.encode import CodecOptions, encode_delta, encode_snapshot
 
-    opts = CodecOptions(chunk_size=64 << 10, threads=1, segment_elements=1024, zstd_level=1)
+    opts = CodecOptions(chunk_size=64 << 10, threads=1, segment_elements=4096, zstd_level=1)
     for code in codes:
         d = dtypes.from_code(code)
-        words = np.arange(4096, dtype=d.word) * d.word.type(7)
-        old = ModelState([("w", torch.from_numpy(words.copy()).view(d.torch_dtype()))])
+        g = torch.Generator().manual_seed(0)
+        old = ModelState([("w", torch.randn(8192, generator=g).to(d.torch_dtype()))])
         new = old.clone()
-        new.words("w")[::3] ^= d.word.type(1)
+        # Small magnitudes change more often, as under an optimizer step: the delta uses bucketed
+        # positions (the kernels a real delta needs), and a few changes escape the rANS symbols.
+        w = new.words("w")
+        key = w & d.word.type(context.key_mask(d))
+        idx = np.arange(w.shape[0])
+        w[(key < np.median(key)) & (idx % 2 == 0)] += d.word.type(1)
+        w[idx % 61 == 0] += d.word.type(40)
         new.invalidate()
         snap = encode_snapshot(old, opts)
         got = decode_state(old.specs, enumerate(snap.chunks), len(snap.chunks), snap.target_fingerprint, 1)

@@ -19,20 +19,18 @@ import numpy as np
 
 from p2psync import dtypes
 from p2psync.codec import kernels
-from p2psync.codec.segment import (
-    SegmentStats,
-    encode_delta_segment,
-    encode_raw_segment,
-    zigzag,
-)
+from p2psync.codec.segment import MAX_BUCKETS, SegmentStats, encode_raw_segment
+from p2psync.codec.sparse import encode_changes
 from p2psync.errors import ConfigError
 from p2psync.state import ModelState, TensorSpec, check_table, fold_root, tensor_seed
 
-CHUNK_MAGIC = b"P2C1"
+CHUNK_MAGIC = b"P2C2"
+"""Chunk magic; its last byte is the codec format version (2: bucketed positions)."""
+CHUNK_VERSION = 2
 _CHUNK_HEAD = 8  # magic + u32 segment count
 _SEG_PREFIX = 4  # u32 length before each segment
-# Room kept in a chunk for a segment's header and context table (f64 has 2048 contexts).
-_SEGMENT_OVERHEAD = 64 + 7 * 2048
+# Room kept in a chunk for a segment's header, bucket table and up to 255 residual tables.
+_SEGMENT_OVERHEAD = 64 + 7 * MAX_BUCKETS + 255 * 72
 MASK64 = 0xFFFFFFFFFFFFFFFF
 MAX_SEGMENT_CHANGES = 1 << 17
 
@@ -47,6 +45,12 @@ class CodecOptions:
     """Largest element range one segment covers (bounds decode work per segment)."""
     zstd_level: int = 3
     """zstd level for residual planes and snapshot payloads (0 stores them raw)."""
+    context_buckets: int = 4
+    """Magnitude buckets of the position context (1..4). The receiver recomputes every base
+    word's bucket, so positions cost only the gaps between changes of one bucket: ~5.4 bits per
+    change at lr 1e-6 with 4 buckets. 1 is the fast mode: context-free positions (~7.7 bits,
+    deltas ~1.3x bigger at RL learning rates) and no pass over the base words when decoding.
+    Decoders read every setting; this only changes what the encoder writes."""
 
     def __post_init__(self) -> None:
         if not 64 << 10 <= self.chunk_size <= 256 << 20:
@@ -57,6 +61,8 @@ class CodecOptions:
             raise ConfigError("segment_elements", "must be between 1024 and 2**30")
         if not 0 <= self.zstd_level <= 22:
             raise ConfigError("zstd_level", "must be between 0 and 22")
+        if not 1 <= self.context_buckets <= MAX_BUCKETS:
+            raise ConfigError("context_buckets", f"must be between 1 and {MAX_BUCKETS}, got {self.context_buckets}")
 
     def max_changes(self, width: int) -> int:
         # Worst case per change: the word itself plus up to ~5 bytes of Rice code, so a segment
@@ -116,43 +122,39 @@ class _JobResult:
     hash_delta: tuple[int, int]
 
 
-def _finish_segment(tensor, start, stop, old, new_words, pos, ctx, rank, seed, level, out: _JobResult) -> None:
-    old_w = old[pos]
-    seg, st = encode_delta_segment(tensor, start, stop, ctx, rank, zigzag(new_words - old_w), level)
+def _add_segment(out: _JobResult, encoded: tuple[bytes, SegmentStats, tuple[int, int]]) -> None:
+    seg, st, (da, db) = encoded
     out.segments.append(seg)
     out.stats.add(st)
-    oa, ob = kernels.hash_sparse(pos, old_w, seed)
-    na, nb = kernels.hash_sparse(pos, new_words, seed)
     a, b = out.hash_delta
-    out.hash_delta = ((a - int(oa) + int(na)) & MASK64, (b - int(ob) + int(nb)) & MASK64)
+    out.hash_delta = ((a + da) & MASK64, (b + db) & MASK64)
 
 
 _local = threading.local()
 
 
-def _buffers(size: int, cap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per-thread scan buffers, reused across jobs: encoding memory does not grow with the model."""
-    bufs = getattr(_local, "bufs", None)
-    if bufs is None or bufs[0].shape[0] < size:
-        bufs = (np.empty(size, dtype=np.int64), np.empty(size, dtype=np.uint16), np.empty(size, dtype=np.int32),
-                np.empty(2048, dtype=np.int64))
-        _local.bufs = bufs
-    return bufs[0][:cap], bufs[1][:cap], bufs[2][:cap], bufs[3]
+def _scan_buffers(size: int, word: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per-thread scan buffers (positions, old and new words), reused across jobs: encoding
+    memory does not grow with the model."""
+    bufs = getattr(_local, "scan", None)
+    if bufs is None or bufs[0].shape[0] < size or bufs[1].dtype != word:
+        bufs = (np.empty(size, dtype=np.int64), np.empty(size, dtype=word), np.empty(size, dtype=word))
+        _local.scan = bufs
+    return bufs
 
 
 def _scan_job(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.ndarray, s: int, e: int, opts: CodecOptions):
     d = dtypes.from_code(spec.dtype)
-    cap = min(opts.max_changes(d.width), e - s)
-    pos_b, ctx_b, rank_b, counts = _buffers(opts.max_changes(d.width), cap)
+    cap = opts.max_changes(d.width)
+    pos_b, old_b, new_b = _scan_buffers(cap + 64, d.word)
     seed = tensor_seed(spec.name)
     out = _JobResult(tensor, [], SegmentStats(), (0, 0))
     at = s
     while at < e:
-        stop, n = kernels.scan_changes(old, new, at, e, d.exp_shift, d.exp_mask, cap, pos_b, ctx_b, rank_b, counts)
+        stop, n = kernels.find_changes(old, new, at, e, cap, pos_b, old_b, new_b)
         if n:
-            pos = pos_b[:n].copy()
-            _finish_segment(tensor, at, stop, old, new[pos], pos, ctx_b[:n].copy(), rank_b[:n].copy(), seed,
-                            opts.zstd_level, out)
+            _add_segment(out, encode_changes(tensor, at, stop, old, pos_b[:n], old_b[:n], new_b[:n], d,
+                                             opts.context_buckets, opts.zstd_level, seed))
         at = stop
     return out
 
@@ -162,7 +164,6 @@ def _sparse_job(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.ndarray,
     """Same segments as :func:`_scan_job`, from positions found elsewhere (e.g. on a GPU)."""
     d = dtypes.from_code(spec.dtype)
     cap = opts.max_changes(d.width)
-    counts = np.empty(2048, dtype=np.int64)
     seed = tensor_seed(spec.name)
     out = _JobResult(tensor, [], SegmentStats(), (0, 0))
     lo, hi = np.searchsorted(pos, [s, e])
@@ -171,10 +172,8 @@ def _sparse_job(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.ndarray,
         b = min(hi, a + cap)
         stop = int(pos[b]) if b < hi else e
         p = pos[a:b]
-        ctx = np.empty(b - a, dtype=np.uint16)
-        rank = np.empty(b - a, dtype=np.int32)
-        kernels.rank_given(old, p, at, d.exp_shift, d.exp_mask, ctx, rank, counts)
-        _finish_segment(tensor, at, stop, old, vals[a:b], p, ctx, rank, seed, opts.zstd_level, out)
+        _add_segment(out, encode_changes(tensor, at, stop, old, p, old[p], vals[a:b], d, opts.context_buckets,
+                                         opts.zstd_level, seed))
         at = stop
     return out
 

@@ -82,6 +82,45 @@ def _decode(buf, model_of, starts, freqs, lookup, out):
     return p
 
 
+@njit(nogil=True, cache=True)
+def _decode_words(buf, old_w, shift, mask, lut, starts, freqs, lookup, new_out, esc_out):
+    """:func:`_decode` fused with what surrounds it: the model of change ``j`` comes from the
+    exponent of its base word ``old_w[j]``, and the new word is the base word plus the
+    unzigzagged symbol (escapes are patched by the caller; their indices go to ``esc_out``).
+    Returns (bytes consumed or -1 if malformed, number of escapes)."""
+    n_in = buf.shape[0]
+    if n_in < 4:
+        return -1, 0
+    x = np.uint32(0)
+    for i in range(4):
+        x = (x << np.uint32(8)) | np.uint32(buf[i])
+    p = 4
+    m12 = np.uint32(M - 1)
+    sh = np.uint64(shift)
+    mk = np.uint64(mask)
+    one = np.uint64(1)
+    ne = 0
+    for j in range(old_w.shape[0]):
+        w = old_w[j]
+        m = lut[(np.uint64(w) >> sh) & mk]
+        slot = x & m12
+        s = lookup[m, slot]
+        x = np.uint32(freqs[m, s]) * (x >> np.uint32(SCALE_BITS)) + slot - np.uint32(starts[m, s])
+        while x < np.uint32(_L):
+            if p >= n_in:
+                return -1, ne
+            x = (x << np.uint32(8)) | np.uint32(buf[p])
+            p += 1
+        z = np.uint64(s)
+        if s == ESCAPE:
+            esc_out[ne] = j
+            ne += 1
+        new_out[j] = np.uint64(w) + ((z >> one) ^ (np.uint64(0) - (z & one)))
+    if x != np.uint32(_L):
+        return -1, ne
+    return p, ne
+
+
 def quantize(counts: np.ndarray) -> np.ndarray:
     """Frequencies summing to M with every present symbol >= 1."""
     total = int(counts.sum())
@@ -139,19 +178,38 @@ def encode(symbols: np.ndarray, model_of: np.ndarray, freqs: np.ndarray) -> byte
     cap = 16 + symbols.shape[0] * 2
     while True:
         out = np.empty(cap, dtype=np.uint8)
-        o = _encode(symbols.astype(np.uint8), model_of.astype(np.int64), starts, f, out)
+        o = _encode(symbols.astype(np.uint8, copy=False), model_of.astype(np.int64, copy=False), starts, f, out)
         if o >= 0:
             return out[o:].tobytes()
         cap *= 2
 
 
-def decode(buf: memoryview, model_of: np.ndarray, freqs: np.ndarray) -> np.ndarray:
-    starts, f = _tables(freqs)
+def _lookup(freqs: np.ndarray) -> np.ndarray:
     lookup = np.zeros((freqs.shape[0], M), dtype=np.uint8)
     for m in range(freqs.shape[0]):
         lookup[m] = np.repeat(np.arange(ALPHABET, dtype=np.uint8), freqs[m])
+    return lookup
+
+
+def decode(buf: memoryview, model_of: np.ndarray, freqs: np.ndarray) -> np.ndarray:
+    starts, f = _tables(freqs)
     out = np.empty(model_of.shape[0], dtype=np.uint8)
-    used = _decode(np.frombuffer(buf, dtype=np.uint8), model_of.astype(np.int64), starts, f, lookup, out)
+    used = _decode(np.frombuffer(buf, dtype=np.uint8), model_of.astype(np.int64), starts, f, _lookup(freqs), out)
     if used != len(buf):
         raise CodecError("residuals: entropy-coded stream is malformed")
     return out
+
+
+def decode_words(buf: memoryview, old_w: np.ndarray, shift: int, mask: int, lut: np.ndarray,
+                 freqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(new words with escapes unpatched, indices of escapes) of changes to the base words
+    ``old_w``: symbol ``s`` means ``old + unzigzag(s)``, coded with model ``lut[exponent of old]``."""
+    starts, f = _tables(freqs)
+    n = old_w.shape[0]
+    new_w = np.empty(n, dtype=old_w.dtype)
+    esc = np.empty(n, dtype=np.int64)
+    used, ne = _decode_words(np.frombuffer(buf, dtype=np.uint8), old_w, shift, mask, lut, starts, f,
+                             _lookup(freqs), new_w, esc)
+    if used != len(buf):
+        raise CodecError("residuals: entropy-coded stream is malformed")
+    return new_w, esc[:ne]

@@ -7,26 +7,14 @@ makes every chunk independently decodable. Layout (little-endian)::
     u32 tensor         index into the manifest's tensor table
     u64 start, stop    element range [start, stop) covered
   delta:
-    u32 n              changed elements in the range
-    u16 n_ctx          contexts with at least one change, then per context:
-      u16 ctx, u32 count, u8 k, u8 model   (k: Rice parameter of its rank gaps;
-                                            model: residual frequency table it uses)
-    u32 unary_len, u32 rem_len
-    unary bytes        Rice quotients, unary (q ones then a zero), all contexts in order
-    rem bytes          Rice remainders, k bits each, MSB first
-    residual tables    see ``rans``: u8 count, then per table a symbol mask and frequencies
-    u32 len, bytes     rANS stream of min(zigzag(new - old), 31), in position order,
-                       each coded with the table of its position's context
-    u8 codec, u32 len  escapes: zigzag residuals >= 31, as byte planes, raw or zstd
+    body               see ``sparse``: changes coded by magnitude bucket and rank,
+                       residuals by the base value's exponent
   raw:
     u8 codec, u32 len  payload: the words as byte planes, raw or zstd
 
-Positions are coded per context as gaps between ranks (see ``kernels``): inside
-one exponent class changes are close to independent with one rate, so a
-geometric (Rice) code per class costs close to the conditional entropy, which
-is what beats coding positions as if every element were alike. Residuals use
-the same context: how many ULPs a change moves depends on how the update
-compares with the element's ULP, i.e. on its exponent.
+The body of a delta segment depends only on the base and new words of its range
+relative to ``start``, so the same segment describes the same range of a shard
+(the publisher rewrites ``start``/``stop`` for shards).
 """
 
 from __future__ import annotations
@@ -37,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
-from p2psync.codec import kernels, rans
+from p2psync.codec import rice
 from p2psync.codec.wire import Reader
 from p2psync.errors import CodecError
 
@@ -45,11 +33,8 @@ KIND_DELTA = 1
 KIND_RAW = 2
 CODEC_RAW = 0
 CODEC_ZSTD = 1
+MAX_BUCKETS = 4
 _HEAD = struct.Struct("<BIQQ")
-_MAX_RICE_K = 40
-# Contexts are merged (neighbouring exponents first) until a residual table covers this many
-# changes: a table costs up to ~70 bytes, so smaller groups would pay more than they save.
-MIN_CHANGES_PER_MODEL = 4096
 
 
 @dataclass
@@ -68,59 +53,8 @@ class SegmentStats:
         self.changed += other.changed
 
 
-# --- Rice coding of rank gaps (bit loops in ``kernels``) ---------------------------------
-def assign_models(ctx_ids: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Model index per context (contexts sorted ascending): runs of neighbours with enough changes."""
-    model = np.zeros(ctx_ids.shape[0], dtype=np.int64)
-    current, acc = 0, 0
-    for i, c in enumerate(counts):
-        if acc >= MIN_CHANGES_PER_MODEL and current < 254:
-            current, acc = current + 1, 0
-        model[i] = current
-        acc += int(c)
-    if acc < MIN_CHANGES_PER_MODEL and current > 0:  # fold a small tail into its neighbour
-        model[model == current] = current - 1
-    return model
-
-
-def encode_ranks(ctx: np.ndarray, rank: np.ndarray) -> tuple[bytes, bytes, bytes, dict[int, int]]:
-    """(context table, unary stream, remainder stream, context -> model) for (context, rank) pairs."""
-    if ctx.shape[0] == 0:
-        return b"", b"", b"", {}
-    order = np.argsort(ctx, kind="stable")
-    ctx_s = ctx[order]
-    rank_s = rank[order].astype(np.int64)
-    bounds = np.flatnonzero(np.diff(ctx_s)) + 1
-    starts = np.concatenate(([0], bounds)).astype(np.int64)
-    ends = np.concatenate((bounds, [ctx_s.shape[0]])).astype(np.int64)
-    models = assign_models(ctx_s[starts], ends - starts)
-    ks = np.empty(starts.shape[0], dtype=np.int64)
-    ubits, rbits = kernels.rice_plan(rank_s, starts, ends, _MAX_RICE_K, ks)
-    ubuf = np.zeros((ubits + 7) // 8, dtype=np.uint8)
-    rbuf = np.zeros((rbits + 7) // 8, dtype=np.uint8)
-    kernels.rice_write(rank_s, starts, ends, ks, ubuf, rbuf)
-    table = np.zeros(starts.shape[0], dtype=[("ctx", "<u2"), ("count", "<u4"), ("k", "u1"), ("model", "u1")])
-    table["ctx"] = ctx_s[starts]
-    table["count"] = ends - starts
-    table["k"] = ks
-    table["model"] = models
-    return table.tobytes(), ubuf.tobytes(), rbuf.tobytes(), {int(c): int(m) for c, m in zip(table["ctx"], models)}
-
-
-def decode_ranks(
-    table: list[tuple[int, int, int, int]], unary: memoryview, rem: memoryview, n: int, span: int
-) -> np.ndarray:
-    """Inverse of :func:`encode_ranks`: the ranks, grouped by context in table order.
-
-    ``span`` is the segment's element count: no context can hold a rank at or beyond it."""
-    counts = np.array([t[1] for t in table], dtype=np.int64)
-    ks = np.array([t[2] for t in table], dtype=np.int64)
-    ranks = np.empty(n, dtype=np.int64)
-    status = kernels.rice_read(np.frombuffer(unary, dtype=np.uint8), np.frombuffer(rem, dtype=np.uint8), counts, ks,
-                               span, ranks)
-    if status != 0:
-        raise CodecError(f"segment: position streams are malformed (code {status})")
-    return ranks
+def encode_header(kind: int, tensor: int, start: int, stop: int) -> bytes:
+    return _HEAD.pack(kind, tensor, start, stop)
 
 
 # --- residuals ---------------------------------------------------------------------------
@@ -136,21 +70,40 @@ def unzigzag(z: np.ndarray) -> np.ndarray:
     return (z >> one) ^ (np.zeros_like(z) - (z & one))
 
 
-def planes(words: np.ndarray) -> bytes:
+def planes(words: np.ndarray) -> bytearray:
+    """The bytes of the 1-D ``words`` as byte planes: every word's byte 0, then every byte 1, ...
+
+    One strided gather per plane straight into the result (no transposed intermediate, no
+    ``tobytes`` copy of it): the bytes pass through memory once.
+    """
     w = words.dtype.itemsize
+    n = words.size
+    out = bytearray(n * w)
+    dst = np.frombuffer(out, dtype=np.uint8)
+    src = np.ascontiguousarray(words).reshape(-1).view(np.uint8)
     if w == 1:
-        return words.tobytes()
-    return np.ascontiguousarray(words.view(np.uint8).reshape(-1, w).T).tobytes()
+        dst[:] = src
+        return out
+    for k in range(w):
+        dst[k * n:(k + 1) * n] = src[k::w]
+    return out
 
 
 def unplanes(buf: bytes | memoryview, n: int, word: np.dtype) -> np.ndarray:
+    """Inverse of :func:`planes`: ``n`` words of dtype ``word`` (a new array), one strided
+    scatter per plane."""
     w = word.itemsize
     raw = np.frombuffer(buf, dtype=np.uint8)
     if raw.shape[0] != n * w:
         raise CodecError(f"segment: payload has {raw.shape[0]} bytes, expected {n * w}")
+    out = np.empty(n, dtype=word)
+    dst = out.view(np.uint8)
     if w == 1:
-        return raw.view(word).copy()
-    return np.ascontiguousarray(raw.reshape(w, n).T).view(word).reshape(n)
+        dst[:] = raw
+        return out
+    for k in range(w):
+        dst[k::w] = raw[k * n:(k + 1) * n]
+    return out
 
 
 def pack_payload(data: bytes, level: int) -> tuple[int, bytes]:
@@ -177,63 +130,6 @@ def unpack_payload(codec: int, data: memoryview, size: int) -> bytes | memoryvie
 
 
 # --- whole segments ----------------------------------------------------------------------
-def encode_residuals(ctx: np.ndarray, zres: np.ndarray, model_of_ctx: dict[int, int], level: int) -> bytes:
-    """Residual section: tables, rANS stream, escapes (``zres`` in position order)."""
-    lut = np.zeros(max(model_of_ctx) + 1, dtype=np.int64)
-    for c, m in model_of_ctx.items():
-        lut[c] = m
-    model_of = lut[ctx.astype(np.int64)]
-    big = zres >= rans.ESCAPE
-    symbols = np.where(big, rans.ESCAPE, zres).astype(np.uint8)
-    n_models = int(lut.max()) + 1
-    hist = np.bincount(model_of * rans.ALPHABET + symbols, minlength=n_models * rans.ALPHABET)
-    freqs = np.stack([rans.quantize(h) for h in hist.reshape(n_models, rans.ALPHABET)])
-    stream = rans.encode(symbols, model_of, freqs)
-    esc_codec, esc = pack_payload(planes(zres[big]), level)
-    return b"".join((rans.encode_models(freqs), struct.pack("<I", len(stream)), stream,
-                     struct.pack("<BI", esc_codec, len(esc)), esc))
-
-
-def encode_delta_segment(
-    tensor: int, start: int, stop: int, ctx: np.ndarray, rank: np.ndarray, zres: np.ndarray, level: int
-) -> tuple[bytes, SegmentStats]:
-    """``ctx``/``rank``/``zres`` per change in position order; ``zres`` zigzagged residuals."""
-    n = int(rank.shape[0])
-    table, unary, rem, model_of_ctx = encode_ranks(ctx, rank)
-    res = encode_residuals(ctx, zres, model_of_ctx, level)
-    head = _HEAD.pack(KIND_DELTA, tensor, start, stop) + struct.pack("<IH", n, len(table) // 8)
-    head += table + struct.pack("<II", len(unary), len(rem))
-    stats = SegmentStats(header=len(head), positions=len(unary) + len(rem), residuals=len(res), changed=n)
-    return b"".join((head, unary, rem, res)), stats
-
-
-def decode_residuals(res: memoryview, ctx: np.ndarray, model_of_ctx: dict[int, int], word: np.dtype) -> np.ndarray:
-    """Zigzagged residuals in position order, given each position's context."""
-    r = Reader(res, "residuals")
-    freqs = rans.read_models(r)
-    if max(model_of_ctx.values(), default=0) >= freqs.shape[0]:
-        raise CodecError("residuals: context names a missing table")
-    stream = r.take(r.u32())
-    esc_codec, esc_len = r.unpack("BI")
-    esc = r.take(esc_len)
-    r.done()
-    lut = np.zeros(max(model_of_ctx, default=0) + 1, dtype=np.int64)
-    for c, m in model_of_ctx.items():
-        lut[c] = m
-    model_of = lut[ctx.astype(np.int64)]
-    symbols = rans.decode(stream, model_of, freqs)
-    z = symbols.astype(word)
-    big = np.flatnonzero(symbols == rans.ESCAPE)
-    if big.shape[0]:
-        vals = unplanes(unpack_payload(esc_codec, esc, big.shape[0] * word.itemsize), big.shape[0], word)
-        if int(vals.min()) < rans.ESCAPE:
-            raise CodecError("residuals: escaped value is small enough to be a symbol")
-        z[big] = vals
-    elif esc_len or esc_codec not in (CODEC_RAW, CODEC_ZSTD):
-        raise CodecError("residuals: escapes present but no escape symbol")
-    return z
-
-
 def encode_raw_segment(tensor: int, start: int, words: np.ndarray, level: int) -> tuple[bytes, SegmentStats]:
     codec, payload = pack_payload(planes(words), level)
     head = _HEAD.pack(KIND_RAW, tensor, start, start + words.shape[0]) + struct.pack("<BI", codec, len(payload))
@@ -247,7 +143,12 @@ class ParsedSegment:
     start: int
     stop: int
     n: int = 0
-    table: list[tuple[int, int, int, int]] | None = None
+    thresholds: np.ndarray | None = None
+    """delta: bucket threshold exponents (``sparse``)."""
+    counts: np.ndarray | None = None
+    """delta: changes per bucket."""
+    ks: np.ndarray | None = None
+    """delta: Rice parameter per bucket."""
     unary: memoryview | None = None
     rem: memoryview | None = None
     res_codec: int = 0
@@ -257,7 +158,7 @@ class ParsedSegment:
 
 
 def parse_segment(buf: memoryview) -> ParsedSegment:
-    """Split a segment into its fields (no decoding of streams; validates lengths)."""
+    """Split a segment into its fields (no decoding of streams; validates lengths and counts)."""
     r = Reader(buf, "segment")
     kind, tensor, start, stop = r.unpack("BIQQ")
     if stop < start:
@@ -271,19 +172,24 @@ def parse_segment(buf: memoryview) -> ParsedSegment:
         )
     if kind != KIND_DELTA:
         raise CodecError(f"segment: unknown kind {kind}")
-    n, n_ctx = r.unpack("IH")
-    table = [r.unpack("HIBB") for _ in range(n_ctx)]
-    if sum(t[1] for t in table) != n:
-        raise CodecError("segment: context counts do not add up")
+    n, n_b = r.unpack("IB")
+    if not 1 <= n_b <= MAX_BUCKETS:
+        raise CodecError(f"segment: {n_b} buckets (1 to {MAX_BUCKETS} allowed)")
+    thresholds = np.frombuffer(r.take(2 * (n_b - 1)), dtype="<u2").astype(np.int64)
+    table = np.frombuffer(r.take(5 * n_b), dtype=[("count", "<u4"), ("k", "u1")])
+    counts = table["count"].astype(np.int64)
+    ks = table["k"].astype(np.int64)
+    if int(counts.sum()) != n:
+        raise CodecError("segment: bucket counts do not add up")
     if n > stop - start:
         raise CodecError("segment: more changes than elements")
-    if any(t[2] > _MAX_RICE_K or t[1] == 0 for t in table) or len({t[0] for t in table}) != n_ctx:
-        raise CodecError("segment: bad context table")
+    if int(ks.max()) > rice.MAX_K or bool(np.any(np.diff(thresholds) <= 0)) or (n_b > 1 and thresholds[0] < 1):
+        raise CodecError("segment: bad bucket table")
     ulen, rlen = r.unpack("II")
     head = r.pos
     unary, rem = r.take(ulen), r.take(rlen)
     res = r.take(len(r.buf) - r.pos)
     return ParsedSegment(
-        kind, tensor, start, stop, n, table, unary, rem, 0, res,
+        kind, tensor, start, stop, n, thresholds, counts, ks, unary, rem, 0, res,
         SegmentStats(header=head, positions=ulen + rlen, residuals=len(res), changed=n),
     )

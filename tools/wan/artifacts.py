@@ -16,7 +16,7 @@ from pathlib import Path
 
 def make(work: Path, preset: str = "bench", lr: float = 1e-6, warmup: int = 3, delta_chunk: int = 256 << 10,
          snapshot_chunk: int = 4 << 20) -> dict:
-    key = f"v2-{preset}-lr{lr:g}-w{warmup}-d{delta_chunk >> 10}k-s{snapshot_chunk >> 10}k"
+    key = f"v3-{preset}-lr{lr:g}-w{warmup}-d{delta_chunk >> 10}k-s{snapshot_chunk >> 10}k"
     d = work / f"artifacts-{key}"
     meta_path = d / "meta.json"
     if meta_path.exists():

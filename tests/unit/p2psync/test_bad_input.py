@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from p2psync import artifact, keys
 from p2psync.codec.decode import Applier, split_chunk
-from p2psync.codec.encode import CodecOptions, encode_delta
+from p2psync.codec.encode import CHUNK_MAGIC, CodecOptions, encode_delta
+from p2psync.codec.segment import parse_segment
 from p2psync.errors import (
     ChunkHashMismatch,
     CodecError,
@@ -110,7 +111,7 @@ def test_duplicated_segments_inside_a_signed_artifact_are_refused(setup):
     base, new, enc, _ = setup
     before, fp = snapshot_of(base), base.fingerprint
     segs = split_chunk(enc.chunks[0])
-    forged = b"P2C1" + struct.pack("<I", 2) + b"".join(struct.pack("<I", len(s)) + bytes(s) for s in (segs[0],) * 2)
+    forged = CHUNK_MAGIC + struct.pack("<I", 2) + b"".join(struct.pack("<I", len(s)) + bytes(s) for s in (segs[0],) * 2)
     ap = Applier(base, kind="delta", specs=enc.specs, n_chunks=1, target_fingerprint=new.fingerprint,
                  base_fingerprint=enc.base_fingerprint)
     ap.add_chunk(0, forged)
@@ -183,10 +184,97 @@ def test_signatures(setup):
 def test_unsupported_format_version(setup):
     _, _, _, m = setup
     raw = bytearray(m.to_bytes())
-    raw[4:6] = struct.pack("<H", 2)
+    raw[4:6] = struct.pack("<H", artifact.FORMAT_VERSION + 1)
     with pytest.raises(FormatVersionError) as ei:
         artifact.Manifest.from_bytes(bytes(raw))
-    assert ei.value.found == 2
+    assert ei.value.found == artifact.FORMAT_VERSION + 1
+
+
+def test_chunk_of_the_previous_codec_version_is_refused(setup):
+    base, _, enc, m = setup
+    before, fp = snapshot_of(base), base.fingerprint
+    ap = applier(base, m)
+    with pytest.raises(FormatVersionError) as ei:
+        ap.add_chunk(0, b"P2C1" + enc.chunks[0][4:])
+    assert (ei.value.found, ei.value.supported) == (1, 2)
+    with pytest.raises(CodecError, match="missing"):
+        ap.commit()
+    assert_untouched(base, before, fp)
+
+
+@pytest.fixture
+def bucketed():
+    """An optimizer-like delta: small weights change more often, so positions use buckets."""
+    g = torch.Generator().manual_seed(1)
+    master = torch.randn(200_000, generator=g) * 0.02
+    base = ModelState({"w": master.to(torch.bfloat16)})
+    new = ModelState({"w": (master + 2e-5 * torch.randn(200_000, generator=g)).to(torch.bfloat16)})
+    enc = encode_delta(base, new, CodecOptions(chunk_size=64 << 10))
+    m = artifact.build_manifest(enc, model_id="m", base_version=3, target_version=4, chunk_size=64 << 10,
+                                private_key=KEY)
+    return base, new, enc, m
+
+
+def _rebuilt_chunk(enc, edit) -> bytes:
+    """The first chunk with its first segment passed through ``edit(bytearray) -> bytes``."""
+    segs = [bytes(s) for s in split_chunk(enc.chunks[0])]
+    segs[0] = edit(bytearray(segs[0]))
+    return CHUNK_MAGIC + struct.pack("<I", len(segs)) + b"".join(struct.pack("<I", len(s)) + s for s in segs)
+
+
+_BODY = 21  # u8 kind, u32 tensor, u64 start, u64 stop; then u32 n, u8 n_buckets, u16 thresholds
+
+
+def _set_threshold(value: int, last: bool = False):
+    def edit(seg: bytearray) -> bytes:
+        n_b = seg[_BODY + 4]
+        assert n_b >= 2, "the fixture's first segment uses bucketed positions"
+        at = _BODY + 5 + 2 * (n_b - 2 if last else 0)
+        seg[at:at + 2] = struct.pack("<H", value)
+        return bytes(seg)
+    return edit
+
+
+def _set_buckets(value: int):
+    def edit(seg: bytearray) -> bytes:
+        seg[_BODY + 4] = value
+        return bytes(seg)
+    return edit
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_set_threshold(0), "bucket"),  # bucket 0 would be empty by construction
+    (_set_threshold(0x100, last=True), "bucket threshold out of range"),  # bf16 exponents end at 255
+    (_set_buckets(0), "buckets"),
+    (_set_buckets(9), "buckets"),
+])
+def test_bad_bucket_table_is_a_codec_error(bucketed, edit, match):
+    base, _, enc, m = bucketed
+    before, fp = snapshot_of(base), base.fingerprint
+    assert parse_segment(memoryview(bytes(split_chunk(enc.chunks[0])[0]))).thresholds.shape[0] >= 1
+    ap = applier(base, m)
+    with pytest.raises(CodecError, match=match):
+        ap.add_chunk(0, _rebuilt_chunk(enc, edit))
+    assert_untouched(base, before, fp)
+
+
+def test_ranks_past_the_bucket_are_a_codec_error(bucketed):
+    """A bucket threshold moved so that a bucket holds fewer elements than its ranks need."""
+    base, _, enc, m = bucketed
+    before, fp = snapshot_of(base), base.fingerprint
+    p = parse_segment(memoryview(bytes(split_chunk(enc.chunks[0])[0])))
+    last = int(p.thresholds[-1])
+    ap = applier(base, m)
+    with pytest.raises(CodecError):
+        ap.add_chunk(0, _rebuilt_chunk(enc, _set_threshold_at(len(p.thresholds) - 1, 0xFF if last < 0xFF else 1)))
+    assert_untouched(base, before, fp)
+
+
+def _set_threshold_at(i: int, value: int):
+    def edit(seg: bytearray) -> bytes:
+        seg[_BODY + 5 + 2 * i:_BODY + 7 + 2 * i] = struct.pack("<H", value)
+        return bytes(seg)
+    return edit
 
 
 def test_artifact_file_truncated_or_padded(setup, tmp_path):
@@ -244,13 +332,24 @@ def test_manifest_parser_mutated_bytes(setup, data):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.data())
 def test_decoder_mutated_and_random_chunks(setup, data):
-    base0, new, enc, m = setup
+    _mutated_chunk_applies_exactly_or_nothing(setup, data)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_decoder_mutated_bucketed_chunks(bucketed, data):
+    """The same with bucketed positions (bucket tables, thresholds, ranks located in the base)."""
+    _mutated_chunk_applies_exactly_or_nothing(bucketed, data)
+
+
+def _mutated_chunk_applies_exactly_or_nothing(case, data) -> None:
+    base0, new, enc, _ = case
     base = base0.clone()
     fp = base.fingerprint
     if data.draw(st.booleans()):
         raw = bytearray(data.draw(st.binary(max_size=300)))
         if data.draw(st.booleans()):
-            raw[0:0] = b"P2C1"
+            raw[0:0] = CHUNK_MAGIC
     else:
         raw = bytearray(enc.chunks[0])
         for _ in range(data.draw(st.integers(1, 6))):

@@ -173,6 +173,73 @@ def test_context_coding_beats_context_free_on_magnitude_dependent_changes():
     assert 8 * enc.stats.positions < 0.95 * context_free_bits
 
 
+@st.composite
+def optimizer_step(draw):
+    """Float weights moved by a small update: small magnitudes change more often (bucketed positions)."""
+    dt = draw(st.sampled_from([torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn]))
+    n = draw(st.integers(1, 300_000))
+    seed = draw(st.integers(0, 2**32 - 1))
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=g, dtype=torch.float64) * draw(st.sampled_from([0.02, 1.0, 30.0]))
+    step = draw(st.sampled_from([1e-17, 1e-13, 1e-9, 1e-6, 1e-4, 1e-2]))  # f64, f32 and 16-bit ULP scales
+    moved = master + step * torch.randn(n, generator=g, dtype=torch.float64)
+    return master.to(dt), moved.to(dt)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(optimizer_step(), st.integers(1, 4), st.sampled_from([1024, 5000, 1 << 16, 1 << 20]))
+def test_bucketed_positions_roundtrip_and_match_the_sparse_path(case, buckets, seg):
+    # Small chunks bound a segment's changes, so dense cases also split segments at unaligned
+    # starts; tails shorter than a 64-word block and every bucket count are covered.
+    opts = CodecOptions(chunk_size=64 << 10, segment_elements=seg, context_buckets=buckets)
+    b, n = case
+    base, new = ModelState({"w": b}), ModelState({"w": n})
+    enc = encode_delta(base, new, opts)
+    assert enc.target_fingerprint == new.fingerprint
+    assert_same_bits(new, apply(base, enc))
+    bw, nw = base.words("w"), new.words("w")
+    pos = np.flatnonzero(bw != nw)
+    assert encode_delta_sparse(base, {"w": (pos, nw[pos])}, opts).chunks == enc.chunks
+
+
+def _bucket_counts(enc) -> list[int]:
+    from p2psync.codec.decode import split_chunk
+    from p2psync.codec.segment import parse_segment
+    return [int(parse_segment(s).counts.shape[0]) for c in enc.chunks for s in split_chunk(c)]
+
+
+def test_fast_mode_is_context_free_and_decodes_the_same_weights():
+    g = torch.Generator().manual_seed(7)
+    master = torch.randn(1_000_000, generator=g) * 0.02
+    base = ModelState({"w": master.to(torch.bfloat16)})
+    new = ModelState({"w": (master + 1e-5 * torch.randn(1_000_000, generator=g)).to(torch.bfloat16)})
+    ctx = encode_delta(base, new, CodecOptions(context_buckets=4))
+    fast = encode_delta(base, new, CodecOptions(context_buckets=1))
+    assert set(_bucket_counts(fast)) == {1} and max(_bucket_counts(ctx)) > 1
+    assert_same_bits(new, apply(base, ctx))
+    assert_same_bits(new, apply(base, fast))
+    # the context is what makes the smaller payload
+    assert sum(map(len, ctx.chunks)) < 0.9 * sum(map(len, fast.chunks))
+
+
+def test_context_buckets_is_validated():
+    from p2psync.errors import ConfigError
+    for bad in (0, 5):
+        with pytest.raises(ConfigError, match="context_buckets"):
+            CodecOptions(context_buckets=bad)
+
+
+def test_one_big_chunk_decodes_on_every_thread_with_the_same_result():
+    g = torch.Generator().manual_seed(8)
+    base = ModelState({f"w{i}": (torch.randn(300_000, generator=g) * 0.02).to(torch.bfloat16) for i in range(4)})
+    new = ModelState({k: (base.tensor(k).float() + 1e-4 * torch.randn(300_000, generator=g)).to(torch.bfloat16)
+                      for k in base})
+    enc = encode_delta(base, new, CodecOptions(segment_elements=1 << 16))
+    assert len(enc.chunks) == 1 and len(_bucket_counts(enc)) > 4
+    assert_same_bits(new, apply(base, enc, threads=1))
+    assert_same_bits(new, apply(base, enc, threads=2))
+
+
 @pytest.mark.parametrize("code", ALL_CODES)
 def test_words_view_shares_memory(code):
     d = dtypes.from_code(code)
