@@ -19,6 +19,8 @@ loss statistics. ``versions_path`` (optional): one line per published version
 
 ``sync: false`` publishes version 0 only: rollouts keep generating with it (the
 staleness bound is then not enforced), to measure step time without weight sync.
+``sync: "full"`` publishes every version as a full snapshot of the weights (the
+full-weight broadcast users run today) instead of a sparse delta, for comparison.
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ class GRPOOptions:
     """``"token"`` or ``"sequence"`` loss aggregation."""
     max_grad_norm: float = 1.0
     seed: int = 0
-    sync: bool = True
-    """False: publish version 0 only (measures the step time without weight sync)."""
+    sync: bool | str = True
+    """True: publish every step as a sparse delta; False: publish version 0 only (measures the step time
+    without weight sync); ``"full"``: publish every step as a full-weight snapshot (the baseline)."""
     rollouts: str = "node"
     """``"node"``: the node's coordinator; ``"local"``: generate in this process (no rollout nodes)."""
     threads: int = 0
@@ -97,6 +100,8 @@ class GRPOOptions:
             raise ConfigError("aggregate", f"must be 'token' or 'sequence', got {self.aggregate!r}")
         if self.rollouts not in ("node", "local"):
             raise ConfigError("rollouts", f"must be 'node' or 'local', got {self.rollouts!r}")
+        if not isinstance(self.sync, bool) and self.sync != "full":
+            raise ConfigError("sync", f"must be true, false or 'full', got {self.sync!r}")
         if not (0 <= self.clip_low < 1 and self.clip_high >= 0 and self.beta >= 0):
             raise ConfigError("clip_low", "need 0 <= clip_low < 1, clip_high >= 0, beta >= 0")
 
@@ -234,7 +239,8 @@ class GRPORun:
         await node.loaded.wait()
         model_id = opts.model_path or f"preset:{opts.preset}"
         self.pub = await Publisher.create(self.model, node, model_id=model_id, threads=opts.publish_threads,
-                                          chunk_size=opts.chunk_size, on_record=self._on_record)
+                                          chunk_size=opts.chunk_size, on_record=self._on_record,
+                                          full_weights=opts.sync == "full")
         if opts.rollouts == "local":
             from trainer.local import InProcessRollouts
 

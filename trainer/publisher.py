@@ -46,7 +46,15 @@ publishes it on its node: receivers see an ordinary artifact. The one exception
 is version 0: the root must hold the full snapshot, so rank 0 receives each
 rank's snapshot chunks once.
 
-Contracts: versions are published in order, each a delta against the one before;
+Full weights (``full_weights=True``): the baseline users run today, for comparison. Every
+version is published as a full snapshot of the weights (raw bf16 words, no compression: what a
+full-weight broadcast ships), which restarts the chain at the node; followers catch up by taking
+it (:func:`p2psync.store.plan_catchup`: a snapshot is an edge from any version). Extraction then
+reads every bucket into a fresh copy of the weights (host memory: one more copy of the published
+weights per pending version) and encodes raw segments instead of comparing.
+
+Contracts: versions are published in order, each a delta against the one before (a snapshot
+with ``full_weights``);
 a failure in the background is raised by the next ``publish``/``flush``/``close``
 (:class:`PublishError`) and nothing after it is published; the CPU copy always
 equals the last version handed to the node.
@@ -189,7 +197,7 @@ class Publisher:
                  bucket_bytes: int = 64 << 20, chunk_size: int = 1 << 20, threads: int = 2, zstd_level: int = 3,
                  max_pending: int = 2, optimizer: torch.optim.Optimizer | None = None, group: Any = None,
                  private_key: Any = None, loop: asyncio.AbstractEventLoop | None = None,
-                 on_record: Callable[[PublishRecord], None] | None = None) -> None:
+                 on_record: Callable[[PublishRecord], None] | None = None, full_weights: bool = False) -> None:
         if bucket_bytes < 4096:
             raise ConfigError("bucket_bytes", f"must be at least 4 KiB, got {bucket_bytes}")
         if max_pending < 1:
@@ -203,6 +211,9 @@ class Publisher:
         self.opts = CodecOptions(chunk_size=chunk_size, threads=threads, zstd_level=zstd_level)
         self.optimizer = optimizer
         self.on_record = on_record
+        self.full_weights = full_weights
+        """Publish every version as a raw full snapshot instead of a delta (the full-weight baseline)."""
+        self._snapshot_level = 0 if full_weights else zstd_level
         self.records: list[PublishRecord] = []
         self.version: int | None = None
         """Newest version handed off (published or being published)."""
@@ -296,7 +307,7 @@ class Publisher:
                 sums[piece.index] = _add(sums.get(piece.index, (0, 0)), _piece_sums(words, piece.offset, seed))
                 width = dtypes.from_code(piece.spec.dtype).width
                 for s, e in _ranges(piece.numel, self.opts.raw_elements(width)):
-                    seg, st = encode_raw_segment(piece.index, s, words[s:e], self.opts.zstd_level)
+                    seg, st = encode_raw_segment(piece.index, s, words[s:e], self._snapshot_level)
                     segments.append(_shift(seg, piece.offset))
                     stats.add(st)
         part = _Part(list(pack_chunks(segments, self.opts.chunk_size)), sums, {}, stats)
@@ -348,12 +359,13 @@ class Publisher:
             version = self.version + 1
             started = time.perf_counter()
             try:
+                extract = self._extract_full if self.full_weights else self._extract
                 if self._extractor is not None:
-                    extracted = self._extractor.submit(self._extract)
+                    extracted = self._extractor.submit(extract)
                     self._extracting = extracted
                 else:
                     extracted = Future()
-                    extracted.set_result(self._extract())
+                    extracted.set_result(extract())
             except BaseException:
                 self._base_ready.set()  # nothing was handed off: the copy is unchanged
                 raise
@@ -436,8 +448,28 @@ class Publisher:
                 out.append((k, piece, pos, vals, jobs))
         return out, time.perf_counter() - t0
 
+    def _extract_full(self) -> tuple[list[tuple[int, Piece, np.ndarray, list[Future]]], float]:
+        """Every piece's words, read bucket by bucket into a fresh copy; raw encode jobs start per piece."""
+        t0 = time.perf_counter()
+        out = []
+        with torch.no_grad():
+            for k, piece in enumerate(self._pieces):
+                new = np.empty_like(self._words[k])
+                step = self._bucket_elements(piece)
+                for a in range(0, piece.numel, step):
+                    b = min(piece.numel, a + step)
+                    new[a:b] = dtypes.words_of(self._read(piece, a, b).contiguous())
+                width = dtypes.from_code(piece.spec.dtype).width
+                jobs = [self._pool.submit(encode_raw_segment, piece.index, s, new[s:e], self._snapshot_level)
+                        for s, e in _ranges(piece.numel, self.opts.raw_elements(width))]
+                out.append((k, piece, new, jobs))
+        return out, time.perf_counter() - t0
+
     # --- finishing (one thread, versions in order) ---------------------------------------------
     def _finish(self, p: _Pending) -> None:
+        if self.full_weights:
+            self._finish_full(p)
+            return
         try:
             if self._error is not None:
                 return
@@ -475,6 +507,47 @@ class Publisher:
                 art = self._artifact("delta", parts, fold_root(th, base), fold_root(th, target), target)
                 self._hand_off(p.version, p.version - 1, art, p.started, extract_s, t_enc)
                 self._full_sums = target
+        except BaseException as exc:  # noqa: BLE001 - kept and raised to the training loop
+            if self._error is None:
+                self._error = exc if isinstance(exc, PublishError) else PublishError(p.version, exc)
+            logger.error("publishing version %d failed: %r", p.version, exc)
+            self._base_ready.set()
+        finally:
+            self._pending_slots.release()
+
+    def _finish_full(self, p: _Pending) -> None:
+        """As :meth:`_finish`, for a full snapshot of the weights (``full_weights``)."""
+        try:
+            if self._error is not None:
+                return
+            try:
+                pieces, extract_s = p.extracted.result()
+                t_enc = time.perf_counter()
+                segments: list[bytes] = []
+                sums: dict[int, tuple[int, int]] = {}
+                stats = SegmentStats()
+                for k, piece, new, jobs in pieces:
+                    for job in jobs:
+                        seg, st = job.result()
+                        segments.append(_shift(seg, piece.offset))
+                        stats.add(st)
+                    seed = tensor_seed(piece.spec.name)
+                    sums[piece.index] = _add(sums.get(piece.index, (0, 0)), _piece_sums(new, piece.offset, seed))
+                    self._words[k][:] = new  # the CPU copy is now this version
+            finally:
+                self._base_ready.set()
+            part = _Part(list(pack_chunks(segments, self.opts.chunk_size)), sums, {}, stats)
+            parts = self._gather(part)
+            if self._rank == 0:
+                assert parts is not None
+                full = [(0, 0)] * len(self._specs)
+                for q in parts:
+                    for i, s in q.sums.items():
+                        full[i] = _add(full[i], s)
+                fp = fold_root(table_hash(self._specs), full)
+                self._hand_off(p.version, None, self._artifact("snapshot", parts, None, fp, full), p.started,
+                               extract_s, t_enc)
+                self._full_sums = full
         except BaseException as exc:  # noqa: BLE001 - kept and raised to the training loop
             if self._error is None:
                 self._error = exc if isinstance(exc, PublishError) else PublishError(p.version, exc)

@@ -147,9 +147,21 @@ def test_migration_keeps_full_history_and_results_come_once(tmp_path):
 def test_gossip_membership_live_plan_and_parent_switch(tmp_path):
     k = Keys(tmp_path)
 
+    # Saved probe figures (as `p2psync plan --probe` writes them): a 1 Gbit/s trainer uplink shared
+    # by two children is a tighter share than the relay's 10 Gbit/s, so the relay feeds the leaf.
+    from topology.model import NetworkModel, NodeSpec
+
+    measured = tmp_path / "measurements.json"
+    NetworkModel([NodeSpec("trainer", "default", "trainer", uplink_bps=1e9, downlink_bps=1e9),
+                  NodeSpec("relay", "default", "relay", uplink_bps=10e9, downlink_bps=10e9),
+                  NodeSpec("leaf", "default", "rollout", uplink_bps=1e9, downlink_bps=1e9)]).save(measured)
+
     async def go():
-        tr = await Node.create(k.cfg("trainer", "trainer"))
+        tr = await Node.create(k.cfg("trainer", "trainer", probe={"measurements": str(measured)}))
         relay = await Node.create(k.cfg("relay", "relay", seeds=[tr.address], parents=[tr.address]))
+        # The leaf joins a tree that already has the relay (a join is placed where it is best; the
+        # nodes already placed are not moved for it).
+        await _until(lambda: any(n["id"] == "relay" and n["parent"] for n in tr.cluster()))
         leaf = await Node.create(k.cfg("leaf", "rollout", seeds=[tr.address], parents=[tr.address]))
         try:
             def full():
@@ -158,8 +170,8 @@ def test_gossip_membership_live_plan_and_parent_switch(tmp_path):
             c = await _until(full)
             assert set(c["relay"]) >= {"id", "role", "region", "address", "version", "status", "parent"}
             assert c["relay"]["address"] == relay.address and c["trainer"]["parent"] is None
-            # The relay (10x the uplink of a rollout node by default) is planned as the leaf's parent,
-            # and the leaf pulls from it first, its configured parent second.
+            # The relay is planned as the leaf's parent, and the leaf pulls from it first, its
+            # configured parent second.
             assert c["leaf"]["parent"] == "relay"
             await _until(lambda: leaf.upstream.parents.candidates == [relay.address, tr.address])
             # The relay leaves: the coordinator re-plans and the leaf goes back to the trainer.

@@ -236,6 +236,38 @@ def test_staleness_bound_holds_and_sync_off_keeps_version_zero(tmp_path, sync):
         assert set(job.sink.min_versions) == {0} and all(r["payload_bytes"] == 0 for r in rows)
 
 
+def test_sync_full_publishes_every_step_as_a_full_weight_snapshot(tmp_path):
+    """``sync: "full"`` is the full-weight baseline: same loop and staleness rule, each version a whole snapshot."""
+    for bad in ("yes", "sparse", 1):
+        with pytest.raises(ConfigError) as err:
+            GRPOOptions.from_dict({"sync": bad})
+        assert err.value.field == "sync"
+    opts = GRPOOptions.from_dict({"steps": 3, "groups_per_step": 2, "group_size": 2, "max_staleness": 1,
+                                  "threads": 1, "publish_threads": 1, "sync": "full", "lr": 1e-6,
+                                  "metrics_path": str(tmp_path / "m.jsonl")})
+
+    async def go():
+        node = await Node.create(_trainer_cfg(tmp_path))
+        node.coordinator = _OldestAllowed(512)
+        job = await GRPORun.create(node, opts)
+        try:
+            await job.train()
+            published = {n: t.detach().to(torch.bfloat16) for n, t in job.model.state_dict().items()
+                         if n != "lm_head.weight"}
+            assert node.version == 3 and node.fingerprint == ModelState(published).fingerprint
+            return [r.kind for r in job.pub.records]
+        finally:
+            await job.close()
+            await node.close()
+
+    kinds = asyncio.run(go())
+    assert kinds == ["snapshot"] * 4
+    rows = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["version"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert r["changed_fraction"] == 1.0 and r["full_bytes"] <= r["payload_bytes"] <= 1.01 * r["full_bytes"]
+
+
 class _LaggingSink(_OldestAllowed):
     """Its first ``lag`` results come from version 0 whatever the request allows (a node that fell behind)."""
 

@@ -264,3 +264,49 @@ def test_a_restarted_trainer_adopts_the_version_the_node_holds(tmp_path):
             await tr.close()
 
     asyncio.run(go())
+
+
+def test_full_weights_publishes_every_version_as_a_full_snapshot_a_follower_takes(tmp_path):
+    """The full-weight baseline: each version is a raw snapshot of every weight; the follower holds each bit-exact."""
+    _, tr_cfg, common = _configs(tmp_path)
+    w = _workload(lr=1e-6)  # an RL learning rate: a delta would be a small fraction of the weights
+
+    async def go():
+        tr = await Node.create(tr_cfg)
+        fol = await _follower(tmp_path, common, tr.address)
+        try:
+            pub = await Publisher.create(w.model, tr, chunk_size=64 << 10, full_weights=True)
+            await fol.wait_version(0)
+            _same_bits(fol.state, w.published())
+            kinds = []
+
+            async def watch():
+                async for m in fol.subscribe():
+                    kinds.append((m.target_version, m.kind, m.base_version))
+                    if m.target_version == 3:
+                        return
+
+            watcher = asyncio.create_task(watch(), name="watch")
+            for v in range(1, 4):
+                await asyncio.to_thread(w.step)
+                assert await pub.publish() == v
+                await pub.flush()
+                await fol.wait_version(v)
+                _same_bits(fol.state, w.published())
+                assert fol.fingerprint == tr.fingerprint == pub.fingerprints[v]
+            await pub.close()
+            await asyncio.wait_for(watcher, 60)
+            assert kinds == [(v, "snapshot", None) for v in range(1, 4)]  # no delta was ever applied
+            assert fol.state.audit() == fol.fingerprint
+            full = sum(t.numel() * t.element_size() for t in w.published().values())
+            recs = {r.version: r for r in pub.records}
+            assert sorted(recs) == [0, 1, 2, 3]
+            for r in recs.values():
+                assert r.kind == "snapshot" and r.full_bytes == full and r.changed_fraction == 1.0
+                # raw words plus segment and chunk headers: the full size, not a compressed or sparse one
+                assert full <= r.payload_bytes <= full * 1.01, (r.payload_bytes, full)
+        finally:
+            await fol.close()
+            await tr.close()
+
+    asyncio.run(go())
