@@ -497,6 +497,7 @@ class Node:
             try:
                 await asyncio.wait({watch, moved}, return_when=asyncio.FIRST_COMPLETED)
             finally:
+                moved.cancel()  # at once: if we are being cancelled, the next await re-raises
                 await cancel_quietly(watch)
                 await cancel_quietly(moved)
             if watch.done() and not watch.cancelled() and isinstance(watch.exception(), PeerUnreachable):
