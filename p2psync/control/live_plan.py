@@ -103,7 +103,9 @@ class LivePlanner:
                 s = probed.node(m.id)
                 up, down = s.uplink_bps, s.downlink_bps
             if m.bandwidth > 0:
-                down = m.bandwidth * 8
+                # A reported rate is what the node happened to receive (an idle node reports little),
+                # so it proves at least that much capacity and never less than the other figures.
+                down = max(down, m.bandwidth * 8)
             specs.append(NodeSpec(m.id, m.region, m.role, uplink_bps=up, downlink_bps=down))
         if probed is None:
             return NetworkModel(specs)
@@ -168,7 +170,7 @@ class LivePlanner:
             if m.bandwidth <= 0 or m.id not in old:
                 continue
             x, y = old.node(m.id).downlink_bps, m.bandwidth * 8
-            if max(x, y) > f * min(x, y):
+            if y > f * x:  # only a rise counts: a report is a lower bound on the capacity
                 return True
         return False
 

@@ -88,8 +88,18 @@ def test_relay_killed_and_rollout_stopped_mid_step(cluster: Cluster, tmp_path: P
     out, tj, rj = _job_files(tmp_path, work, max_new, token_delay=0.06)
     w = Workload(cluster.priv, numel=1_200_000, fraction=0.5)
     w.snapshot(cluster.publish_dir)
+    # Saved probe figures (as `p2psync plan --probe` writes them): a 1 Gbit/s trainer uplink, so the
+    # planner feeds the rollout nodes through the 10 Gbit/s relays rather than directly.
+    from topology.model import NetworkModel, NodeSpec
+
+    measured = tmp_path / "measurements.json"
+    NetworkModel([NodeSpec("trainer", "default", "trainer", uplink_bps=1e9, downlink_bps=1e9),
+                  *(NodeSpec(f"relay-{i}", "default", "relay", uplink_bps=10e9, downlink_bps=10e9) for i in range(2)),
+                  *(NodeSpec(f"rollout-{i}", "default", "rollout", uplink_bps=1e9, downlink_bps=1e9)
+                    for i in range(4))]).save(measured)
     tr = cluster.start("trainer", "trainer", publish=True,
-                       extra=[*CONTROL, "--job", "tests.control_jobs:trainer", "--job-config", str(tj)])
+                       extra=[*CONTROL, f"--probe.measurements={measured}", "--job", "tests.control_jobs:trainer",
+                              "--job-config", str(tj)])
     gossip = [*CONTROL, f"--gossip.seeds={tr.url}"]
     relays = [cluster.start(f"relay-{i}", "relay", [tr.url], extra=[*gossip, "--testing.serve_delay=0.25"])
               for i in range(2)]
@@ -111,7 +121,7 @@ def test_relay_killed_and_rollout_stopped_mid_step(cluster: Cluster, tmp_path: P
     time.sleep(0.8)  # a few progress reports (every 4 tokens, 0.06 s per token)
     frozen.kill(signal.SIGSTOP)
 
-    # The plan puts rollout nodes under the relays (10x their uplink), and they follow it.
+    # The plan puts rollout nodes under the relays (10x the trainer's uplink), and they follow it.
     def under_relay():
         c = _cluster(tr)
         return any(c[k.name]["parent"] in {r.name for r in relays} and k.status()["parent"] in relay_urls
