@@ -164,6 +164,8 @@ async def _push_chunks(server: Server, resp: web.StreamResponse, manifest: Manif
         except (IntegrityError, KeyError, OSError) as exc:
             logger.warning("push of %s stopped at chunk %d: %s", aid, i, exc)
             return
+        if view.config.testing.serve_delay:
+            await asyncio.sleep(view.config.testing.serve_delay)
         if view.config.testing.corrupt_served_chunks:
             buf = bytearray(data)
             buf[len(buf) // 2] ^= 0xFF
