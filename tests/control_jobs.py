@@ -89,6 +89,8 @@ async def rollout(node, options: dict[str, Any]) -> int:
                             if len(toks) - sent >= every:
                                 await work.progress(g, r, sent, toks[sent:], lps[sent:], vers[sent:])
                                 sent = len(toks)
+                                if log is not None and sent < req.max_new_tokens:  # the coordinator holds these
+                                    _append(str(log), {"work_id": g.work_id, "response": r, "reported": sent})
                         await work.progress(g, r, sent, toks[sent:], lps[sent:], vers[sent:], finish_reason="length")
                         done[r] = ResponseResult(toks, lps, vers, "length")
                     accepted = await work.complete(g, done)

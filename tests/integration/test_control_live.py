@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -66,10 +65,18 @@ def _producers(resp: dict) -> list[int]:
     return out
 
 
-def _holds_work(tr: Proc, p: Proc, min_tokens: int) -> str | None:
-    """A work id ``p`` holds on which it has reported at least ``min_tokens`` tokens (per its log)."""
+def _holds_work(tr: Proc, p: Proc, logs: Path, min_tokens: int) -> str | None:
+    """A work id that the coordinator says ``p`` holds and on which ``p`` has had at least
+    ``min_tokens`` tokens of one response accepted by the coordinator (per its job log)."""
     held = get_json(tr.url + "/v1/control/status")["holders"].get(p.name, [])
-    return held[0] if held else None
+    log = logs / f"{p.name}.jsonl"
+    if not held or not log.exists():
+        return None
+    reported: dict[str, int] = {}
+    for line in log.read_text().splitlines():
+        if line.strip() and "reported" in (x := json.loads(line)):
+            reported[x["work_id"]] = max(reported.get(x["work_id"], 0), x["reported"])
+    return next((w for w in held if reported.get(w, 0) >= min_tokens), None)
 
 
 def _cluster(p: Proc) -> dict[str, dict]:
@@ -117,8 +124,8 @@ def test_relay_killed_and_rollout_stopped_mid_step(cluster: Cluster, tmp_path: P
 
     # SIGSTOP a rollout node while it is generating, once it has reported some tokens.
     frozen = kids[3]
-    held = wait_for(lambda: _holds_work(tr, frozen, 4), 60, f"{frozen.name} holding work")
-    time.sleep(0.8)  # a few progress reports (every 4 tokens, 0.06 s per token)
+    held = wait_for(lambda: _holds_work(tr, frozen, tmp_path / "worklogs", 4), 60,
+                    f"{frozen.name} holding work with tokens reported", interval=0.05)
     frozen.kill(signal.SIGSTOP)
 
     # The plan puts rollout nodes under the relays (10x the trainer's uplink), and they follow it.
@@ -193,10 +200,12 @@ def test_thirty_percent_of_rollout_nodes_preempted_loses_nothing(cluster: Cluste
     (tmp_path / "start").touch()
     # Preempt 2 of 6 (a third) while each holds work with tokens reported.
     preempted = kids[:2]
-    held = {}
-    for p in preempted:
-        held[p.name] = wait_for(lambda p=p: _holds_work(tr, p, 4), 60, f"{p.name} holding work")
-    time.sleep(0.6)
+    # Both at once, then preempt at once: waiting for one while the other finishes its work would
+    # leave nothing of it to migrate.
+    def both_hold():
+        h = {p.name: _holds_work(tr, p, tmp_path / "worklogs", 4) for p in preempted}
+        return all(h.values()) and h
+    held = wait_for(both_hold, 60, "the nodes to preempt holding work with tokens reported", interval=0.05)
     for p in preempted:
         p.kill(signal.SIGTERM)
     for p in preempted:
