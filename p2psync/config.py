@@ -103,6 +103,14 @@ class StoreConfig:
     """Rebuild trainer-signed snapshots from the weights held; default: relays and the trainer."""
     checkpoint_interval: int = 10
     """Write the applied state to disk every this many versions (and on shutdown); 0: only on shutdown."""
+    checkpoint_on_exit: bool = True
+    """Write the applied state to disk when ``p2psync node`` stops (SIGTERM/SIGINT or the job
+    ended) if it moved since the last checkpoint: seconds per GB of weights. Off: exit at once;
+    a restart then rebuilds the state from the last checkpoint and the delta chain the store
+    kept after it (retention keeps that chain), or fetches it again."""
+    cache_bytes: int = 128 << 20
+    """Memory for the most recently stored or read verified chunks, so that children (cut-through)
+    are served without reading each chunk back from disk and hashing it again; 0: none."""
     fsync: bool = False
     """fsync every file before it is renamed into place (durable across power loss, slower)."""
 
@@ -315,6 +323,8 @@ class NodeConfig:
                 raise ConfigError(f"store.{name}", "must be >= 0")
         if not 64 << 10 <= st.snapshot_chunk_size <= 256 << 20:
             raise ConfigError("store.snapshot_chunk_size", "must be between 64 KiB and 256 MiB")
+        if not 0 <= st.cache_bytes <= 1 << 40:
+            raise ConfigError("store.cache_bytes", f"must be between 0 and 1 TiB, got {st.cache_bytes}")
         g = self.gossip
         for url in g.seeds:
             if not url.startswith(("http://", "https://")):

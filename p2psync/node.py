@@ -76,7 +76,8 @@ class Node:
         self.log = NodeAdapter(logger, {"node": config.id, "region": config.region})
         self.public_key = keys.load_public(config.trainer_public_key)
         self.private_key = keys.load_private(config.trainer_private_key) if config.trainer_private_key else None
-        self.store = VersionStore.open(Path(config.data_dir), self.public_key, fsync=config.store.fsync)
+        self.store = VersionStore.open(Path(config.data_dir), self.public_key, fsync=config.store.fsync,
+                                       cache_bytes=config.store.cache_bytes)
         self.board = Board()
         self.metrics = Metrics()
         self.heads = HeadSignal()
@@ -173,7 +174,7 @@ class Node:
         await self._stop.wait()
 
     async def close(self) -> None:
-        """Stop tasks, checkpoint the weights if they moved, stop serving."""
+        """Stop tasks, checkpoint the weights if they moved (``store.checkpoint_on_exit``), stop serving."""
         self.log.info("stopping at version %s", self.version)
         self._stop.set()
         self.heads.close()
@@ -185,7 +186,8 @@ class Node:
                 self.log.warning("service %s failed to stop: %r", type(svc).__name__, exc)
         for t in self._tasks:
             await cancel_quietly(t)
-        if self.state is not None and self.version is not None and self._checkpointed != self.version:
+        if (self.config.store.checkpoint_on_exit and self.state is not None and self.version is not None
+                and self._checkpointed != self.version):
             await asyncio.to_thread(self._checkpoint)
         if self._client is not None:
             await self._client.close()

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 STATE_FILE = "state.p2sa"
 CACHE_BYTES = 128 << 20
-"""Default size of the in-memory copy of the most recently stored chunks."""
+"""Default size of the in-memory copy of the most recently stored chunks (``store.cache_bytes``)."""
 
 
 # --- catch-up planning (pure) -----------------------------------------------------------------

@@ -8,8 +8,11 @@ of random bf16 words of the requested size (incompressible, so payload bytes
 ~= model bytes). Times come from each node's own event stream
 (``GET /v1/events`` pushes a catalogue the moment its applied version
 changes), so nothing polls while a transfer runs. Measured: from the trainer
-announcing version 1 to each node announcing it; CPU seconds of every node
-process over the same window plus the trainer's publish (``/proc``); after the
+announcing the artifact of version 1 (its children may fetch from then on; the
+trainer's own apply runs meanwhile) to each node announcing version 1 applied;
+CPU seconds of every node process over the same window plus the trainer's
+publish (``/proc``); with ``--profile DIR``, py-spy samples of every node over
+that window (collapsed stacks, native frames included); after the
 run, SIGTERM -> exit time of every node (which then checkpoints its new weights;
 above ``--sigterm-max-mb`` the nodes are killed instead), and separately the
 SIGTERM -> exit time of idle nodes (``--idle-shutdown``). Topologies:
@@ -86,6 +89,9 @@ class Watch:
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         self.conn = http.client.HTTPConnection(host, int(port), timeout=600)
         self.seen: dict[int, float] = {}
+        """version -> when the node first announced it as applied"""
+        self.heads: dict[int, float] = {}
+        """version -> when the node first listed an artifact reaching it (in flight or complete)"""
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -97,11 +103,14 @@ class Watch:
             while line := resp.readline():
                 if line.startswith(b"data:"):
                     now = time.monotonic()
-                    v = json.loads(line[5:])["version"]
+                    cat = json.loads(line[5:])
+                    v, head = cat["version"], cat["head"]
                     with self.cond:
                         if v is not None and v not in self.seen:
                             self.seen[v] = now
-                            self.cond.notify_all()
+                        if head is not None and head not in self.heads:
+                            self.heads[head] = now
+                        self.cond.notify_all()
         except (OSError, http.client.HTTPException, ValueError, AttributeError):
             pass  # the node stopped, or close() closed the connection under us
 
@@ -110,6 +119,16 @@ class Watch:
             if not self.cond.wait_for(lambda: version in self.seen, timeout):
                 raise TimeoutError(f"version {version} not reached in {timeout} s")
             return self.seen[version]
+
+    def wait_announced(self, version: int, timeout: float) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: any(v >= version for v in self.heads), timeout):
+                raise TimeoutError(f"version {version} not announced in {timeout} s")
+
+    def announced(self, version: int) -> float:
+        """When the node first listed an artifact reaching ``version`` (call after :meth:`wait`)."""
+        with self.cond:
+            return min(t for v, t in self.heads.items() if v >= version)
 
     def close(self) -> None:
         self.conn.close()
@@ -164,8 +183,33 @@ def stop(procs: dict[str, subprocess.Popen], sig: int = signal.SIGTERM) -> dict[
     return out
 
 
+def spy(pids: dict[str, int], out: Path, tag: str) -> list[subprocess.Popen]:
+    """Sample every node with py-spy (collapsed stacks, native frames) until :func:`unspy`."""
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    out.mkdir(parents=True, exist_ok=True)
+    spies = []
+    for name, pid in pids.items():
+        # --native pauses the process for each sample (py-spy cannot read native stacks without
+        # stopping it), so profiled runs are a little slower than the plain ones.
+        with open(out / f"{tag}-{name}.log", "wb") as log:
+            spies.append(subprocess.Popen([exe, "record", "-p", str(pid), "-f", "raw", "-r", "100", "--native",
+                                           "-o", str(out / f"{tag}-{name}.txt")], stdout=log, stderr=log))
+    return spies
+
+
+def unspy(spies: list[subprocess.Popen]) -> None:
+    for s in spies:
+        s.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    for s in spies:
+        try:
+            s.wait(60)
+        except subprocess.TimeoutExpired:
+            s.kill()
+            s.wait(5)
+
+
 def run_one(topology: str, cut_through: bool, artifact: Path, warm: Path, keydir: Path, streams: int,
-            timeout: float, sigterm: bool = True) -> dict:
+            timeout: float, sigterm: bool = True, profile: Path | None = None, tag: str = "") -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"bench-{topology}-"))
     publish = root / "publish"
     publish.mkdir()
@@ -184,18 +228,31 @@ def run_one(topology: str, cut_through: bool, artifact: Path, warm: Path, keydir
         os.link(warm, publish / warm.name)
         for w in watches.values():
             w.wait(0, timeout)
+        # The trainer's publish-dir scanner re-opens (parses, signature-checks) every file in the
+        # folder on each pass; a file is taken out once published, so that the measured window
+        # holds the data plane and not that scanner.
+        (publish / warm.name).unlink()
         time.sleep(0.5)  # let the warm-up's checkpoint and retention settle
+        spies = spy({name: p.pid for name, p in procs.items()}, profile, tag) if profile else []
         cpu0 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
         os.link(artifact, publish / artifact.name)
-        t = {name: w.wait(1, timeout) for name, w in watches.items()}
-        cpu1 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
-        t_pub = t.pop("trainer")
+        try:
+            watches["trainer"].wait_announced(1, timeout)
+            (publish / artifact.name).unlink()  # read whole by now (see above)
+            t = {name: w.wait(1, timeout) for name, w in watches.items()}
+            cpu1 = {name: cpu_seconds(p.pid) for name, p in procs.items()}
+        finally:
+            unspy(spies)
+        # The trainer announces the artifact (children may fetch) before its own apply ends.
+        t_pub = watches["trainer"].announced(1)
+        trainer_applied = t.pop("trainer")
         # SIGTERM makes every node checkpoint the new weights on its way out (seconds per GB).
         shutdown = stop(procs) if sigterm else {}
         arrive = {name: round(v - t_pub, 3) for name, v in t.items()}
         cpu = {name: round(cpu1[name] - cpu0[name], 2) for name in procs}
-        return {"topology": topology, "cut_through": cut_through, "nodes": len(t),
+        return {"topology": topology, "cut_through": cut_through, "nodes": len(t), "loadavg": os.getloadavg()[0],
                 "publish_to_last_s": max(arrive.values()), "arrive_s": arrive, "cpu_s": cpu,
+                "trainer_applied_s": round(trainer_applied - t_pub, 3),
                 "shutdown_s": {k: round(v, 3) for k, v in shutdown.items()}}
     finally:
         for w in watches.values():
@@ -269,6 +326,8 @@ def main() -> int:
     ap.add_argument("--sigterm-max-mb", type=int, default=100,
                     help="end nodes with SIGTERM (timed, checkpoints the weights) up to this size, SIGKILL above")
     ap.add_argument("--idle-shutdown", type=int, default=3, help="times to measure SIGTERM -> exit of idle nodes")
+    ap.add_argument("--profile", type=Path, help="sample every node with py-spy during the measured window; "
+                                                "collapsed stacks to DIR/<MB>-<topology>-<on|off>-<run>-<node>.txt")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-keys-"))
     try:
@@ -289,9 +348,10 @@ def main() -> int:
             payload = make_artifact(art, priv, mb * 10**6, args.chunk_size, 1)
             for topo in args.topologies.split(","):
                 for ct in (c == "on" for c in args.cut_through.split(",")):
-                    for _ in range(args.repeat):
+                    for k in range(args.repeat):
                         r = run_one(topo, ct, art, warm, work, args.streams, args.timeout,
-                                    sigterm=mb <= args.sigterm_max_mb)
+                                    sigterm=mb <= args.sigterm_max_mb, profile=args.profile,
+                                    tag=f"{mb}-{topo}-{'on' if ct else 'off'}-{k}")
                         r.update(mb=mb, payload=payload, chunk_size=args.chunk_size, streams=args.streams)
                         rows.append(r)
                         print(json.dumps(r), flush=True)

@@ -75,7 +75,36 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config.load(args.config, args.overrides, role=args.role, id=args.id)
     job = _load_job(args.job, args.job_config) if args.job else None
-    return asyncio.run(_main(cfg, args.publish_dir, job))
+    code = asyncio.run(_main(cfg, args.publish_dir, job))
+    _leave(code)
+    return code  # only when leaving at once was not safe
+
+
+def _leave(code: int) -> None:
+    """End the process with ``code`` right after a clean close, skipping the interpreter's own
+    teardown (module by module, torch and numba included, then a final garbage collection):
+    0.04-0.10 s instead of 0.4-1.7 s on the project VM.
+
+    Safe because by now the node closed (tasks ended, checkpoint written, files closed), the
+    job returned, and ``asyncio.run`` joined the executor threads. The ``atexit`` functions
+    still run (they flush and close log handlers, join any pool a job left), then stdout and
+    stderr are flushed. If a non-daemon thread is still alive, this returns and the normal
+    exit waits for it, as Python would.
+    """
+    import atexit
+    import os
+    import threading
+
+    main = threading.main_thread()
+    if any(t.is_alive() and not t.daemon and t is not main for t in threading.enumerate()):
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken pipe: nothing left to save
+            pass
+    os._exit(code)
 
 
 def _load_job(spec: str, config_path: str | None):

@@ -13,17 +13,42 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
+import numpy as np
 
 from p2psync.artifact import Manifest
 from p2psync.errors import CodecError, PeerUnreachable
 from p2psync.transport.messages import API, NODE_HEADER, Catalogue
 
-_READ_PIECE = 256 << 10
 _MAX_CATALOGUE = 16 << 20
 
 
 class NotHeld(PeerUnreachable):
     """The peer answered 404: it does not hold (any more) what was asked for."""
+
+
+class ChunkBuffer:
+    """One chunk on its way in: a buffer of the chunk's exact size and how much of it arrived.
+
+    Received pieces are copied once, straight into place (no growing buffer, no join); after a
+    failure :attr:`got` says where the next attempt, from any peer, resumes (``Range``).
+    """
+
+    __slots__ = ("buf", "got")
+
+    def __init__(self, size: int) -> None:
+        # Uninitialised (every byte is written before it is read): zero-filling a fresh buffer
+        # per chunk costs as much as the copy into it.
+        self.buf = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+        self.got = 0
+
+    @property
+    def size(self) -> int:
+        return len(self.buf)
+
+    def take(self) -> memoryview:
+        """The complete chunk as a read-only view (nothing else may hold the buffer afterwards)."""
+        assert self.got == len(self.buf)
+        return self.buf.toreadonly()
 
 
 def _status_error(url: str, what: str, status: int) -> PeerUnreachable:
@@ -93,26 +118,40 @@ class PeerClient:
         except CodecError as exc:
             raise PeerUnreachable(url, f"{kind} manifest of version {version}: {exc}") from None
 
-    async def call_chunk(self, url: str, aid: str, index: int, size: int, buf: bytearray) -> None:
-        """Append the rest of chunk ``index`` to ``buf`` (resuming with ``Range`` after ``len(buf)``).
+    async def call_chunk(self, url: str, aid: str, index: int, into: ChunkBuffer) -> None:
+        """Receive the rest of chunk ``index`` into ``into`` (resuming with ``Range`` after ``into.got``).
 
-        On failure ``buf`` keeps what arrived, so the next attempt (from any peer) resumes there.
+        On failure ``into`` keeps what arrived, so the next attempt (from any peer) resumes there.
+        A peer that announces or sends more bytes than the chunk has is cut off before they are read.
         """
-        headers = {"Range": f"bytes={len(buf)}-"} if buf else {}
+        size = into.size
+        start = into.got
+        headers = {"Range": f"bytes={start}-"} if start else {}
         path = f"{API}/artifacts/{aid}/chunks/{index}"
+        what = f"chunk {index} of {aid}"
         try:
             async with self._session.get(url + path, headers=headers, timeout=self._timeout()) as resp:
-                if resp.status not in (200, 206) or (buf and resp.status != 206):
-                    raise _status_error(url, f"chunk {index} of {aid}", resp.status)
-                while len(buf) < size:
-                    piece = await resp.content.read(min(_READ_PIECE, size - len(buf)))
+                if resp.status not in (200, 206) or (start and resp.status != 206):
+                    raise _status_error(url, what, resp.status)
+                if resp.content_length is not None and resp.content_length != size - start:
+                    raise PeerUnreachable(url, f"{what}: {resp.content_length} bytes announced, "
+                                               f"expected {size - start}")
+                view = into.buf
+                content = resp.content
+                while into.got < size:
+                    # One piece as the parser produced it (readchunk does not join pieces).
+                    piece, _ = await content.readchunk()
                     if not piece:
                         break
-                    buf += piece
-                if len(buf) != size or not resp.content.at_eof() and await resp.content.read(1):
-                    raise PeerUnreachable(url, f"chunk {index} of {aid}: {len(buf)} bytes, expected {size}")
+                    end = into.got + len(piece)
+                    if end > size:
+                        raise PeerUnreachable(url, f"{what}: more than the {size} bytes expected")
+                    view[into.got:end] = piece
+                    into.got = end
+                if into.got != size or not content.at_eof() and (await content.readchunk())[0]:
+                    raise PeerUnreachable(url, f"{what}: {into.got} bytes, expected {size}")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise PeerUnreachable(url, f"chunk {index} of {aid}: {type(exc).__name__}: {exc}") from None
+            raise PeerUnreachable(url, f"{what}: {type(exc).__name__}: {exc}") from None
 
     async def call_events(self, url: str) -> AsyncIterator[Catalogue]:
         """Catalogues pushed by the peer: one at once, then one per change (server-sent events)."""

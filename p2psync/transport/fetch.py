@@ -17,7 +17,7 @@ from p2psync.artifact import Manifest
 from p2psync.errors import ChunkHashMismatch, PeerUnreachable
 from p2psync.store import VersionStore
 from p2psync.transport.board import Board
-from p2psync.transport.client import NotHeld, PeerClient
+from p2psync.transport.client import ChunkBuffer, NotHeld, PeerClient
 from p2psync.transport.metrics import Metrics
 from p2psync.transport.parents import ParentSet
 
@@ -142,7 +142,7 @@ async def fetch_chunks(up: Upstream, store: VersionStore, board: Board, manifest
     for i in range(len(manifest.chunks)):
         if not store.has_chunk(aid, i):
             todo.put_nowait(i)
-    partial: dict[int, bytearray] = {}
+    partial: dict[int, ChunkBuffer] = {}
 
     async def one(i: int) -> None:
         size = manifest.chunks[i].size
@@ -150,9 +150,11 @@ async def fetch_chunks(up: Upstream, store: VersionStore, board: Board, manifest
         lacking: set[str] = set()
         while True:
             url = await up.pick()
-            buf = partial.setdefault(i, bytearray())
+            buf = partial.get(i)
+            if buf is None:
+                buf = partial[i] = ChunkBuffer(size)
             try:
-                await up.client.call_chunk(url, aid, i, size, buf)
+                await up.client.call_chunk(url, aid, i, buf)
             except PeerUnreachable as exc:
                 misses += 1
                 up.failed(url, exc)
@@ -163,7 +165,7 @@ async def fetch_chunks(up: Upstream, store: VersionStore, board: Board, manifest
                     raise PeerUnreachable("all parents", f"chunk {i} of {aid}: {exc.reason}") from None
                 continue
             # Nothing else holds the buffer now; a read-only view of it is stored, served and decoded.
-            data = memoryview(partial.pop(i)).toreadonly()
+            data = partial.pop(i).take()
             try:
                 await asyncio.to_thread(store.put_chunk, aid, i, data)
             except ChunkHashMismatch as exc:

@@ -113,3 +113,78 @@ def test_late_joiner_catches_up_and_restarted_relay_resumes(cluster: Cluster):
     _all_at([tr, restarted, joiner], 14, w.fingerprints[14])
     # It resumed from its store: only the two new deltas came over the wire.
     assert restarted.status()["bytes_in"] < w.state.nbytes // 4
+
+
+def _checkpoint_version(p) -> int | None:
+    from p2psync.artifact import ArtifactFile
+    from p2psync.store import STATE_FILE
+
+    path = p.data_dir / STATE_FILE
+    if not path.exists():
+        return None
+    with ArtifactFile(path, None, allow_unsigned=True) as art:
+        return art.manifest.target_version
+
+
+@pytest.mark.timeout(150)
+def test_stop_checkpoints_unless_told_not_to_and_both_restart_bit_exact(cluster: Cluster):
+    """SIGTERM: the node exits 0 with its last log line written; by default it checkpoints the
+    weights on the way out, with store.checkpoint_on_exit=false it does not, and a restart
+    rebuilds the same version from the store's snapshot and deltas. A relay with no chunk
+    cache (store.cache_bytes=0) serves its child from disk."""
+    w = Workload(cluster.priv)
+    w.snapshot(cluster.publish_dir)
+    no_periodic = ["--store.checkpoint_interval=0"]
+    tr = cluster.start("trainer", "trainer", publish=True)
+    relay = cluster.start("relay", "relay", [tr.url], extra=[*no_periodic, "--store.cache_bytes=0"])
+    leaf = cluster.start("leaf", "rollout", [relay.url],
+                         extra=[*no_periodic, "--store.checkpoint_on_exit=false"])
+    for _ in range(3):
+        w.step(cluster.publish_dir)
+    _all_at([tr, relay, leaf], 3, w.fingerprints[3])
+    assert relay.status()["bytes_out"] > 0  # the leaf was served by the cache-less relay
+    assert _checkpoint_version(relay) is None and _checkpoint_version(leaf) is None
+
+    for p in (relay, leaf):
+        assert p.stop() == 0, p.log.read_text()[-2000:]
+        assert p.log.read_text().rstrip().endswith("stopped at version 3"), p.log.read_text()[-500:]
+    assert _checkpoint_version(relay) == 3
+    assert _checkpoint_version(leaf) is None
+
+    for p in (relay, leaf):
+        again = cluster.restart(p)
+        s = wait_for(lambda a=again: (st := a.status())["loaded"] and st, 60, f"{p.name} reloaded")
+        assert (s["version"], s["fingerprint"]) == (3, w.fingerprints[3]), p.name
+        assert s["bytes_in"] == 0  # rebuilt from what it held, nothing fetched
+
+
+@pytest.mark.timeout(90)
+def test_node_exits_with_the_jobs_code_and_nothing_it_buffered_is_lost(cluster: Cluster, tmp_path):
+    """The process leaves without the interpreter's teardown, but only after everything is out:
+    the job's return code, output still in the stdout buffer (a pipe, not unbuffered), log lines."""
+    import json
+    import os
+    import subprocess
+
+    from nodeproc import CLI, TOKEN
+
+    w = Workload(cluster.priv, numel=20_000)
+    w.snapshot(cluster.publish_dir)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"lines": 2000, "code": 3}))
+    args = ["node", "--role", "trainer", "--id", "trainer", "--listen.port=0", f"--data_dir={tmp_path / 'tr'}",
+            f"--cluster_token={TOKEN}", f"--trainer_public_key={cluster.keydir / 'trainer.pub'}",
+            f"--publish-dir={cluster.publish_dir}", "--job", "tests.integration.exit_job:run",
+            "--job-config", str(job)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    p = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(5)
+    assert p.returncode == 3, err[-2000:]
+    lines = out.splitlines()
+    assert lines[0].startswith("http://") and lines[1:] == [f"job line {i}" for i in range(2000)]
+    assert "job done" in err and err.rstrip().endswith("stopped at version 0"), err[-1000:]

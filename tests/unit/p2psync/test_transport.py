@@ -254,3 +254,59 @@ def test_catalogue_rejects_malformed_input():
     for bad in ("nope", "{}", '{"format": 1}', ok.dumps().replace('"delta"', '"weird"')):
         with pytest.raises(CodecError):
             Catalogue.loads(bad)
+
+
+def test_chunk_cut_off_midway_resumes_from_another_peer_and_oversized_answers_are_refused(tmp_path, artifact):
+    """The receive buffer keeps exactly what arrived; the next peer continues with Range; a peer
+    announcing more bytes than the chunk has is refused before anything lands in the buffer."""
+    from aiohttp import web
+
+    from p2psync.errors import PeerUnreachable
+    from p2psync.transport.client import ChunkBuffer
+
+    priv, m, chunks = artifact
+    data = chunks[1]
+    half = len(data) // 2
+
+    async def cut(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.content_length = len(data)
+        await resp.prepare(request)
+        await resp.write(data[:half])
+        await asyncio.sleep(0.05)  # let the first half reach the client, then drop the connection
+        request.transport.abort()
+        return resp
+
+    async def oversized(request: web.Request) -> web.Response:
+        return web.Response(body=data + b"x" * 10)
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/cut/v1/artifacts/{aid}/chunks/{i}", cut)
+        app.router.add_get("/big/v1/artifacts/{aid}/chunks/{i}", oversized)
+        odd = TestClient(TestServer(app))
+        await odd.start_server()
+        view = View(tmp_path, priv)
+        _fill(view, m, chunks)
+        good = await _client(view)
+        client = await PeerClient.create(TOKEN, "me", stall_timeout=5, sse_keepalive=1, parallel_streams=2)
+        base = str(odd.make_url("")).rstrip("/")
+        try:
+            buf = ChunkBuffer(len(data))
+            with pytest.raises(PeerUnreachable):
+                await client.call_chunk(base + "/cut", m.artifact_id, 1, buf)
+            assert 0 < buf.got <= half and bytes(buf.buf[:buf.got]) == data[:buf.got]
+            await client.call_chunk(str(good.make_url("")).rstrip("/"), m.artifact_id, 1, buf)
+            assert bytes(buf.take()) == data
+
+            fresh = ChunkBuffer(len(data))
+            fresh.buf[:] = bytes(len(data))
+            with pytest.raises(PeerUnreachable, match="announced"):
+                await client.call_chunk(base + "/big", m.artifact_id, 1, fresh)
+            assert fresh.got == 0 and not any(fresh.buf)
+        finally:
+            await client.close()
+            await good.close()
+            await odd.close()
+
+    run(go())
