@@ -24,6 +24,15 @@ SIGTERM -> exit time of idle nodes (``--idle-shutdown``). Topologies:
 each with cut-through on and off. Every configuration runs ``--repeat`` times;
 the table shows medians, the JSON lines every run.
 
+On uncapped loopback every node's CPU is the bottleneck (and all nodes share
+the host's cores). ``--link-mbit M`` (root) runs each node on its own emulated
+machine instead (one network namespace each, the WAN testbed with one region
+and no added latency) whose uplink and downlink are capped at M Mbit/s, as
+hosts with their own NICs: then the links bound the transfer, which is the case
+the cut-through target is about (a depth-d tree costs one payload time plus d
+chunk times). Times there come from the testbed's observer; SIGTERM timing and
+profiling are loopback-only.
+
     .venv/bin/python tools/bench_transport.py --sizes 10,100,1000 --repeat 3
 """
 
@@ -264,6 +273,76 @@ def run_one(topology: str, cut_through: bool, artifact: Path, warm: Path, keydir
         shutil.rmtree(root, ignore_errors=True)
 
 
+# ---- capped links: every node on its own emulated machine (network namespace) -------------------
+
+LINK_REGION = "lan"
+
+
+def link_testbed(mbit: float, machines: int):
+    """One region of ``machines`` rollout machines plus the trainer; every machine's uplink and
+    downlink capped at ``mbit`` (``tc tbf``), no added latency: a rack of hosts with their own NICs."""
+    from p2psync.testbed import Testbed
+    from p2psync.testbed.config import from_dict
+
+    cfg = from_dict({"name": "p2tx", "subnet": "10.98.0.0/16", "trainer_region": LINK_REGION,
+                     "trainer_uplink_mbit": mbit, "node_uplink_mbit": mbit, "node_downlink_mbit": mbit,
+                     "regions": [{"name": LINK_REGION, "wan_mbit": 0, "nodes": machines}], "latency": []})
+    return Testbed.up(cfg)
+
+
+def run_one_linked(tb, topology: str, cut_through: bool, artifact: Path, warm: Path, keydir: Path,
+                   streams: int, timeout: float) -> dict:
+    """:func:`run_one` with each node on its own capped machine of ``tb`` (see :func:`link_testbed`).
+    Times come from the testbed's observer (the nodes' event streams, read from the core namespace):
+    trainer's announcement -> each node's version applied."""
+    from p2psync.testbed import nodes
+
+    names = list(TOPOLOGIES[topology])
+    machine = {"trainer": tb.trainer.id, **{n: f"{LINK_REGION}-{i}" for i, n in enumerate(names)}}
+    parents = {machine[n]: [machine[p or "trainer"]] for n, p in TOPOLOGIES[topology].items()}
+    root = Path(tempfile.mkdtemp(prefix=f"bench-link-{topology}-"))
+    publish = root / "publish"
+    publish.mkdir()
+    ns = nodes.start(tb, parents, root, keydir, TOKEN, publish,
+                     extra=[f"--cut_through={'true' if cut_through else 'false'}",
+                            f"--limits.parallel_streams={streams}", "--store.snapshot_interval=0",
+                            "--store.checkpoint_interval=0", "--store.checkpoint_on_exit=false",
+                            "--limits.sse_keepalive=1"])
+    try:
+        ready = tb.run("core", [sys.executable, "-c",
+                                "import sys; sys.path.insert(0, 'tools'); import bench_transport as b; "
+                                "[b.wait_ready(u, float(sys.argv[1])) for u in sys.argv[2:]]",
+                                str(timeout), *ns.urls.values()], capture_output=True, text=True)
+        if ready.returncode != 0:
+            raise RuntimeError(f"nodes not ready: {ready.stderr[-2000:]}")
+        ns.watch(0, timeout, then=lambda: os.link(warm, publish / warm.name))
+        (publish / warm.name).unlink()
+        time.sleep(0.5)
+        cpu0: dict[str, float] = {}
+
+        def drop() -> None:
+            cpu0.update({m: cpu_seconds(p.pid) for m, p in ns.procs.items()})
+            os.link(artifact, publish / artifact.name)
+        seen = ns.watch(1, timeout, then=drop)
+        cpu1 = {m: cpu_seconds(p.pid) for m, p in ns.procs.items()}
+        if seen["timed_out"]:
+            raise TimeoutError(f"version 1 not reached by {seen['timed_out']}")
+        by_machine = {m: n for n, m in machine.items()}
+        t_pub = seen["nodes"][tb.trainer.id]["announced"]
+        arrive = {by_machine[m]: round(r["applied"] - t_pub, 3) for m, r in seen["nodes"].items()
+                  if m != tb.trainer.id}
+        received = {by_machine[m]: round(r["received"] - t_pub, 3) for m, r in seen["nodes"].items()
+                    if m != tb.trainer.id}
+        return {"topology": topology, "cut_through": cut_through, "nodes": len(arrive),
+                "loadavg": os.getloadavg()[0], "publish_to_last_s": max(arrive.values()),
+                "received_last_s": max(received.values()), "arrive_s": arrive, "received_s": received,
+                "cpu_s": {by_machine[m]: round(cpu1[m] - cpu0[m], 2) for m in ns.procs},
+                "trainer_applied_s": round(seen["nodes"][tb.trainer.id]["applied"] - t_pub, 3), "shutdown_s": {}}
+    finally:
+        ns.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def idle_shutdown(warm: Path, keydir: Path, timeout: float) -> dict[str, float]:
     """SIGTERM -> exit of a trainer and a rollout node that synced the warm-up version and sat idle."""
     root = Path(tempfile.mkdtemp(prefix="bench-idle-"))
@@ -326,10 +405,14 @@ def main() -> int:
     ap.add_argument("--sigterm-max-mb", type=int, default=100,
                     help="end nodes with SIGTERM (timed, checkpoints the weights) up to this size, SIGKILL above")
     ap.add_argument("--idle-shutdown", type=int, default=3, help="times to measure SIGTERM -> exit of idle nodes")
+    ap.add_argument("--link-mbit", type=float, default=0,
+                    help="run every node on its own emulated machine (network namespace, needs root) with its "
+                         "uplink and downlink capped at this many Mbit/s; 0: all on the host's loopback")
     ap.add_argument("--profile", type=Path, help="sample every node with py-spy during the measured window; "
                                                 "collapsed stacks to DIR/<MB>-<topology>-<on|off>-<run>-<node>.txt")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-keys-"))
+    tb = None
     try:
         priv = keys.generate()
         keys.write_pair(priv, work)
@@ -343,16 +426,22 @@ def main() -> int:
                 with open(args.json, "a") as f:
                     f.write(json.dumps({"idle_shutdown_s": idle[-1]}) + "\n")
         rows = []
+        tb = link_testbed(args.link_mbit, max(len(TOPOLOGIES[t]) for t in args.topologies.split(","))) \
+            if args.link_mbit else None
         for mb in (int(s) for s in args.sizes.split(",")):
             art = work / "000001-snapshot.p2sa"
             payload = make_artifact(art, priv, mb * 10**6, args.chunk_size, 1)
             for topo in args.topologies.split(","):
                 for ct in (c == "on" for c in args.cut_through.split(",")):
                     for k in range(args.repeat):
-                        r = run_one(topo, ct, art, warm, work, args.streams, args.timeout,
-                                    sigterm=mb <= args.sigterm_max_mb, profile=args.profile,
-                                    tag=f"{mb}-{topo}-{'on' if ct else 'off'}-{k}")
-                        r.update(mb=mb, payload=payload, chunk_size=args.chunk_size, streams=args.streams)
+                        if tb is not None:
+                            r = run_one_linked(tb, topo, ct, art, warm, work, args.streams, args.timeout)
+                        else:
+                            r = run_one(topo, ct, art, warm, work, args.streams, args.timeout,
+                                        sigterm=mb <= args.sigterm_max_mb, profile=args.profile,
+                                        tag=f"{mb}-{topo}-{'on' if ct else 'off'}-{k}")
+                        r.update(mb=mb, payload=payload, chunk_size=args.chunk_size, streams=args.streams,
+                                 link_mbit=args.link_mbit)
                         rows.append(r)
                         print(json.dumps(r), flush=True)
                         if args.json:
@@ -360,6 +449,8 @@ def main() -> int:
                                 f.write(json.dumps(r) + "\n")
             art.unlink()
     finally:
+        if tb is not None:
+            tb.down()
         shutil.rmtree(work, ignore_errors=True)
     print("\n| MB | topology | nodes | cut-through | runs | publish -> last node, median (min-max) s "
           "| MB/s per node | CPU s trainer | CPU s per node | slowest SIGTERM -> exit s |")
