@@ -22,6 +22,7 @@ import struct
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,7 @@ class Manifest:
     format_version: int = FORMAT_VERSION
 
     # --- derived ----------------------------------------------------------------------
-    @property
+    @cached_property
     def tensor_table_hash(self) -> str:
         return table_hash(self.tensors)
 
@@ -117,8 +118,14 @@ class Manifest:
         }
 
     def signed_bytes(self) -> bytes:
-        body = json.dumps(self.body(), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-        return MANIFEST_MAGIC + struct.pack("<HI", self.format_version, len(body)) + body
+        # Computed once per instance (the fields are immutable): a relay verifies, stores, serves
+        # and pushes the same manifest several times per version.
+        cached = self.__dict__.get("_signed_bytes")
+        if cached is None:
+            body = json.dumps(self.body(), sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+            cached = MANIFEST_MAGIC + struct.pack("<HI", self.format_version, len(body)) + body
+            self.__dict__["_signed_bytes"] = cached
+        return cached
 
     def to_bytes(self) -> bytes:
         return self.signed_bytes() + struct.pack("<B", len(self.signature)) + self.signature

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -207,7 +208,7 @@ class Node:
         flying = [ArtifactInfo.of(self.store.artifacts[a].manifest, False) for a in self.board.ids
                   if a in self.store.artifacts] if self.config.cut_through else []
         all_arts = tuple(sorted(arts + flying, key=lambda i: (i.target, i.kind)))
-        snaps = tuple(sorted({a.manifest.target_version for a in self.store.artifacts.values()
+        snaps = tuple(sorted({a.manifest.target_version for a in list(self.store.artifacts.values())
                               if a.manifest.kind == "snapshot"}))
         head = max((a.target for a in all_arts), default=None)
         return Catalogue(self.config.id, self.config.region, self.version, self.fingerprint, head, all_arts, snaps)
@@ -456,30 +457,56 @@ class Node:
         return m
 
     async def _publish_dir(self, directory: Path) -> None:
-        """Publish every artifact file appearing in ``directory``, in version order."""
+        """Publish every artifact file appearing in ``directory``, in version order.
+
+        Each file's manifest is parsed and its signature checked once (again only if the file
+        changes: inode, size or mtime); a file is read whole, off the event loop, when its turn
+        comes. Files at or below the node's version are left alone."""
         await self.loaded.wait()
         bad: set[Path] = set()
+        headers: dict[Path, tuple[tuple[int, int, int], int, str, int | None]] = {}
+
+        def read(path: Path) -> tuple[Manifest, list[bytes]]:
+            with ArtifactFile(path, self.public_key) as art:
+                return art.manifest, [c for _, c in art.chunks()]
+
         while True:
             ready = []
+            present: set[Path] = set()
             for path in sorted(directory.glob("*")):
-                if path in bad or not path.is_file() or path.name.endswith(".tmp"):
+                if path in bad or path.name.endswith(".tmp"):
                     continue
                 try:
-                    with ArtifactFile(path, self.public_key) as art:
-                        ready.append((art.manifest.target_version, art.manifest.kind != "snapshot", path))
-                except P2PSyncError as exc:
-                    self.log.error("publish-dir: skipping %s: %s", path.name, exc)
-                    bad.add(path)
-            for _, _, path in sorted(ready):
-                with ArtifactFile(path, self.public_key) as art:
-                    m = art.manifest
-                    if self.version is not None and m.target_version <= self.version:
+                    st = path.stat()
+                except OSError:  # removed meanwhile
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                present.add(path)
+                key = (st.st_ino, st.st_size, st.st_mtime_ns)
+                head = headers.get(path)
+                if head is None or head[0] != key:
+                    try:
+                        with ArtifactFile(path, self.public_key) as art:
+                            m = art.manifest
+                            head = headers[path] = (key, m.target_version, m.kind, m.base_version)
+                    except P2PSyncError as exc:
+                        self.log.error("publish-dir: skipping %s: %s", path.name, exc)
+                        bad.add(path)
                         continue
-                    if m.kind == "delta" and m.base_version != self.version:
-                        break  # wait for the file that fills the gap
-                    chunks = [c for _, c in art.chunks()]
+                ready.append((head[1], head[2] != "snapshot", path))
+            for gone in headers.keys() - present:
+                del headers[gone]
+            for target, is_delta, path in sorted(ready):
+                if self.version is not None and target <= self.version:
+                    continue
+                if is_delta and headers[path][3] != self.version:
+                    break  # wait for the file that fills the gap
                 try:
+                    m, chunks = await asyncio.to_thread(read, path)
                     await self.publish(m, chunks)
+                except FileNotFoundError:
+                    break  # taken away meanwhile: look again
                 except P2PSyncError as exc:
                     self.log.error("publish-dir: %s not published: %s", path.name, exc)
                     bad.add(path)

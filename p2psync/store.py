@@ -142,6 +142,9 @@ class VersionStore:
         self.public_key = public_key
         self.fsync = fsync
         self.artifacts: dict[str, StoredArtifact] = {}
+        """Held artifacts by id. Worker threads add and remove entries (store, retention, snapshot
+        materialisation) while the event loop reads: iterate over ``list(...)`` of it (one
+        GIL-atomic copy), never over the live view."""
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[tuple[str, int], bytes | memoryview] = OrderedDict()
         self._cached = 0
@@ -262,21 +265,21 @@ class VersionStore:
 
     def find(self, kind: str, target: int, *, complete: bool | None = None) -> StoredArtifact | None:
         """The artifact of ``kind`` reaching ``target`` (the newest-created one if several)."""
-        found = [a for a in self.artifacts.values() if a.manifest.kind == kind and a.manifest.target_version == target
+        found = [a for a in list(self.artifacts.values()) if a.manifest.kind == kind and a.manifest.target_version == target
                  and (complete is None or a.complete == complete)]
         return max(found, key=lambda a: a.manifest.created) if found else None
 
     def catalogue(self, *, complete_only: bool = True) -> list[ArtifactInfo]:
-        return sorted((ArtifactInfo.of(a.manifest, a.complete) for a in self.artifacts.values()
+        return sorted((ArtifactInfo.of(a.manifest, a.complete) for a in list(self.artifacts.values())
                        if a.complete or not complete_only), key=lambda i: (i.target, i.kind))
 
     @property
     def head(self) -> int | None:
-        done = [a.manifest.target_version for a in self.artifacts.values() if a.complete]
+        done = [a.manifest.target_version for a in list(self.artifacts.values()) if a.complete]
         return max(done) if done else None
 
     def newest_snapshot(self) -> StoredArtifact | None:
-        snaps = [a for a in self.artifacts.values() if a.manifest.kind == "snapshot" and a.complete]
+        snaps = [a for a in list(self.artifacts.values()) if a.manifest.kind == "snapshot" and a.complete]
         return max(snaps, key=lambda a: a.manifest.target_version) if snaps else None
 
     # --- retention -------------------------------------------------------------------------
@@ -301,7 +304,7 @@ class VersionStore:
                 continue
             if m.target_version < snap_v:
                 removed.append(aid)
-        deltas = sorted((a for a in self.artifacts.values() if a.manifest.kind == "delta" and a.complete),
+        deltas = sorted((a for a in list(self.artifacts.values()) if a.manifest.kind == "delta" and a.complete),
                         key=lambda a: a.manifest.target_version)
         newest = {a.manifest.artifact_id for a in deltas[len(deltas) - keep_deltas:]} if keep_deltas else set()
         for art in deltas:

@@ -180,7 +180,7 @@ class Server:
 
     async def rpc_snapshots(self, request: web.Request) -> web.Response:
         snaps = [{"version": a.manifest.target_version, "id": aid, "bytes": a.manifest.payload_bytes,
-                  "complete": a.complete} for aid, a in self.view.store.artifacts.items()
+                  "complete": a.complete} for aid, a in list(self.view.store.artifacts.items())
                  if a.manifest.kind == "snapshot"]
         return web.json_response({"format": 1, "snapshots": sorted(snaps, key=lambda s: s["version"])})
 

@@ -174,3 +174,39 @@ def test_planner_edge_cases():
         plan_catchup(None, 2, [_delta(0, 1, 5), _delta(1, 2, 5)])  # no snapshot for a node with nothing
     with pytest.raises(P2PSyncError):
         plan_catchup(0, 3, [_delta(0, 1, 5), _delta(2, 3, 5)])  # gap in the chain
+
+
+def test_catalogue_is_safe_while_a_worker_thread_adds_and_removes_artifacts(tmp_path, signed):
+    """Nodes store, prune and materialise snapshots in worker threads while the event loop lists
+    the store for its event streams; a listing must never fail with 'dictionary changed size'."""
+    import threading
+    import time
+
+    priv, items = signed
+    store = VersionStore.open(tmp_path, priv.public_key())
+    _fill(store, items)
+    spare = {f"x{i}": store.artifacts[items[0][0].artifact_id] for i in range(200)}
+    stop = threading.Event()
+
+    def churn():
+        while not stop.is_set():
+            for k, v in spare.items():
+                store.artifacts[k] = v
+            for k in spare:
+                store.artifacts.pop(k, None)
+
+    t = threading.Thread(target=churn, daemon=True)
+    t.start()
+    try:
+        deadline = time.monotonic() + 1.0
+        listed = 0
+        while time.monotonic() < deadline:
+            store.catalogue()
+            store.head
+            store.newest_snapshot()
+            listed += 1
+    finally:
+        stop.set()
+        t.join(5)
+    assert listed > 0
+    assert {a.target for a in store.catalogue()} == {0, 1, 2, 3, 4}
