@@ -52,6 +52,11 @@ def main() -> int:
         "reward_first": synced["reward_first"], "reward_last": synced["reward_last"],
         "median_region_s": synced["median_region_s"],
         "payload_bytes_total": synced["payload_bytes_total"], "full_bytes_total": synced["full_bytes_total"],
+        # CPU seconds of the node processes over the whole run (start-up included, the same in both),
+        # per role: the difference is what weight sync cost on this machine's shared cores.
+        "cpu_s_by_role_sync": synced.get("cpu_s_by_role"), "cpu_s_by_role_nosync": unsynced.get("cpu_s_by_role"),
+        "cpu_s_per_step_extra": {r: round((c - unsynced.get("cpu_s_by_role", {}).get(r, 0.0)) / a.steps, 3)
+                                 for r, c in (synced.get("cpu_s_by_role") or {}).items()},
         "ok": synced["ok"] and unsynced["rc"] in (0, 1),
     }
     print(json.dumps(res, indent=1))

@@ -135,6 +135,18 @@ class LocalCluster:
     def by_role(self, role: str) -> list[Proc]:
         return [p for p in self.procs if p.role == role]
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU time (user + system, all threads) each live node process used so far, from ``/proc``."""
+        tick = os.sysconf("SC_CLK_TCK")
+        out = {}
+        for p in self.procs:
+            try:
+                fields = Path(f"/proc/{p.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:  # gone already (or not Linux)
+                continue
+            out[p.name] = round((int(fields[11]) + int(fields[12])) / tick, 2)
+        return out
+
     def stop(self, grace: float = 15.0) -> dict[str, int | None]:
         """SIGTERM rollouts first (they hand back work), then the rest; SIGKILL what lingers."""
         order = self.by_role("rollout") + self.by_role("relay") + self.by_role("trainer")

@@ -131,6 +131,7 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         if live is not None:
             live.stop()
+        cpu = cluster.cpu_seconds()
         codes = cluster.stop()
         mon.stop()
     snap = mon.snapshot()
@@ -154,6 +155,7 @@ def run_demo(args: argparse.Namespace) -> int:
     bad_exit = {n: c for n, c in codes.items() if c not in (0, None, -15)}
     if bad_exit:
         problems.append(f"non-zero exit codes: {bad_exit}")
+    roles = {p.name: p.role for p in cluster.procs}
     switch_s = [s.get("switch_s") for s in snap["switches"] if s.get("switch_s") is not None]
     batch_s = [b.get("batch_s") for b in snap["batches"] if b.get("batch_s") is not None]
     summary: dict[str, Any] = {
@@ -171,6 +173,8 @@ def run_demo(args: argparse.Namespace) -> int:
         "median_region_s": {r: _median([t[r] for t in rt.values() if r in t])
                             for r in sorted({r for t in rt.values() for r in t})},
         "wall_s": round(time.time() - t_start, 1), "exit_codes": codes,
+        "cpu_s": cpu, "cpu_s_by_role": {r: round(sum(c for n, c in cpu.items() if roles.get(n) == r), 2)
+                                        for r in sorted(set(roles.values()))},
     }
     index = report.write(out / "report", snap, rt, summary)
     if not plain:
