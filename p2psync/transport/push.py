@@ -110,10 +110,10 @@ async def serve_stream(server: Server, request: web.Request) -> web.StreamRespon
     push_max = min(asked, limits.push_bytes)
     heads = view.heads
     resp = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE, "Cache-Control": "no-cache"})
-    await resp.prepare(request)
     seq = -1
     known: set[str] | None = None  # artifacts listed when the stream opened: the child pulls those
     try:
+        await resp.prepare(request)
         while not heads.closed:
             if heads.seq == seq:
                 await server._write(resp, _header(KEEPALIVE, 0))

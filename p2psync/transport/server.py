@@ -155,9 +155,9 @@ class Server:
     async def rpc_events(self, request: web.Request) -> web.StreamResponse:
         heads = self.view.heads
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
         seq = -1
         try:
+            await resp.prepare(request)
             while not heads.closed:
                 if heads.seq != seq:
                     seq = heads.seq
@@ -260,8 +260,8 @@ class Server:
         if status == 206:
             resp.headers["Content-Range"] = f"bytes {start}-{stop - 1}/{size}"
         resp.content_length = len(body)
-        await resp.prepare(request)
         try:
+            await resp.prepare(request)
             for off in range(0, len(body), _WRITE_PIECE):
                 await self._write(resp, body[off:off + _WRITE_PIECE])
             await resp.write_eof()
