@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -35,13 +36,22 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default="/tmp/p2psync-bench-e2e")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="alternate sync / no-sync runs this many times (load that comes and goes on a shared "
+                         "machine then hits both); figures are from the last round, ratios per round too")
     ap.add_argument("demo_args", nargs="*", help="extra `p2psync demo` options (after --)")
     a = ap.parse_args()
     base = ["--steps", str(a.steps), *a.demo_args]
-    synced = run_once(Path(a.out) / "sync", base)
-    unsynced = run_once(Path(a.out) / "nosync", [*base, "--no-sync"])
+    ratios = []
+    for k in range(a.rounds):
+        tag = f"-{k}" if a.rounds > 1 else ""
+        synced = run_once(Path(a.out) / f"sync{tag}", base)
+        unsynced = run_once(Path(a.out) / f"nosync{tag}", [*base, "--no-sync"])
+        if synced["median_step_s"] and unsynced["median_step_s"]:
+            ratios.append(round(synced["median_step_s"] / unsynced["median_step_s"], 3))
     res = {
-        "steps": a.steps,
+        "steps": a.steps, "demo_args": a.demo_args, "rounds": a.rounds, "step_ratio_per_round": ratios,
+        "step_ratio_median": statistics.median(ratios) if ratios else None,
         "step_s_sync": synced["median_step_s"], "step_s_nosync": unsynced["median_step_s"],
         "step_ratio": (synced["median_step_s"] / unsynced["median_step_s"])
         if synced["median_step_s"] and unsynced["median_step_s"] else None,

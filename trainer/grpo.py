@@ -312,7 +312,8 @@ class GRPORun:
             self._submit(version)
         batch: list[Group] = []
         step = 0
-        t_last = time.perf_counter()
+        t_last = t_ready = time.perf_counter()
+        handoff = 0.0
         async for res in self.sink.results():
             if self._stale(res, self.pub.version):
                 self.dropped_stale += 1
@@ -327,12 +328,13 @@ class GRPORun:
                 continue
             groups, batch = batch[: opts.groups_per_step], batch[opts.groups_per_step:]
             step += 1
+            waited = time.perf_counter() - t_ready
             stats = await asyncio.to_thread(self.trainer.step, groups, self.pub.version)
             row = {"step": step, "reward_mean": stats.reward_mean, "reward_std": stats.reward_std,
                    "accuracy": stats.accuracy, "loss": stats.loss.loss, "kl": stats.loss.kl,
                    "clip_fraction": stats.loss.clip_fraction, "ratio_mean": stats.loss.ratio_mean,
                    "staleness_max": stats.staleness_max, "dropped_stale": self.dropped_stale,
-                   "train_s": stats.step_s}
+                   "train_s": stats.step_s, "wait_s": round(waited, 4), "handoff_s": round(handoff, 4)}
             now = time.perf_counter()
             row["step_s"] = now - t_last  # wall time per step: waiting for rollouts included
             t_last = now
@@ -353,6 +355,8 @@ class GRPORun:
                 break
             for _ in range(opts.groups_per_step):
                 self._submit(self.pub.version)
+            t_ready = time.perf_counter()
+            handoff = t_ready - now  # publish (extraction, or a wait for a publish slot) and submitting
         await self.pub.flush()
         return 0
 
