@@ -8,6 +8,7 @@ Any ``--section.field=value`` argument overrides the config file.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -68,11 +69,32 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run, overrides=[])
 
 
+PARENT_ENV = "P2PSYNC_EXIT_WITH_PARENT"
+"""Environment variable: a process id; the node stops (SIGTERM, a clean shutdown) when that
+process, the one that started it, ends, even by SIGKILL (Linux; ignored elsewhere)."""
+
+
+def _exit_with_parent() -> None:
+    want = os.environ.get(PARENT_ENV)
+    if not want or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    pr_set_pdeathsig = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        return  # not fatal: the starter stops its nodes itself when it ends normally
+    if str(os.getppid()) != want:  # the starter ended before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from p2psync import config
 
+    _exit_with_parent()
     cfg = config.load(args.config, args.overrides, role=args.role, id=args.id)
     job = _load_job(args.job, args.job_config) if args.job else None
     code = asyncio.run(_main(cfg, args.publish_dir, job))

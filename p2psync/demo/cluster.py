@@ -118,7 +118,8 @@ class LocalCluster:
             args += ["--job", job, "--job-config", str(cfg_path)]
         log = self.root / "logs" / f"{name}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        penv = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        # The node stops if this process dies without stopping it (SIGKILL, a crash).
+        penv = {**os.environ, "PYTHONUNBUFFERED": "1", "P2PSYNC_EXIT_WITH_PARENT": str(os.getpid()), **(env or {})}
         with open(log, "ab") as err:  # the child keeps its own copy of the descriptor
             popen = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=err, text=True, env=penv,
                                      start_new_session=True)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -91,6 +93,13 @@ def run_demo(args: argparse.Namespace) -> int:
     con.print(f"starting a trainer, {args.regions * args.relays_per_region} relays and "
               f"{args.regions * args.rollouts_per_region} rollout nodes in {args.regions} regions (logs in "
               f"{out / 'cluster' / 'logs'})")
+    # SIGTERM (a CI timeout, `kill`) ends the demo like Ctrl-C: the cluster is stopped on the way
+    # out instead of the interpreter dying with the nodes left running (and if the demo is killed
+    # outright, each node stops itself: P2PSYNC_EXIT_WITH_PARENT).
+    def _terminate(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     cluster, events = start_cluster(args, out)
     mon = Monitor(cluster, out / "metrics.jsonl", events, versions_path=out / "versions.jsonl")
     mon.start()

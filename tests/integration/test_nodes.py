@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 
 import pytest
 from nodeproc import Cluster, Workload, at_version, wait_for
@@ -188,3 +189,54 @@ def test_node_exits_with_the_jobs_code_and_nothing_it_buffered_is_lost(cluster: 
     lines = out.splitlines()
     assert lines[0].startswith("http://") and lines[1:] == [f"job line {i}" for i in range(2000)]
     assert "job done" in err and err.rstrip().endswith("stopped at version 0"), err[-1000:]
+
+
+@pytest.mark.timeout(120)
+def test_a_node_told_to_exit_with_its_starter_stops_when_the_starter_is_killed(cluster: Cluster, tmp_path):
+    """`p2psync demo` starts its nodes with P2PSYNC_EXIT_WITH_PARENT: if the demo is killed
+    outright (SIGKILL, no chance to stop them), every node shuts itself down."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from nodeproc import CLI, TOKEN
+
+    args = ["node", "--role", "relay", "--id", "orphan", "--listen.port=0", f"--data_dir={tmp_path / 'n'}",
+            f"--cluster_token={TOKEN}", f"--trainer_public_key={cluster.keydir / 'trainer.pub'}",
+            "--parents=http://127.0.0.1:9"]
+    starter = subprocess.Popen(
+        [sys.executable, "-c",
+         "import os, subprocess, sys, time\n"
+         "env = {**os.environ, 'P2PSYNC_EXIT_WITH_PARENT': str(os.getpid())}\n"
+         "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.PIPE, text=True, env=env)\n"
+         "print(p.pid, p.stdout.readline().strip(), flush=True)\n"
+         "time.sleep(600)\n", *CLI, *args],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        pid, url = starter.stdout.readline().split()
+        node = int(pid)
+        assert url.startswith("http://")
+
+        def alive() -> bool:
+            try:
+                state = Path(f"/proc/{node}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                return False
+            return state != "Z"
+
+        time.sleep(1.0)
+        assert alive()  # the node runs while its starter does
+        starter.kill()
+        starter.wait(10)
+        deadline = time.monotonic() + 30
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(), "the node outlived the process that started it"
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+        try:
+            os.kill(node, 9)
+        except (OSError, NameError, UnboundLocalError):
+            pass
