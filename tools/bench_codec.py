@@ -42,12 +42,19 @@ from trainer.workload import Workload, build_model  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> float:
-    times = []
+    return median_times(fn, repeats)[0]
+
+
+def median_times(fn, repeats: int) -> tuple[float, float]:
+    """Median wall seconds and median process CPU seconds (all threads) of ``fn``. On a shared
+    machine the CPU figure is the robust one: another job's load stretches wall time, not CPU."""
+    walls, cpus = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return statistics.median(walls), statistics.median(cpus)
 
 
 def memcpy_gbps(nbytes: int, repeats: int) -> float:
@@ -61,19 +68,22 @@ def zstd_full(state: ModelState) -> int:
     return sum(len(c.compress(state.words(n).tobytes())) for n in state)
 
 
-def encode_gbps(prev: ModelState, cur: ModelState, threads: int, repeats: int, buckets: int = 4) -> float:
+def encode_gbps(prev: ModelState, cur: ModelState, threads: int, repeats: int, buckets: int = 4) -> tuple[float, float]:
+    """(GB/s of model weights, GB per CPU-second) of encoding."""
     opts = CodecOptions(threads=threads, context_buckets=buckets)
     prev.tensor_sums()  # steady state: the publisher keeps the fingerprint of the last version
-    return prev.nbytes / median_time(lambda: encode_delta(prev, cur, opts), repeats) / 1e9
+    wall, cpu = median_times(lambda: encode_delta(prev, cur, opts), repeats)
+    return prev.nbytes / wall / 1e9, prev.nbytes / cpu / 1e9
 
 
-def decode_gbps(prev: ModelState, enc, threads: int, repeats: int) -> float:
+def decode_gbps(prev: ModelState, enc, threads: int, repeats: int) -> tuple[float, float]:
+    """(GB/s of model weights, GB per CPU-second) of verifying, decoding and applying."""
     m = artifact.build_manifest(enc, model_id="bench", base_version=0, target_version=1, chunk_size=4 << 20)
-    times = []
+    walls, cpus = [], []
     for _ in range(repeats):
         target = prev.clone()
         target.tensor_sums()  # steady state: the receiver keeps the fingerprint of what it holds
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         ap = Applier(target, kind="delta", specs=enc.specs, n_chunks=len(enc.chunks),
                      target_fingerprint=enc.target_fingerprint, base_fingerprint=enc.base_fingerprint)
 
@@ -84,8 +94,9 @@ def decode_gbps(prev: ModelState, enc, threads: int, repeats: int) -> float:
 
         ap.add_chunks(verified(), threads)
         ap.commit()
-        times.append(time.perf_counter() - t0)
-    return prev.nbytes / statistics.median(times) / 1e9
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    return prev.nbytes / statistics.median(walls) / 1e9, prev.nbytes / statistics.median(cpus) / 1e9
 
 
 def encode_extra_memory(prev: ModelState, cur: ModelState) -> int:
@@ -125,10 +136,14 @@ def run_lr(args: argparse.Namespace, lr: float) -> dict:
         if k == args.measure - 1:
             row["zstd_full_ratio"] = prev.nbytes / zstd_full(cur)
             for t in (1, 2):
-                row[f"encode_gbps_{t}t"] = encode_gbps(prev, cur, t, args.repeats)
-                row[f"decode_apply_gbps_{t}t"] = decode_gbps(prev, enc, t, args.repeats)
-                row[f"fast_encode_gbps_{t}t"] = encode_gbps(prev, cur, t, args.repeats, buckets=1)
-                row[f"fast_decode_apply_gbps_{t}t"] = decode_gbps(prev, fast, t, args.repeats)
+                for key, (gbps, per_cpu) in (
+                    ("encode", encode_gbps(prev, cur, t, args.repeats)),
+                    ("decode_apply", decode_gbps(prev, enc, t, args.repeats)),
+                    ("fast_encode", encode_gbps(prev, cur, t, args.repeats, buckets=1)),
+                    ("fast_decode_apply", decode_gbps(prev, fast, t, args.repeats)),
+                ):
+                    row[f"{key}_gbps_{t}t"] = gbps
+                    row[f"{key}_gb_per_cpu_s_{t}t"] = per_cpu
             row["encode_extra_memory_fraction"] = encode_extra_memory(prev, cur) / prev.nbytes
         rows.append(row)
         print(f"  lr {lr:g} step {row['step']}: {row['changed_fraction']:.4%} changed, ratio {row['ratio']:.1f}x",
@@ -142,7 +157,7 @@ def run_lr(args: argparse.Namespace, lr: float) -> dict:
         "mean_ratio": statistics.mean(r["ratio"] for r in rows),
         "mean_coo_ratio": statistics.mean(r["coo_ratio"] for r in rows),
         "mean_fast_ratio": statistics.mean(r["fast_ratio"] for r in rows),
-        **{k: v for k, v in last.items() if k.endswith(("gbps_1t", "gbps_2t", "_fraction")) and k != "changed_fraction"
+        **{k: v for k, v in last.items() if k.endswith(("_1t", "_2t", "_fraction")) and k != "changed_fraction"
            or k == "zstd_full_ratio"},
     }
 
@@ -191,6 +206,14 @@ def main() -> None:
               f"{r['fast_encode_gbps_2t']:.2f} ({r['fast_encode_gbps_2t'] / mc:.2f}x) | "
               f"{r['fast_decode_apply_gbps_1t']:.2f} / {r['fast_decode_apply_gbps_2t']:.2f} "
               f"({r['fast_decode_apply_gbps_2t'] / mc:.2f}x) |")
+    print("\nPer CPU-second (process CPU time of all threads; robust to other load on the machine):\n"
+          "| lr | encode GB/CPU-s 1t / 2t | decode+apply GB/CPU-s 1t / 2t | fast encode 1t / 2t | fast decode+apply 1t / 2t |")
+    print("|---|---|---|---|---|")
+    for r in results["runs"]:
+        print(f"| {r['lr']:g} | {r['encode_gb_per_cpu_s_1t']:.2f} / {r['encode_gb_per_cpu_s_2t']:.2f} | "
+              f"{r['decode_apply_gb_per_cpu_s_1t']:.2f} / {r['decode_apply_gb_per_cpu_s_2t']:.2f} | "
+              f"{r['fast_encode_gb_per_cpu_s_1t']:.2f} / {r['fast_encode_gb_per_cpu_s_2t']:.2f} | "
+              f"{r['fast_decode_apply_gb_per_cpu_s_1t']:.2f} / {r['fast_decode_apply_gb_per_cpu_s_2t']:.2f} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))

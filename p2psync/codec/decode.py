@@ -135,6 +135,8 @@ class Applier:
         self._parts: dict[int, list[tuple]] = {}
         self._committed = False
         self._staged: ModelState | None = None
+        self.threads = 2
+        """Threads that :meth:`commit` writes a delta with (:meth:`add_chunks` sets its own)."""
         self.keep_changes = False
         """Set before :meth:`commit` to keep a delta's decoded changes in :attr:`changes` afterwards."""
         self.changes: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
@@ -211,6 +213,7 @@ class Applier:
         """Decode many chunks on ``threads`` threads, segment by segment (so that one big chunk
         also uses every thread)."""
         items = list(chunks)
+        self.threads = max(1, threads)
         if threads <= 1 or not items:
             for i, c in items:
                 self.add_chunk(i, c)
@@ -250,22 +253,20 @@ class Applier:
         if self.kind == "delta":
             # The sum changes were computed from the base words while decoding, and nothing can
             # write to the state in between (it is the applier's until commit).
-            changes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+            ordered = {t: self._ordered(t) for t in self._parts}
             sums = state.tensor_sums()
-            for t in self._parts:
-                parts = self._ordered(t)
-                if len(parts) == 1:
-                    changes[t] = (parts[0][2], parts[0][3])
-                else:
-                    changes[t] = (np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts]))
+            for t, parts in ordered.items():
                 a, b = sums[t]
                 sums[t] = ((a + sum(p[4] for p in parts)) & MASK64, (b + sum(p[5] for p in parts)) & MASK64)
             fp = fold_root(state.table_hash, sums)
             if fp != self.target:
                 raise FingerprintMismatch(self.target, fp)
-            state.apply_sparse(changes, sums)
+            # Written segment by segment (no concatenation), on the decode threads.
+            state.apply_parts([(t, p[2], p[3]) for t, parts in ordered.items() for p in parts], sums, self.threads)
             if self.keep_changes:
-                self.changes = changes
+                self.changes = {t: (parts[0][2], parts[0][3]) if len(parts) == 1 else
+                                (np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts]))
+                                for t, parts in ordered.items()}
         else:
             # Every element written exactly once (no gap, no overlap), so the per-segment sums
             # add up to what a full audit of the staged words computes.

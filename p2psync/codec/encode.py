@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from p2psync import dtypes
-from p2psync.codec import kernels
+from p2psync.codec import context, kernels
 from p2psync.codec.segment import MAX_BUCKETS, SegmentStats, encode_raw_segment
 from p2psync.codec.sparse import encode_changes
 from p2psync.errors import ConfigError
@@ -133,12 +133,13 @@ def _add_segment(out: _JobResult, encoded: tuple[bytes, SegmentStats, tuple[int,
 _local = threading.local()
 
 
-def _scan_buffers(size: int, word: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per-thread scan buffers (positions, old and new words), reused across jobs: encoding
-    memory does not grow with the model."""
+def _scan_buffers(size: int, word: np.dtype) -> tuple[np.ndarray, ...]:
+    """Per-thread scan buffers (positions, old and new words, buckets, ranks), reused across jobs:
+    encoding memory does not grow with the model."""
     bufs = getattr(_local, "scan", None)
     if bufs is None or bufs[0].shape[0] < size or bufs[1].dtype != word:
-        bufs = (np.empty(size, dtype=np.int64), np.empty(size, dtype=word), np.empty(size, dtype=word))
+        bufs = (np.empty(size, dtype=np.int64), np.empty(size, dtype=word), np.empty(size, dtype=word),
+                np.empty(size, dtype=np.uint8), np.empty(size, dtype=np.int64))
         _local.scan = bufs
     return bufs
 
@@ -146,15 +147,23 @@ def _scan_buffers(size: int, word: np.dtype) -> tuple[np.ndarray, np.ndarray, np
 def _scan_job(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.ndarray, s: int, e: int, opts: CodecOptions):
     d = dtypes.from_code(spec.dtype)
     cap = opts.max_changes(d.width)
-    pos_b, old_b, new_b = _scan_buffers(cap + 64, d.word)
+    pos_b, old_b, new_b, bkt_b, rank_b = _scan_buffers(cap + 64, d.word)
     seed = tensor_seed(spec.name)
     out = _JobResult(tensor, [], SegmentStats(), (0, 0))
+    # Thresholds first (from a sample), so that one pass finds the changes and ranks them.
+    thr = context.job_thresholds(d, old, new, s, e, opts.context_buckets)
+    consts = context.consts_for(d, thr)
     at = s
     while at < e:
-        stop, n = kernels.find_changes(old, new, at, e, cap, pos_b, old_b, new_b)
+        if thr.shape[0]:
+            stop, n = kernels.find_ranked_changes(old, new, at, e, cap, consts, pos_b, old_b, new_b, bkt_b, rank_b)
+            ranked = (bkt_b[:n], rank_b[:n])
+        else:
+            stop, n = kernels.find_changes(old, new, at, e, cap, pos_b, old_b, new_b)
+            ranked = None
         if n:
-            _add_segment(out, encode_changes(tensor, at, stop, old, pos_b[:n], old_b[:n], new_b[:n], d,
-                                             opts.context_buckets, opts.zstd_level, seed))
+            _add_segment(out, encode_changes(tensor, at, stop, old, pos_b[:n], old_b[:n], new_b[:n], d, thr,
+                                             opts.zstd_level, seed, ranked))
         at = stop
     return out
 
@@ -167,13 +176,15 @@ def _sparse_job(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.ndarray,
     seed = tensor_seed(spec.name)
     out = _JobResult(tensor, [], SegmentStats(), (0, 0))
     lo, hi = np.searchsorted(pos, [s, e])
+    if lo == hi:
+        return out
+    thr = context.job_thresholds_sparse(d, old, pos[lo:hi], s, e, opts.context_buckets)
     at = s
     for a in range(lo, hi, cap):
         b = min(hi, a + cap)
         stop = int(pos[b]) if b < hi else e
         p = pos[a:b]
-        _add_segment(out, encode_changes(tensor, at, stop, old, p, old[p], vals[a:b], d, opts.context_buckets,
-                                         opts.zstd_level, seed))
+        _add_segment(out, encode_changes(tensor, at, stop, old, p, old[p], vals[a:b], d, thr, opts.zstd_level, seed))
         at = stop
     return out
 

@@ -14,8 +14,6 @@ Frequency tables travel with the data: ``u32 mask`` of present symbols, then
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 from numba import njit
 
@@ -121,55 +119,151 @@ def _decode_words(buf, old_w, shift, mask, lut, starts, freqs, lookup, new_out, 
     return p, ne
 
 
-def quantize(counts: np.ndarray) -> np.ndarray:
-    """Frequencies summing to M with every present symbol >= 1."""
-    total = int(counts.sum())
-    f = np.where(counts > 0, np.maximum(1, np.round(counts * (M / total))), 0).astype(np.int64)
-    diff = M - int(f.sum())
-    order = np.argsort(-f)
+@njit(nogil=True, cache=True)
+def _quantize_row(counts, out):
+    """Frequencies summing to M with every present symbol >= 1 (``out``, one row)."""
+    total = 0
+    for s in range(counts.shape[0]):
+        total += counts[s]
+    acc = 0
+    for s in range(counts.shape[0]):
+        c = counts[s]
+        f = 0
+        if c > 0:
+            f = max(1, np.int64(np.round(c * (M / total))))
+        out[s] = f
+        acc += f
+    diff = M - acc
+    if diff == 0:
+        return
+    order = np.argsort(-out, kind="mergesort")  # stable: the largest first, ties by symbol
     i = 0
     while diff != 0:
-        s = order[i % len(order)]
+        s = order[i % order.shape[0]]
         if diff > 0:
-            f[s] += diff
+            out[s] += diff
             diff = 0
-        elif f[s] > 1:
-            take = min(f[s] - 1, -diff)
-            f[s] -= take
+        elif out[s] > 1:
+            take = min(out[s] - 1, -diff)
+            out[s] -= take
             diff += take
         i += 1
-    return f
 
 
-def _tables(freqs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    starts = np.zeros_like(freqs)
-    starts[:, 1:] = np.cumsum(freqs, axis=1)[:, :-1]
-    return starts.astype(np.uint32), freqs.astype(np.uint32)
+@njit(nogil=True, cache=True)
+def quantize_all(hist):
+    """:func:`quantize` of every row of ``hist`` (models x symbols)."""
+    out = np.zeros(hist.shape, dtype=np.int64)
+    for m in range(hist.shape[0]):
+        _quantize_row(hist[m], out[m])
+    return out
+
+
+def quantize(counts: np.ndarray) -> np.ndarray:
+    """Frequencies summing to M with every present symbol >= 1."""
+    out = np.zeros(counts.shape[0], dtype=np.int64)
+    _quantize_row(np.ascontiguousarray(counts, dtype=np.int64), out)
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _tables(freqs):
+    """(cumulative starts, frequencies) as u32 tables of the coder."""
+    starts = np.zeros(freqs.shape, dtype=np.uint32)
+    f = np.zeros(freqs.shape, dtype=np.uint32)
+    for m in range(freqs.shape[0]):
+        acc = 0
+        for s in range(freqs.shape[1]):
+            starts[m, s] = acc
+            f[m, s] = freqs[m, s]
+            acc += freqs[m, s]
+    return starts, f
+
+
+@njit(nogil=True, cache=True)
+def _lookup(freqs):
+    """Symbol of every slot of every model (models x M)."""
+    lookup = np.zeros((freqs.shape[0], M), dtype=np.uint8)
+    for m in range(freqs.shape[0]):
+        o = 0
+        for s in range(freqs.shape[1]):
+            for _ in range(freqs[m, s]):
+                lookup[m, o] = s
+                o += 1
+    return lookup
+
+
+@njit(nogil=True, cache=True)
+def _models_bytes(freqs):
+    n = freqs.shape[0]
+    out = np.empty(1 + n * (4 + 2 * ALPHABET), dtype=np.uint8)
+    out[0] = n
+    o = 1
+    for m in range(n):
+        mask = 0
+        for s in range(ALPHABET):
+            if freqs[m, s]:
+                mask |= 1 << s
+        for t in range(4):
+            out[o + t] = (mask >> (8 * t)) & 0xFF
+        o += 4
+        for s in range(ALPHABET):
+            f = freqs[m, s]
+            if f:
+                out[o] = f & 0xFF
+                out[o + 1] = (f >> 8) & 0xFF
+                o += 2
+    return out[:o]
 
 
 def encode_models(freqs: np.ndarray) -> bytes:
-    out = bytearray(struct.pack("<B", freqs.shape[0]))
-    for row in freqs:
-        present = np.flatnonzero(row)
-        mask = 0
-        for s in present:
-            mask |= 1 << int(s)
-        out += struct.pack("<I", mask) + row[present].astype("<u2").tobytes()
-    return bytes(out)
+    """``u8 n``, then per model ``u32 mask`` of present symbols and their ``u16`` frequencies."""
+    return _models_bytes(np.ascontiguousarray(freqs, dtype=np.int64)).tobytes()
+
+
+@njit(nogil=True, cache=True)
+def _parse_models(buf, at):
+    """Inverse of :func:`_models_bytes` from ``buf[at:]``: (frequencies, offset after them, status);
+    status -1: truncated, -2: no table, -3: a table does not sum to M or has a zero."""
+    empty = np.zeros((0, ALPHABET), dtype=np.int64)
+    if at >= buf.shape[0]:
+        return empty, at, -1
+    n = np.int64(buf[at])
+    if n == 0:
+        return empty, at, -2
+    freqs = np.zeros((n, ALPHABET), dtype=np.int64)
+    o = at + 1
+    for m in range(n):
+        if o + 4 > buf.shape[0]:
+            return empty, o, -1
+        mask = np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8) | (np.int64(buf[o + 2]) << 16) | \
+            (np.int64(buf[o + 3]) << 24)
+        o += 4
+        total = 0
+        for s in range(ALPHABET):
+            if (mask >> s) & 1:
+                if o + 2 > buf.shape[0]:
+                    return empty, o, -1
+                f = np.int64(buf[o]) | (np.int64(buf[o + 1]) << 8)
+                o += 2
+                if f == 0:
+                    return empty, o, -3
+                freqs[m, s] = f
+                total += f
+        if total != M:
+            return empty, o, -3
+    return freqs, o, 0
 
 
 def read_models(r: Reader) -> np.ndarray:
-    n = r.u8()
-    if n == 0:
+    freqs, end, status = _parse_models(np.frombuffer(r.buf, dtype=np.uint8), r.pos)
+    if status == -1:
+        r.take(len(r.buf) - r.pos + 1)  # raises TruncatedError
+    if status == -2:
         raise CodecError("residuals: no frequency table")
-    freqs = np.zeros((n, ALPHABET), dtype=np.int64)
-    for i in range(n):
-        mask = r.u32()
-        present = [s for s in range(ALPHABET) if mask >> s & 1]
-        vals = np.frombuffer(r.take(2 * len(present)), dtype="<u2")
-        freqs[i, present] = vals
-        if int(freqs[i].sum()) != M or (len(present) and int(vals.min()) == 0):
-            raise CodecError("residuals: frequency table does not sum to 4096")
+    if status == -3:
+        raise CodecError("residuals: frequency table does not sum to 4096")
+    r.pos = end
     return freqs
 
 
@@ -182,13 +276,6 @@ def encode(symbols: np.ndarray, model_of: np.ndarray, freqs: np.ndarray) -> byte
         if o >= 0:
             return out[o:].tobytes()
         cap *= 2
-
-
-def _lookup(freqs: np.ndarray) -> np.ndarray:
-    lookup = np.zeros((freqs.shape[0], M), dtype=np.uint8)
-    for m in range(freqs.shape[0]):
-        lookup[m] = np.repeat(np.arange(ALPHABET, dtype=np.uint8), freqs[m])
-    return lookup
 
 
 def decode(buf: memoryview, model_of: np.ndarray, freqs: np.ndarray) -> np.ndarray:

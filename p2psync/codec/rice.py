@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from p2psync.codec.simd import clz64
+from p2psync.codec.simd import clz64, load_be64
 
 MAX_K = 40
 _U64 = np.uint64
@@ -100,11 +100,7 @@ def write(ranks, starts, ends, ks, ubuf, rbuf):
 @njit(nogil=True, cache=True, inline="always")
 def _peek(buf, bitpos):
     """64 bits from ``bitpos`` (at least 57 of them real; ``buf`` is padded with 8 bytes)."""
-    i = bitpos >> 3
-    w = _U64(0)
-    for t in range(8):
-        w = (w << _U64(8)) | _U64(buf[i + t])
-    return w << _U64(bitpos & 7)
+    return load_be64(buf, bitpos >> 3) << _U64(bitpos & 7)
 
 
 @njit(nogil=True, cache=True)

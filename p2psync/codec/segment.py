@@ -20,6 +20,7 @@ relative to ``start``, so the same segment describes the same range of a shard
 from __future__ import annotations
 
 import struct
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,8 @@ CODEC_RAW = 0
 CODEC_ZSTD = 1
 MAX_BUCKETS = 4
 _HEAD = struct.Struct("<BIQQ")
+BUCKET_TABLE = np.dtype([("count", "<u4"), ("k", "u1")])
+"""A delta segment's per-bucket entry: changes in the bucket, Rice parameter of its rank gaps."""
 
 
 @dataclass
@@ -106,10 +109,25 @@ def unplanes(buf: bytes | memoryview, n: int, word: np.dtype) -> np.ndarray:
     return out
 
 
+_zstd = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    """One compressor per thread and level (zstandard objects are not thread-safe; making one
+    costs ~25 us, a sizeable part of a small segment)."""
+    cs = getattr(_zstd, "c", None)
+    if cs is None:
+        cs = _zstd.c = {}
+    c = cs.get(level)
+    if c is None:
+        c = cs[level] = zstandard.ZstdCompressor(level=level, write_content_size=True)
+    return c
+
+
 def pack_payload(data: bytes, level: int) -> tuple[int, bytes]:
     """zstd if it saves bytes, else raw (tiny segments and incompressible planes)."""
     if level > 0 and len(data) > 64:
-        z = zstandard.ZstdCompressor(level=level, write_content_size=True).compress(data)
+        z = _compressor(level).compress(data)
         if len(z) < len(data):
             return CODEC_ZSTD, z
     return CODEC_RAW, data
@@ -119,8 +137,11 @@ def unpack_payload(codec: int, data: memoryview, size: int) -> bytes | memoryvie
     if codec == CODEC_RAW:
         return data
     if codec == CODEC_ZSTD:
+        d = getattr(_zstd, "d", None)
+        if d is None:
+            d = _zstd.d = zstandard.ZstdDecompressor()
         try:
-            out = zstandard.ZstdDecompressor().decompress(bytes(data), max_output_size=size)
+            out = d.decompress(bytes(data), max_output_size=size)
         except zstandard.ZstdError as exc:
             raise CodecError(f"segment: payload does not decompress ({exc})") from None
         if len(out) != size:
@@ -176,7 +197,7 @@ def parse_segment(buf: memoryview) -> ParsedSegment:
     if not 1 <= n_b <= MAX_BUCKETS:
         raise CodecError(f"segment: {n_b} buckets (1 to {MAX_BUCKETS} allowed)")
     thresholds = np.frombuffer(r.take(2 * (n_b - 1)), dtype="<u2").astype(np.int64)
-    table = np.frombuffer(r.take(5 * n_b), dtype=[("count", "<u4"), ("k", "u1")])
+    table = np.frombuffer(r.take(5 * n_b), dtype=BUCKET_TABLE)
     counts = table["count"].astype(np.int64)
     ks = table["k"].astype(np.int64)
     if int(counts.sum()) != n:

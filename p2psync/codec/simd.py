@@ -15,9 +15,11 @@ loads); the ``*_tail`` helpers handle a last, shorter block with a scalar loop.
 
 from __future__ import annotations
 
+import llvmlite.binding as llvm
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 _U64 = np.uint64
@@ -103,6 +105,129 @@ def clz64(typingctx, x):
         return builder.ctlz(args[0], ir.Constant(ir.IntType(1), 0))
 
     return sig, codegen
+
+
+def _fast_pdep() -> bool:
+    """BMI2 ``pdep`` is one instruction on Intel (Haswell on) and AMD Zen 3 on; Zen 1/2 have it
+    in microcode (~250 cycles), slower than the portable select."""
+    try:
+        return bool(llvm.get_host_cpu_features().get("bmi2")) and llvm.get_host_cpu_name() not in ("znver1", "znver2")
+    except RuntimeError:  # llvmlite cannot tell on this host: the portable select works everywhere
+        return False
+
+
+HAS_FAST_PDEP = _fast_pdep()
+"""Whether :func:`select64` compiles to ``pdep`` + ``tzcnt`` (else a branch-free binary search)."""
+
+
+@intrinsic
+def _pdep64(typingctx, src, mask):
+    sig = types.uint64(types.uint64, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64), ir.IntType(64)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.bmi.pdep.64")
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@intrinsic
+def load_be64(typingctx, buf, idx):
+    """The 8 bytes ``buf[idx:idx + 8]`` of a byte array as a big-endian u64 (one unaligned load and
+    a byte swap; the caller guarantees ``idx + 8 <= len(buf)``)."""
+    if not (_word_array(buf) and buf.dtype.bitwidth == 8):
+        return None
+    sig = types.uint64(buf, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), ir.IntType(64).as_pointer())
+        v = builder.load(ptr, align=1)
+        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64)])
+        return builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.bswap.i64"), [v])
+
+    return sig, codegen
+
+
+PREFETCH_BYTES = 16384
+"""How far ahead of a block pass :func:`prefetch_ahead` asks for memory. The passes over the base
+and new words stream hundreds of MB; on the benchmark VM the hardware prefetcher alone kept a
+block pass at ~7 GB/s and a 16 KiB software prefetch distance brought it to 10-13 GB/s (the
+machine's read bandwidth), measured with 4, 8, 16 and 32 KiB."""
+
+
+@intrinsic
+def prefetch_ahead(typingctx, arr, idx):
+    """Prefetch (for reading, into all cache levels) the block of 64 words that starts
+    ``PREFETCH_BYTES`` after word ``idx``: one hint per 64-byte line. A hint never faults, so the
+    address may lie past the end of the array (the last blocks of a pass)."""
+    if not _word_array(arr):
+        return None
+    sig = types.void(arr, types.intp)
+    width = arr.dtype.bitwidth // 8
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p = ir.IntType(8).as_pointer()
+        base = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        i32 = ir.IntType(32)
+        for line in range(0, _LANES * width, 64):
+            ptr = builder.gep(base, [ir.Constant(ir.IntType(64), PREFETCH_BYTES + line)])
+            builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch_write(typingctx, arr, idx):
+    """Prefetch the line of word ``idx`` for writing (a hint: never faults)."""
+    if not _word_array(arr):
+        return None
+    sig = types.void(arr, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p = ir.IntType(8).as_pointer()
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        i32 = ir.IntType(32)
+        builder.call(fn, [ptr, i32(1), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_ONE = np.uint64(1)
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _select_pdep(m, j):
+    # pdep(1 << j, m) keeps only the j-th set bit of m; its trailing zeros are its index
+    return np.int64(ctz64(_pdep64(_ONE << np.uint64(j), m)))
+
+
+@njit(nogil=True, cache=True, inline="always")
+def _select_search(m, j):
+    at = np.uint64(0)
+    jj = np.uint64(j)
+    for half in (32, 16, 8, 4, 2, 1):
+        h = np.uint64(half)
+        c = popcount64(m & ((_ONE << h) - _ONE))
+        go = np.uint64(jj >= c)
+        jj -= c * go
+        sh = h * go
+        m >>= sh
+        at += sh
+    return np.int64(at)
+
+
+select64 = _select_pdep if HAS_FAST_PDEP else _select_search
+"""Index of the ``j``-th (from 0) set bit of ``m`` (``j`` below its popcount), without branches."""
 
 
 # The tails are deliberately not inlined: a scalar loop inlined into a block loop's body

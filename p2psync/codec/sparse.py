@@ -30,9 +30,11 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+from numba import njit
 
 from p2psync.codec import context, kernels, rans, rice
 from p2psync.codec.segment import (
+    BUCKET_TABLE,
     CODEC_RAW,
     CODEC_ZSTD,
     KIND_DELTA,
@@ -54,26 +56,33 @@ from p2psync.errors import CodecError
 MIN_CHANGES_PER_MODEL = 4096
 
 
-def model_bounds(counts: np.ndarray) -> np.ndarray:
+@njit(nogil=True, cache=True)
+def model_bounds(counts):
     """Residual model boundaries: runs of neighbouring exponents holding >= 4096 changes each
     (``counts``: changes per exponent)."""
-    present = np.flatnonzero(counts)
-    bounds: list[int] = []
+    bounds = np.empty(254, dtype=np.int64)
+    nb = 0
     acc = 0
-    for e in present:
-        if acc >= MIN_CHANGES_PER_MODEL and len(bounds) < 254:
-            bounds.append(int(e))
+    for e in range(counts.shape[0]):
+        c = counts[e]
+        if c == 0:
+            continue
+        if acc >= MIN_CHANGES_PER_MODEL and nb < 254:
+            bounds[nb] = e
+            nb += 1
             acc = 0
-        acc += int(counts[e])
-    if bounds and acc < MIN_CHANGES_PER_MODEL:  # fold a small tail into its neighbour
-        bounds.pop()
-    return np.array(bounds, dtype=np.int64)
+        acc += c
+    if nb and acc < MIN_CHANGES_PER_MODEL:  # fold a small tail into its neighbour
+        nb -= 1
+    return bounds[:nb].copy()
 
 
-def _model_lut(bounds: np.ndarray, width: int) -> np.ndarray:
+@njit(nogil=True, cache=True)
+def _model_lut(bounds, width):
     lut = np.zeros(width, dtype=np.int64)
     for b in bounds:
-        lut[int(b):] += 1
+        for e in range(b, width):
+            lut[e] += 1
     return lut
 
 
@@ -88,10 +97,13 @@ def _check_exponents(values: list[int] | np.ndarray, d: DType, what: str) -> Non
 # --- encoding ------------------------------------------------------------------------------
 def encode_changes(
     tensor: int, start: int, stop: int, old: np.ndarray, pos: np.ndarray, old_w: np.ndarray, new_w: np.ndarray,
-    d: DType, max_buckets: int, level: int, seed: np.uint64,
+    d: DType, thresholds: np.ndarray, level: int, seed: np.uint64,
+    ranked: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[bytes, SegmentStats, tuple[int, int]]:
     """A delta segment for the changes ``pos`` (sorted, in ``[start, stop)``) from ``old_w`` (the
-    words of ``old`` there) to ``new_w``. Keeps no reference to its array arguments.
+    words of ``old`` there) to ``new_w``, with the bucket ``thresholds`` of its job
+    (``context.choose_thresholds``). ``ranked``: each change's (bucket, rank) if the caller found
+    them already (``kernels.find_ranked_changes``). Keeps no reference to its array arguments.
 
     Returns the segment, its statistics and what it adds to the tensor's fingerprint sums."""
     n = int(pos.shape[0])
@@ -99,16 +111,19 @@ def encode_changes(
     exps = np.empty(n, dtype=np.int64)
     hist = np.empty(d.exp_mask + 1, dtype=np.int64)
     da, db = kernels.prepare_changes(pos, old_w, new_w, d.exp_shift, d.exp_mask, 8 * d.width, seed, zres, exps, hist)
-    thr = context.choose_thresholds(d, old, start, stop, hist, max_buckets)
+    thr = thresholds
     n_b = thr.shape[0] + 1
     if n_b == 1:
         ranks = pos - start
         counts = np.array([n], dtype=np.int64)
     else:
-        bucket = np.empty(n, dtype=np.uint8)
-        rank = np.empty(n, dtype=np.int64)
-        kernels.rank_changes(old, start, context.consts_for(d, thr), pos, bucket, rank)
-        counts = np.bincount(bucket, minlength=4).astype(np.int64)
+        if ranked is None:
+            bucket = np.empty(n, dtype=np.uint8)
+            rank = np.empty(n, dtype=np.int64)
+            kernels.rank_changes(old, start, context.consts_for(d, thr), pos, bucket, rank)
+        else:
+            bucket, rank = ranked
+        counts = np.empty(4, dtype=np.int64)
         ranks = np.empty(n, dtype=np.int64)
         zres_g = np.empty_like(zres)
         exps_g = np.empty_like(exps)
@@ -124,7 +139,7 @@ def encode_changes(
 
     res = _encode_residuals(exps, zres, hist, d, level)
 
-    table = np.zeros(n_b, dtype=[("count", "<u4"), ("k", "u1")])
+    table = np.zeros(n_b, dtype=BUCKET_TABLE)
     table["count"] = counts
     table["k"] = ks
     head = encode_header(KIND_DELTA, tensor, start, stop) + struct.pack("<IB", n, n_b)
@@ -142,7 +157,7 @@ def _encode_residuals(exps: np.ndarray, zres: np.ndarray, exp_hist: np.ndarray, 
     hist = np.empty((n_models, rans.ALPHABET), dtype=np.int64)
     n_esc = kernels.residual_symbols(zres, exps, _model_lut(bounds, d.exp_mask + 1), rans.ESCAPE, symbols, model_of,
                                      hist)
-    freqs = np.stack([rans.quantize(h) for h in hist])
+    freqs = rans.quantize_all(hist)
     stream = rans.encode(symbols, model_of, freqs)
     escaped = zres[zres >= rans.ESCAPE] if n_esc else zres[:0]
     esc_codec, esc = pack_payload(planes(escaped), level)
