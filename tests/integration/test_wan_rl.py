@@ -63,13 +63,16 @@ def test_every_mode_keeps_every_rollout_engine_bit_exact(tmp_path, state_dir):
         assert [s["step"] for s in steps] == [1, 2]
         events = sorted((d / "events").glob("*.jsonl"))
         assert [e.stem for e in events] == ["eu-west-0", "us-east-0"]  # one rollout engine per region
+        tokens = 0
         for ev in events:
             switches = [e for e in _lines(ev) if e["event"] == "switch"]
-            tokens = sum(e["tokens"] for e in _lines(ev) if e["event"] == "batch")
+            tokens += sum(e["tokens"] for e in _lines(ev) if e["event"] == "batch")
             # every version the engine served hashed (from its own weights) to the trainer's fingerprint
             assert switches and all(e["ok"] and e["fingerprint"] == trainer[e["version"]] for e in switches), ev
             assert switches[-1]["version"] == last, (mode, ev.stem)
-            assert tokens > 0, (mode, ev.stem)  # it generated rollouts
+        # Rollouts were generated. Not necessarily by both engines: work goes by measured throughput,
+        # and in a 2-step run the engine nearer the trainer may take every group.
+        assert tokens > 0, mode
         nodes = doc["results"][mode][0]["nodes"]
         assert {n: s["version"] for n, s in nodes.items()} == {"trainer": last, "us-east-0": last, "eu-west-0": last}
         assert {s["fingerprint"] for s in nodes.values()} == {trainer[last]}
