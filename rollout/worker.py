@@ -393,7 +393,8 @@ class RolloutWorker:
 
     async def _request(self, work: Any, want: int) -> list[Grant]:
         """``work.request``, switching versions while it waits (nothing generates meanwhile)."""
-        req = asyncio.create_task(work.request(max_items=want, wait=self.opts.request_wait), name="rollout:request")
+        req = asyncio.create_task(work.request(max_items=want, wait=self.opts.request_wait, version=self.engine.version),
+                                  name="rollout:request")
         try:
             while True:
                 newer = asyncio.create_task(self._newer.wait(), name="rollout:newer")

@@ -102,8 +102,12 @@ class Result:
 class WorkSource(Protocol):
     """Rollout side (``node.work`` on a rollout node)."""
 
-    async def request(self, max_items: int = 1, wait: float = 5.0) -> list[Grant]:
-        """Up to ``max_items`` grants; waits up to ``wait`` s for work, else returns ``[]``."""
+    async def request(self, max_items: int = 1, wait: float = 5.0, version: int | None = None) -> list[Grant]:
+        """Up to ``max_items`` grants; waits up to ``wait`` s for work, else returns ``[]``.
+
+        ``version``: the weights version the caller generates with now. The coordinator
+        places work within the staleness bound by it, instead of by the caller's last
+        gossip report, which can be a gossip round (a second by default) old."""
         ...
 
     async def progress(self, grant: Grant, response: int, offset: int, tokens: Sequence[int],

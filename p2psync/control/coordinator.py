@@ -141,6 +141,8 @@ class Coordinator:
         self._waiters: list[_Waiter] = []
         self._granted_at: dict[int, float] = {}
         self._tps: dict[str, float] = {}
+        self._said_version: dict[str, tuple[float, int]] = {}
+        """node -> (time, version) its latest lease request said it generates with."""
         self._dirty_holders: set[str] = set()
         self._published_holders: set[str] = set()
         self._tasks: list[asyncio.Task] = []
@@ -219,15 +221,24 @@ class Coordinator:
         return self.node.version if self.node.version is not None else 0
 
     def _member_info(self, node_id: str) -> tuple[str, float | None, int | None]:
-        """(node class, reported throughput or None, newest reported version or None)."""
+        """(node class, reported throughput or None, newest reported version or None).
+
+        The version is the fresher of the node's last gossip report and what its last
+        lease request said: a report waits for the next gossip round (a second by
+        default, several training steps of a small model), so a node that took a new
+        version since would look stale and get no work in between."""
+        said = self._said_version.get(node_id)
         g = self.node.gossip.gossip if self.node.gossip is not None else None
         if g is None:
-            return "reserved", None, None
+            return "reserved", None, None if said is None else said[1]
         e = g.members.get(node_id)
-        rep = g.report_of(node_id)
+        got = g.reports.get(node_id)
+        rep = None if got is None else got[1]
         cls = e.node_class if e is not None else "reserved"
         tps = rep.throughput if rep is not None and rep.throughput > 0 else None
         version = rep.versions[-1] if rep is not None and rep.versions else None
+        if said is not None and (version is None or got is None or said[0] >= got[0]):
+            version = said[1]
         return cls, tps, version
 
     def _views(self, now: float) -> list[NodeView]:
@@ -384,6 +395,11 @@ class Coordinator:
             raise BadRequest(f"max_items: must be 1..{MAX_ITEMS}")
         if not 0 <= wait <= MAX_WAIT or not math.isfinite(wait):
             raise BadRequest(f"wait: must be 0..{MAX_WAIT} seconds")
+        version = _field(body, "version", int, optional=True)
+        if version is not None and version < 0:
+            raise BadRequest("version: must be >= 0")
+        if version is not None:
+            self._said_version[node] = (time.time(), version)
         if self._stopped:
             return {"grants": [], "ttl": self.table.ttl}
         fut: asyncio.Future = asyncio.get_running_loop().create_future()

@@ -125,11 +125,15 @@ class WorkClient:
         return (grant.work_id, grant.lease_id)
 
     # --- WorkSource ----------------------------------------------------------------------------
-    async def request(self, max_items: int = 1, wait: float = 5.0) -> list[Grant]:
-        """Up to ``max_items`` grants; waits up to ``wait`` s for work, else returns ``[]``."""
+    async def request(self, max_items: int = 1, wait: float = 5.0, version: int | None = None) -> list[Grant]:
+        """Up to ``max_items`` grants; waits up to ``wait`` s for work, else returns ``[]``.
+        ``version``: the weights version this node generates with now (see :class:`~p2psync.control.api.WorkSource`)."""
         deadline = time.monotonic() + wait
+        body: dict[str, Any] = {"max_items": max_items, "wait": wait}
+        if version is not None:
+            body["version"] = int(version)
         try:
-            status, data = await self._call("lease", {"max_items": max_items, "wait": wait}, extra_time=wait)
+            status, data = await self._call("lease", body, extra_time=wait)
         except PeerUnreachable as exc:
             self.node.log.info("no lease: %s", exc)
             await asyncio.sleep(max(0.0, min(1.0, deadline - time.monotonic())))

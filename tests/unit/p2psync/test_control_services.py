@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import aiohttp
@@ -14,7 +15,7 @@ import pytest
 from p2psync import config, keys
 from p2psync.control.api import ResponseResult
 from p2psync.errors import LeaseExpired
-from p2psync.gossip.messages import CoordEntry, Delta, dumps
+from p2psync.gossip.messages import CoordEntry, Delta, Report, dumps
 from p2psync.gossip.signing import signer
 from p2psync.node import Node
 
@@ -92,6 +93,38 @@ def test_lease_api_errors_leave_state_untouched(tmp_path):
             assert (await _post(base + "/progress", {**prog, "logprobs": [-1.0, -1.0]}))[0] == 409
             assert tr.coordinator.table.counts()["queued"] == 1
             assert tr.coordinator.pending() == 1
+        finally:
+            await tr.close()
+
+    asyncio.run(go())
+
+
+def test_work_goes_by_the_version_a_lease_request_states_not_a_stale_gossip_report(tmp_path):
+    """A node's gossip report waits for its next gossip round; the version its lease request states
+    is fresher. A node that took the head since its report gets work at once; a bad version field is
+    refused with nothing granted; a later report (a restarted node, say) wins over an older request."""
+    k = Keys(tmp_path)
+
+    async def go():
+        tr = await Node.create(k.cfg("trainer", "trainer", control={"max_staleness": 1}))
+        try:
+            co, g = tr.coordinator, tr.gossip.gossip
+            co._head = lambda: 5  # the trainer published version 5
+            g.reports["a"] = (time.time(), Report("a", 0, (3,), 0.0, 0.0))  # last round a held 3
+            co.submit("w1", {"p": 1})
+            base = tr.address + "/v1/control"
+            status, got = await _post(base + "/lease", {"node": "a", "max_items": 1, "wait": 0.3})
+            assert status == 200 and got["grants"] == []  # 3 < 5 - 1: outside the bound
+            for bad in (-1, "5", True, 1.5):
+                status, err = await _post(base + "/lease", {"node": "a", "max_items": 1, "wait": 0, "version": bad})
+                assert status == 400 and "version" in err["error"]
+            assert co.table.counts()["queued"] == 1
+            status, got = await _post(base + "/lease", {"node": "a", "max_items": 1, "wait": 1, "version": 5})
+            assert status == 200 and [x["work_id"] for x in got["grants"]] == ["w1"]
+            co.submit("w2", {"p": 2})
+            g.reports["a"] = (time.time() + 1, Report("a", 1, (2,), 0.0, 0.0))  # restarted, holds 2 now
+            status, got = await _post(base + "/lease", {"node": "a", "max_items": 1, "wait": 0.3})
+            assert status == 200 and got["grants"] == []
         finally:
             await tr.close()
 

@@ -86,6 +86,8 @@ class MemoryWork:
     """Work ids whose lease is lost: progress/complete raise LeaseExpired."""
     held: dict[str, Grant] = field(default_factory=dict)
     requests: int = 0
+    request_versions: list = field(default_factory=list)
+    """The ``version`` each request said it generates with."""
     on_progress: Any = None
     """Optional async callback(work_id, response, offset, n_tokens), awaited inside progress()."""
     available: asyncio.Event | None = None
@@ -95,8 +97,9 @@ class MemoryWork:
         if self.available is not None:
             self.available.set()
 
-    async def request(self, max_items: int = 1, wait: float = 5.0) -> list[Grant]:
+    async def request(self, max_items: int = 1, wait: float = 5.0, version: int | None = None) -> list[Grant]:
         self.requests += 1
+        self.request_versions.append(version)
         if not self.queue:
             if self.available is None:
                 self.available = asyncio.Event()

@@ -103,6 +103,8 @@ def test_serves_batched_grants_and_streams_progress(tmp_path, versions, engine_f
             work.add(grant("b", _payload(9, seed=8, stop=[3]), responses=3))
             await _serve_until(w, lambda: len(work.completed) == 2)
             assert work.requests >= 1
+            # Each request states the version the engine generates with (the coordinator places by it).
+            assert work.request_versions and set(work.request_versions) == {w.engine.version} != {None}
             for wid, n, cap in (("a", 2, 13), ("b", 3, 9)):
                 res = work.completed[wid]
                 assert sorted(res) == list(range(n))
