@@ -53,6 +53,11 @@ it (:func:`p2psync.store.plan_catchup`: a snapshot is an edge from any version).
 reads every bucket into a fresh copy of the weights (host memory: one more copy of the published
 weights per pending version) and encodes raw segments instead of comparing.
 
+The trainer node's own copy takes each delta from the changes extracted here, checked against
+the signed target fingerprint (work proportional to the changed elements), instead of decoding
+the chunks it was just given (``verify_own=True`` restores that self-test of the encoder; every
+receiver decodes and checks every artifact either way).
+
 Contracts: versions are published in order, each a delta against the one before (a snapshot
 with ``full_weights``);
 a failure in the background is raised by the next ``publish``/``flush``/``close``
@@ -197,7 +202,8 @@ class Publisher:
                  bucket_bytes: int = 64 << 20, chunk_size: int = 1 << 20, threads: int = 2, zstd_level: int = 3,
                  max_pending: int = 2, optimizer: torch.optim.Optimizer | None = None, group: Any = None,
                  private_key: Any = None, loop: asyncio.AbstractEventLoop | None = None,
-                 on_record: Callable[[PublishRecord], None] | None = None, full_weights: bool = False) -> None:
+                 on_record: Callable[[PublishRecord], None] | None = None, full_weights: bool = False,
+                 verify_own: bool = False) -> None:
         if bucket_bytes < 4096:
             raise ConfigError("bucket_bytes", f"must be at least 4 KiB, got {bucket_bytes}")
         if max_pending < 1:
@@ -213,6 +219,11 @@ class Publisher:
         self.on_record = on_record
         self.full_weights = full_weights
         """Publish every version as a raw full snapshot instead of a delta (the full-weight baseline)."""
+        self.verify_own = verify_own
+        """True: the trainer node decodes every published delta from its chunks before taking it
+        (a self-test of the encoder, a full decode per step on the trainer's CPU). False: it takes
+        the changes extracted here, checked against the signed target fingerprint; receivers decode
+        and check every artifact either way. Sharded publishers always let the node decode."""
         self._snapshot_level = 0 if full_weights else zstd_level
         self.records: list[PublishRecord] = []
         self.version: int | None = None
@@ -480,6 +491,7 @@ class Publisher:
                 deltas: dict[int, tuple[int, int]] = {}
                 changed: dict[int, int] = {}
                 stats = SegmentStats()
+                own: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
                 for k, piece, pos, vals, jobs in changes:
                     for job in jobs:
                         r = job.result()
@@ -492,6 +504,8 @@ class Publisher:
                     deltas[piece.index] = _add(deltas.get(piece.index, (0, 0)), d)
                     changed[piece.index] = changed.get(piece.index, 0) + int(pos.shape[0])
                     words[pos] = vals  # the CPU copy is now this version
+                    if self._world == 1 and not self.verify_own:
+                        own.setdefault(piece.index, []).append((gpos, vals))
             finally:
                 self._base_ready.set()  # the next extraction may start (against the updated copy)
             part = _Part(list(pack_chunks(segments, self.opts.chunk_size)), deltas, changed, stats)
@@ -505,7 +519,12 @@ class Publisher:
                         target[i] = _add(target[i], d)
                 th = table_hash(self._specs)
                 art = self._artifact("delta", parts, fold_root(th, base), fold_root(th, target), target)
-                self._hand_off(p.version, p.version - 1, art, p.started, extract_s, t_enc)
+                mine = None
+                if self._world == 1 and not self.verify_own:
+                    mine = {i: xs[0] if len(xs) == 1 else (np.concatenate([x[0] for x in xs]),
+                                                           np.concatenate([x[1] for x in xs]))
+                            for i, xs in own.items()}
+                self._hand_off(p.version, p.version - 1, art, p.started, extract_s, t_enc, mine)
                 self._full_sums = target
         except BaseException as exc:  # noqa: BLE001 - kept and raised to the training loop
             if self._error is None:
@@ -570,8 +589,10 @@ class Publisher:
         return EncodedArtifact(kind, list(self._specs), chunks, base_fp, target_fp, list(target_sums), changed, stats)
 
     def _hand_off(self, version: int, base_version: int | None, art: EncodedArtifact, started: float,
-                  extract_s: float, t_enc: float) -> None:
-        """Rank 0: sign, give to the node (on its loop), wait, record."""
+                  extract_s: float, t_enc: float, changes: dict[int, tuple[np.ndarray, np.ndarray]] | None = None
+                  ) -> None:
+        """Rank 0: sign, give to the node (on its loop), wait, record. ``changes``: the delta's
+        changes for the node's own copy (:meth:`~p2psync.node.Node.publish`)."""
         m: Manifest = build_manifest(art, model_id=self.model_id, target_version=version,
                                      base_version=base_version, chunk_size=self.opts.chunk_size,
                                      private_key=self._private_key)
@@ -584,7 +605,8 @@ class Publisher:
             running = None
         if running is loop:
             raise P2PSyncError("publisher called on the node's event loop thread; use the async methods")
-        asyncio.run_coroutine_threadsafe(self.node.publish(m, art.chunks), loop).result()
+        pub = self.node.publish(m, art.chunks) if changes is None else self.node.publish(m, art.chunks, changes)
+        asyncio.run_coroutine_threadsafe(pub, loop).result()
         t_done = time.perf_counter()
         rec = PublishRecord(version, m.kind, m.target_fingerprint, sum(art.changed) if art.kind == "delta"
                             else sum(s.numel for s in self._specs), sum(s.numel for s in self._specs),

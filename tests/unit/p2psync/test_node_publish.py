@@ -163,3 +163,69 @@ def test_the_trainers_event_stream_tells_when_its_own_copy_reached_the_version(t
             await tr.close()
 
     asyncio.run(go())
+
+
+def _changes(old: ModelState, new: ModelState) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    out = {}
+    for i, name in enumerate(new):
+        pos = np.flatnonzero(old.words(name) != new.words(name)).astype(np.int64)
+        out[i] = (pos, new.words(name)[pos].copy())
+    return out
+
+
+def test_the_trainer_takes_the_publishers_changes_and_refuses_wrong_ones_untouched(tmp_path):
+    """With the changes the publisher extracted, the trainer's copy takes them without decoding its own
+    chunks: bit-exact when they are right; a changed word, an extra or out-of-range position or an
+    unknown tensor is refused with a typed error, the trainer's weights untouched and the artifact
+    withdrawn, and the follower (which decodes the chunks) never applies a wrong version."""
+    from p2psync.errors import CodecError
+
+    priv, tr_cfg, common = _configs(tmp_path)
+    states = _states()
+    arts = _artifacts(priv, states)
+
+    async def go():
+        tr = await Node.create(tr_cfg)
+        fol_cfg = config.load(overrides={**common, "id": "r", "role": "rollout", "data_dir": str(tmp_path / "r"),
+                                         "parents": [tr.address]})
+        fol = await Node.create(fol_cfg)
+        try:
+            await tr.publish(*arts[0])
+            ch = _changes(states[0], states[1])
+            pos, vals = ch[0]
+            wrong_word = {**ch, 0: (pos, np.concatenate([vals[:1] ^ np.uint16(1), vals[1:]]))}
+            extra_pos = {**ch, 0: (np.append(pos, pos[:1]), np.append(vals, vals[:1]))}
+            outside = {**ch, 0: (np.append(pos, 200_000), np.append(vals, vals[:1]))}
+            unknown = {**ch, 5: (pos[:1], vals[:1])}
+            for bad, err in ((wrong_word, FingerprintMismatch), (extra_pos, FingerprintMismatch),
+                             (outside, CodecError), (unknown, CodecError)):
+                with pytest.raises(err):
+                    await tr.publish(arts[1][0], arts[1][1], bad)
+                assert tr.version == 0 and _same(tr.state, states[0]) and tr.state.audit() == tr.fingerprint
+                assert arts[1][0].artifact_id not in tr.store.artifacts
+            applied = 0
+
+            def count_decodes(*a, **k):
+                nonlocal applied
+                applied += 1
+                return real(*a, **k)
+
+            from p2psync.codec import decode as dec
+
+            real = dec.Applier.add_chunks
+            dec.Applier.add_chunks = count_decodes
+            try:
+                await tr.publish(*arts[1], ch)
+            finally:
+                dec.Applier.add_chunks = real
+            assert applied == 0  # the trainer decoded nothing of its own artifact
+            assert tr.version == 1 and _same(tr.state, states[1]) and tr.state.audit() == tr.fingerprint
+            for v in (2, 3):
+                await tr.publish(*arts[v], _changes(states[v - 1], states[v]))
+            await asyncio.wait_for(fol.wait_version(3), 20)
+            assert _same(fol.state, states[3]) and fol.fingerprint == tr.fingerprint == arts[3][0].target_fingerprint
+        finally:
+            await fol.close()
+            await tr.close()
+
+    asyncio.run(go())

@@ -52,9 +52,12 @@ def _workload(lr: float = 1e-3) -> Workload:
     return Workload(build_model("tiny", seed=3), lr=lr, batch=2, seq=16, seed=3)
 
 
-@pytest.mark.parametrize("guarded", [False, True], ids=["inline", "optimizer-guard"])
-def test_follower_holds_the_trainers_bits_at_every_version(tmp_path, guarded):
-    """Lock-step versions compared bit for bit, then pipelined versions compared by fingerprint and at the end."""
+@pytest.mark.parametrize("guarded,verify_own", [(False, False), (True, False), (False, True)],
+                         ids=["inline", "optimizer-guard", "trainer-decodes-its-own"])
+def test_follower_holds_the_trainers_bits_at_every_version(tmp_path, guarded, verify_own):
+    """Lock-step versions compared bit for bit (on the follower and the trainer node, which takes the
+    publisher's changes, or decodes its own chunks with ``verify_own``), then pipelined versions
+    compared by fingerprint and at the end."""
     priv, tr_cfg, common = _configs(tmp_path)
     w = _workload()
     # A weight outside the optimizer, set by hand to bit patterns float arithmetic would not keep.
@@ -72,7 +75,7 @@ def test_follower_holds_the_trainers_bits_at_every_version(tmp_path, guarded):
         fol = await _follower(tmp_path, common, tr.address)
         try:
             pub = await Publisher.create(w.model, tr, bucket_bytes=64 << 10, chunk_size=64 << 10,
-                                         optimizer=w.opt if guarded else None)
+                                         optimizer=w.opt if guarded else None, verify_own=verify_own)
             assert pub.version == 0 and tr.version == 0
             expected = {0: w.published()}
             await fol.wait_version(0)
@@ -85,7 +88,8 @@ def test_follower_holds_the_trainers_bits_at_every_version(tmp_path, guarded):
                 expected[v] = w.published()
                 await fol.wait_version(v)
                 _same_bits(fol.state, expected[v])
-                assert fol.fingerprint == tr.fingerprint == pub.fingerprints[v]
+                _same_bits(tr.state, expected[v])
+                assert fol.fingerprint == tr.fingerprint == pub.fingerprints[v] == tr.state.audit()
             seen = []
 
             async def watch():
@@ -108,7 +112,8 @@ def test_follower_holds_the_trainers_bits_at_every_version(tmp_path, guarded):
                 if v in expected:
                     assert ModelState(expected[v]).fingerprint == fp
             _same_bits(fol.state, w.published())
-            assert fol.state.audit() == fol.fingerprint
+            _same_bits(tr.state, w.published())
+            assert fol.state.audit() == fol.fingerprint == tr.state.audit()
             held = fol.state.tensor("extra").float()
             assert held.isnan().any() and held.isinf().any() and (torch.signbit(held) & (held == 0)).any()
             recs = {r.version: r for r in pub.records}
@@ -175,9 +180,9 @@ def test_publish_overlaps_and_pending_versions_are_bounded(tmp_path):
             gate = asyncio.Event()
             real = tr.publish
 
-            async def gated(m, chunks):  # the node is slow to take the artifact (e.g. a busy disk)
+            async def gated(m, chunks, *changes):  # the node is slow to take the artifact (e.g. a busy disk)
                 await gate.wait()
-                await real(m, chunks)
+                await real(m, chunks, *changes)
 
             tr.publish = gated
             await asyncio.to_thread(w.step)
