@@ -240,7 +240,10 @@ class GRPORun:
         model_id = opts.model_path or f"preset:{opts.preset}"
         self.pub = await Publisher.create(self.model, node, model_id=model_id, threads=opts.publish_threads,
                                           chunk_size=opts.chunk_size, on_record=self._on_record,
-                                          full_weights=opts.sync == "full")
+                                          full_weights=opts.sync == "full",
+                                          # extraction runs beside the next batch's forward/backward;
+                                          # the optimizer's next step waits for it
+                                          optimizer=self.trainer.opt)
         if opts.rollouts == "local":
             from trainer.local import InProcessRollouts
 
