@@ -3,7 +3,7 @@
 
 HTTP (JSON bodies, behind the cluster-token guard)::
 
-    POST /v1/control/lease        {node, max_items, wait}                      -> {grants, ttl}
+    POST /v1/control/lease        {node, max_items, wait, version?}            -> {grants, ttl}
     POST /v1/control/renew        {node, work_id, lease_id}                    -> {expires_at}
     POST /v1/control/progress     {node, work_id, lease_id, response, offset,
                                    tokens, logprobs, versions, finish_reason?} -> {have}
@@ -28,8 +28,9 @@ Contracts:
   :class:`~p2psync.schedule.Scheduler` over the nodes waiting now plus the nodes
   busy with leases (their estimated finish times), so a long prompt group waits
   for a fast node that frees up soon rather than going to a slow one now. Only
-  a node within the staleness bound (reported version >= head - max_staleness)
-  gets work.
+  a node within the staleness bound (version >= head - max_staleness) gets
+  work; its version is what its latest lease request said it generates with
+  (``version``), or its gossip report if that arrived later.
 - Expired leases return their work, with its tokens, to the front of the queue
   (the lease timer) and the waiting nodes are served again at once.
 """
