@@ -15,6 +15,7 @@ per-chunk hashes.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -63,7 +64,9 @@ def table_hash(specs: Iterable[TensorSpec]) -> str:
     return xxhash.xxh3_128_hexdigest(text.encode())
 
 
+@functools.lru_cache(maxsize=4096)
 def tensor_seed(name: str) -> np.uint64:
+    """The per-tensor seed of the element hashes (cached: decoding asks once per segment)."""
     return np.uint64(xxhash.xxh3_64_intdigest(name.encode(), seed=0x5032505359))
 
 

@@ -14,6 +14,11 @@ machine's memcpy GB/s measured in the same run; peak extra memory while
 encoding as a fraction of the model size.
 
     .venv/bin/python tools/bench_codec.py --json docs/benchmarks/codec.json
+
+``--latency`` reports milliseconds per delta on one thread instead (small models, where the
+fixed cost per segment matters):
+
+    .venv/bin/python tools/bench_codec.py --latency --preset tiny --lrs 1e-2,1e-3 --warmup 3 --repeats 40
 """
 
 from __future__ import annotations
@@ -107,6 +112,51 @@ def encode_extra_memory(prev: ModelState, cur: ModelState) -> int:
     return peak
 
 
+def latency_ms(args: argparse.Namespace, lr: float) -> dict:
+    """Milliseconds per delta on one thread, for small models where the fixed cost per segment
+    matters (the demo's tiny model: 24 tensors, ~97 % of words change at lr 1e-2). Medians and
+    minima of ``--repeats`` runs, wall and thread CPU time; each decode starts from its own copy
+    of the base, as a node's does."""
+    model = build_model(args.preset, seed=0)
+    work = Workload(model, lr=lr, batch=args.batch, seq=args.seq)
+    for _ in range(args.warmup):
+        work.step()
+    prev = ModelState(work.published())
+    work.step()
+    cur = ModelState(work.published())
+    opts = CodecOptions(threads=1)
+    prev.tensor_sums()
+    enc = encode_delta(prev, cur, opts)
+    bases = [prev.clone() for _ in range(args.repeats + 3)]
+    for b in bases:
+        b.tensor_sums()
+
+    def timed(fn) -> dict:
+        walls, cpus = [], []
+        for i in range(args.repeats + 3):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            fn(i)
+            if i >= 3:  # warm-up runs
+                walls.append(1e3 * (time.perf_counter() - t0))
+                cpus.append(1e3 * (time.thread_time() - c0))
+        return {"wall_median_ms": statistics.median(walls), "cpu_median_ms": statistics.median(cpus),
+                "cpu_min_ms": min(cpus)}
+
+    def decode(i: int) -> None:
+        ap = Applier(bases[i], kind="delta", specs=enc.specs, n_chunks=len(enc.chunks),
+                     target_fingerprint=enc.target_fingerprint, base_fingerprint=enc.base_fingerprint)
+        ap.add_chunks(enumerate(enc.chunks), 1)
+        ap.commit()
+
+    out = {"lr": lr, "changed_fraction": sum(enc.changed) / sum(s.numel for s in enc.specs),
+           "payload_bytes": sum(map(len, enc.chunks)),
+           "decode_apply": timed(decode), "encode": timed(lambda i: encode_delta(prev, cur, opts))}
+    print(f"  lr {lr:g}: {out['changed_fraction']:.2%} changed; decode+apply {out['decode_apply']['cpu_median_ms']:.2f} ms "
+          f"CPU median ({out['decode_apply']['cpu_min_ms']:.2f} min), encode {out['encode']['cpu_median_ms']:.2f} ms "
+          f"({out['encode']['cpu_min_ms']:.2f} min)", flush=True)
+    return out
+
+
 def run_lr(args: argparse.Namespace, lr: float) -> dict:
     model = build_model(args.preset, seed=0)
     work = Workload(model, lr=lr, batch=args.batch, seq=args.seq)
@@ -172,8 +222,18 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--json", help="write results here")
+    ap.add_argument("--latency", action="store_true",
+                    help="only milliseconds per delta on one thread (e.g. --preset tiny --lrs 1e-2,1e-3 --repeats 40)")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    if args.latency:
+        results = {"command": " ".join([".venv/bin/python", "tools/bench_codec.py", *sys.argv[1:]]),
+                   "preset": args.preset, "loadavg_start": os.getloadavg(),
+                   "runs": [latency_ms(args, float(x)) for x in args.lrs.split(",")], "loadavg_end": os.getloadavg()}
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return
     model_bytes = sum(p.numel() for p in build_model(args.preset).parameters()) * 2
     results = {
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, {platform.python_version()}",

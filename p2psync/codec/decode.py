@@ -16,17 +16,17 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from p2psync import dtypes
-from p2psync.codec import context, kernels
+from p2psync.codec import context, kernels, segdecode
 from p2psync.codec.encode import CHUNK_MAGIC, CHUNK_VERSION
 from p2psync.codec.segment import (
     KIND_DELTA,
     KIND_RAW,
     ParsedSegment,
     SegmentStats,
+    parse_head,
     parse_segment,
     unpack_payload,
 )
-from p2psync.codec.sparse import decode_changes
 from p2psync.codec.wire import Reader
 from p2psync.errors import (
     CodecError,
@@ -65,8 +65,11 @@ def chunk_stats(chunk: bytes | memoryview) -> SegmentStats:
 
 
 def _decode_delta(p: ParsedSegment, spec: TensorSpec, old: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
-    """(positions, new words, fingerprint sum change) of one delta segment against ``old``."""
-    return decode_changes(p, dtypes.from_code(spec.dtype), old, tensor_seed(spec.name))
+    """(positions, new words, fingerprint sum change) of one delta segment against ``old``
+    (``p`` from :func:`~p2psync.codec.segment.parse_head` or ``parse_segment``)."""
+    assert p.raw is not None
+    return segdecode.decode(p.raw, p.body_at, p.start, p.stop, dtypes.from_code(spec.dtype), old,
+                            tensor_seed(spec.name))
 
 
 def _unplanes_into(buf: bytes | memoryview, dest: np.ndarray) -> None:
@@ -177,7 +180,7 @@ class Applier:
                 raise CodecError(f"chunk {index} given twice")
 
     def _decode_segment(self, seg: memoryview) -> tuple[int, tuple]:
-        p = parse_segment(seg)
+        p = parse_head(seg)
         if p.tensor >= len(self.state.specs):
             raise CodecError(f"segment names tensor #{p.tensor}, table has {len(self.state.specs)}")
         spec = self.state.specs[p.tensor]

@@ -92,6 +92,14 @@ def hash_sparse(positions, values, seed):
     return a, b
 
 
+@njit(nogil=True, cache=True, inline="always")
+def change_lanes(pos, wo, wn, s):
+    """What replacing the word ``wo`` at ``pos`` by ``wn`` adds to the two lanes (one position mix)."""
+    m = _mix64(_U64(pos) * _GOLD + s)
+    r = (m << _S32) | (m >> _S32)
+    return _mix64(wn + m) - _mix64(wo + m), _mix64((wn ^ _GOLD) + r) - _mix64((wo ^ _GOLD) + r)
+
+
 @njit(nogil=True, cache=True)
 def hash_change(positions, old_values, new_values, seed):
     """Lanes of the new words minus lanes of the old words at ``positions``: what replacing
@@ -100,12 +108,9 @@ def hash_change(positions, old_values, new_values, seed):
     b = _U64(0)
     s = _U64(seed)
     for j in range(positions.shape[0]):
-        m = _mix64(_U64(positions[j]) * _GOLD + s)
-        r = (m << _S32) | (m >> _S32)
-        wo = _U64(old_values[j])
-        wn = _U64(new_values[j])
-        a += _mix64(wn + m) - _mix64(wo + m)
-        b += _mix64((wn ^ _GOLD) + r) - _mix64((wo ^ _GOLD) + r)
+        da, db = change_lanes(positions[j], _U64(old_values[j]), _U64(new_values[j]), s)
+        a += da
+        b += db
     return a, b
 
 
@@ -459,7 +464,14 @@ def locate(old, start, stop, consts, counts, ranks, pos_out, old_out):
 
     The per-bucket state lives in scalars, not arrays, so that it stays in registers (the
     output stores could alias an array), and the k-th element of a bucket's mask is found with
-    :func:`~p2psync.codec.simd.select64` (``pdep`` where it is fast)."""
+    :func:`~p2psync.codec.simd.select64` (``pdep`` where it is fast).
+
+    Dense fast path (learning rates that change most elements): when every element of a bucket
+    in the block is wanted (the next rank is the bucket's first in the block and the rank
+    ``count - 1`` slots on is its last: ranks strictly increase, so those two decide), the
+    positions are the mask's set bits in order, with no select each (392 -> 280 us for the tiny
+    model's delta at lr 1e-2). The check is written out per bucket: an inlined helper made the
+    loop 2x slower (measured)."""
     total = ranks.shape[0]
     if total == 0:
         return 0
@@ -497,6 +509,16 @@ def locate(old, start, stop, consts, counts, ranks, pos_out, old_out):
             g1, g2, g3 = _gt3_tail(old, blk, stop - blk, consts)
         bm = g0 & ~g1
         top = c0 + np.int64(popcount64(bm))
+        cnt = top - c0
+        if w0 == c0 and cnt > 0 and n0 + cnt <= e0 and ranks[n0 + cnt - 1] == top - 1:
+            m = bm  # dense: every element of the bucket in the block is wanted
+            while m:
+                p = blk + np.int64(ctz64(m))
+                pos_out[n0] = p
+                old_out[n0] = old[p]
+                n0 += 1
+                m &= m - _ONE
+            w0 = ranks[n0] if n0 < e0 else span
         while w0 < top:
             p = blk + select64(bm, w0 - c0)
             pos_out[n0] = p
@@ -506,6 +528,16 @@ def locate(old, start, stop, consts, counts, ranks, pos_out, old_out):
         c0 = top
         bm = g1 & ~g2
         top = c1 + np.int64(popcount64(bm))
+        cnt = top - c1
+        if w1 == c1 and cnt > 0 and n1 + cnt <= e1 and ranks[n1 + cnt - 1] == top - 1:
+            m = bm  # dense: every element of the bucket in the block is wanted
+            while m:
+                p = blk + np.int64(ctz64(m))
+                pos_out[n1] = p
+                old_out[n1] = old[p]
+                n1 += 1
+                m &= m - _ONE
+            w1 = ranks[n1] if n1 < e1 else span
         while w1 < top:
             p = blk + select64(bm, w1 - c1)
             pos_out[n1] = p
@@ -515,6 +547,16 @@ def locate(old, start, stop, consts, counts, ranks, pos_out, old_out):
         c1 = top
         bm = g2 & ~g3
         top = c2 + np.int64(popcount64(bm))
+        cnt = top - c2
+        if w2 == c2 and cnt > 0 and n2 + cnt <= e2 and ranks[n2 + cnt - 1] == top - 1:
+            m = bm  # dense: every element of the bucket in the block is wanted
+            while m:
+                p = blk + np.int64(ctz64(m))
+                pos_out[n2] = p
+                old_out[n2] = old[p]
+                n2 += 1
+                m &= m - _ONE
+            w2 = ranks[n2] if n2 < e2 else span
         while w2 < top:
             p = blk + select64(bm, w2 - c2)
             pos_out[n2] = p
@@ -523,6 +565,16 @@ def locate(old, start, stop, consts, counts, ranks, pos_out, old_out):
             w2 = ranks[n2] if n2 < e2 else span
         c2 = top
         top = c3 + np.int64(popcount64(g3))
+        cnt = top - c3
+        if w3 == c3 and cnt > 0 and n3 + cnt <= e3 and ranks[n3 + cnt - 1] == top - 1:
+            m = g3  # dense: every element of the bucket in the block is wanted
+            while m:
+                p = blk + np.int64(ctz64(m))
+                pos_out[n3] = p
+                old_out[n3] = old[p]
+                n3 += 1
+                m &= m - _ONE
+            w3 = ranks[n3] if n3 < e3 else span
         while w3 < top:
             p = blk + select64(g3, w3 - c3)
             pos_out[n3] = p

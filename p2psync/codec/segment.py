@@ -28,7 +28,7 @@ import zstandard
 
 from p2psync.codec import rice
 from p2psync.codec.wire import Reader
-from p2psync.errors import CodecError
+from p2psync.errors import CodecError, TruncatedError
 
 KIND_DELTA = 1
 KIND_RAW = 2
@@ -133,17 +133,23 @@ def pack_payload(data: bytes, level: int) -> tuple[int, bytes]:
     return CODEC_RAW, data
 
 
+def decompress(data: bytes | memoryview | np.ndarray, max_size: int) -> bytes:
+    """A zstd frame (with this thread's decompressor); ``max_size`` bounds frames that do not
+    state their size."""
+    d = getattr(_zstd, "d", None)
+    if d is None:
+        d = _zstd.d = zstandard.ZstdDecompressor()
+    try:
+        return d.decompress(data, max_output_size=max_size)
+    except zstandard.ZstdError as exc:
+        raise CodecError(f"segment: payload does not decompress ({exc})") from None
+
+
 def unpack_payload(codec: int, data: memoryview, size: int) -> bytes | memoryview:
     if codec == CODEC_RAW:
         return data
     if codec == CODEC_ZSTD:
-        d = getattr(_zstd, "d", None)
-        if d is None:
-            d = _zstd.d = zstandard.ZstdDecompressor()
-        try:
-            out = d.decompress(bytes(data), max_output_size=size)
-        except zstandard.ZstdError as exc:
-            raise CodecError(f"segment: payload does not decompress ({exc})") from None
+        out = decompress(data, size)
         if len(out) != size:
             raise CodecError(f"segment: payload decompresses to {len(out)} bytes, expected {size}")
         return out
@@ -176,6 +182,24 @@ class ParsedSegment:
     res: memoryview | None = None
     """delta: the residual section; raw: the payload."""
     stats: SegmentStats | None = None
+    raw: memoryview | None = None
+    """The whole segment."""
+    body_at: int = 0
+    """Offset in :attr:`raw` of what follows the common header."""
+
+
+def parse_head(buf: memoryview) -> ParsedSegment:
+    """The common header of a segment (kind, tensor, range) and, in :attr:`ParsedSegment.raw`, the
+    segment itself: what the one-call delta decoder (``segdecode``) starts from. Raw segments are
+    parsed whole."""
+    if len(buf) < _HEAD.size:
+        raise TruncatedError(f"segment: truncated (needs {_HEAD.size} bytes, has {len(buf)})")
+    kind, tensor, start, stop = _HEAD.unpack_from(buf)
+    if kind != KIND_DELTA:
+        return parse_segment(buf)
+    if stop < start:
+        raise CodecError("segment: range ends before it starts")
+    return ParsedSegment(kind, tensor, start, stop, raw=buf, body_at=_HEAD.size)
 
 
 def parse_segment(buf: memoryview) -> ParsedSegment:
@@ -189,7 +213,8 @@ def parse_segment(buf: memoryview) -> ParsedSegment:
         payload = r.take(length)
         r.done()
         return ParsedSegment(
-            kind, tensor, start, stop, res_codec=codec, res=payload, stats=SegmentStats(header=r.pos - length, raw=length)
+            kind, tensor, start, stop, res_codec=codec, res=payload, stats=SegmentStats(header=r.pos - length, raw=length),
+            raw=r.buf, body_at=_HEAD.size,
         )
     if kind != KIND_DELTA:
         raise CodecError(f"segment: unknown kind {kind}")
@@ -212,5 +237,5 @@ def parse_segment(buf: memoryview) -> ParsedSegment:
     res = r.take(len(r.buf) - r.pos)
     return ParsedSegment(
         kind, tensor, start, stop, n, thresholds, counts, ks, unary, rem, 0, res,
-        SegmentStats(header=head, positions=ulen + rlen, residuals=len(res), changed=n),
+        SegmentStats(header=head, positions=ulen + rlen, residuals=len(res), changed=n), r.buf, _HEAD.size,
     )

@@ -170,7 +170,11 @@ def decode_changes(p: ParsedSegment, d: DType, old: np.ndarray, seed: np.uint64
                    ) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
     """(positions, new words, fingerprint sum change) of a parsed delta segment against ``old``.
 
-    Positions come bucket after bucket (each bucket's in increasing order), all distinct."""
+    Positions come bucket after bucket (each bucket's in increasing order), all distinct.
+
+    The step-by-step decoder, one stage per call: the readable statement of what decoding a
+    segment means. :func:`p2psync.codec.segdecode.decode` does the same in one compiled call and is
+    what appliers use; tests hold the two to the same results and errors on every input."""
     assert p.thresholds is not None and p.counts is not None and p.ks is not None
     assert p.unary is not None and p.rem is not None and p.res is not None
     if p.thresholds.shape[0] and d.exp_mask == 0:
