@@ -5,4 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/bootstrap.sh test
 bash tools/ensure_chromium.sh || echo "tools/test.sh: could not install chromium; the /ui browser test will skip" >&2
+# Compile the codec kernels once (numba caches them beside the source), not in many test node processes at once.
+.venv/bin/python -c "from p2psync.codec.decode import warm_up; warm_up()"
 exec .venv/bin/python -m pytest -q "$@"

@@ -100,6 +100,14 @@ def run_demo(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt(f"signal {signum}")
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _terminate)
+    # Compile the codec's kernels once here (numba caches them beside the source) rather than in
+    # every node process at once: on a fresh checkout that is ~7 compilations racing on the cores.
+    t_warm = time.time()
+    from p2psync.codec.decode import warm_up
+
+    warm_up()
+    if time.time() - t_warm > 5:
+        con.print(f"compiled the codec kernels in {time.time() - t_warm:.0f} s (cached for later runs)")
     cluster, events = start_cluster(args, out)
     mon = Monitor(cluster, out / "metrics.jsonl", events, versions_path=out / "versions.jsonl")
     mon.start()
