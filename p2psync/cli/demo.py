@@ -32,10 +32,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--groups-per-step", type=int, default=None, help="prompt groups per optimizer step")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the trainer's)")
     p.add_argument("--max-staleness", type=int, default=1, help="versions a rollout may lag (default 1)")
-    p.add_argument("--switch", choices=("batch", "step"), default="batch",
-                   help="when a rollout node takes a new version: between batches (default; the demo's batches "
-                        "take a fraction of a second) or between decode steps (fresher tokens, but the transformers "
-                        "engine then re-prefills the running batch under the new weights)")
+    p.add_argument("--switch", choices=("step", "batch"), default="step",
+                   help="when a rollout node takes a new version: between decode steps (default: fresher tokens; "
+                        "the transformers engine then re-prefills the running batch under the new weights) or "
+                        "only between batches (no re-prefill, but a version waits for the batch to end)")
     p.add_argument("--no-sync", action="store_true",
                    help="do not publish after step 0 (rollouts keep the initial weights: the no-sync baseline)")
     p.add_argument("--seed", type=int, default=0)
