@@ -84,6 +84,10 @@ class LimitsConfig:
     """Seconds between keep-alive comments on the head event stream."""
     poll_interval: float = 5.0
     """Seconds between catalogue polls of the parent, a backstop for a lost event."""
+    decode_nice: int = 5
+    """Decoding and applying artifacts runs in threads this many steps of ``nice`` below the node
+    (Linux, per thread; 0: same priority), so that on cores shared with other nodes or with
+    generation, receiving, verifying and forwarding chunks to children comes first."""
     push_bytes: int = 16 << 20
     """Deltas up to this payload size are pushed whole down a child's open stream (manifest and
     chunks, verified by the child as if pulled: one one-way delay instead of two round trips per
@@ -305,6 +309,8 @@ class NodeConfig:
         for name in ("max_header_bytes", "max_body_bytes", "parallel_streams"):
             if getattr(lim, name) < 1:
                 raise ConfigError(f"limits.{name}", "must be at least 1")
+        if not 0 <= lim.decode_nice <= 19:
+            raise ConfigError("limits.decode_nice", f"must be 0..19, got {lim.decode_nice}")
         if lim.max_header_bytes < 256:
             raise ConfigError("limits.max_header_bytes", "must be at least 256")
         for name in ("idle_timeout", "stall_timeout", "chunk_wait_timeout", "retry_after", "avoid_seconds",

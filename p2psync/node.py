@@ -34,10 +34,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import stat
+import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -67,6 +70,18 @@ logger = logging.getLogger(__name__)
 
 _CHILD_TTL = 30.0
 _LOG_KEEP = 1024
+
+
+def _lower_thread_priority(steps: int) -> None:
+    """Pool initializer: run this thread ``steps`` of ``nice`` below the process (Linux threads carry
+    their own nice value; threads they start inherit it). Elsewhere, or if refused: unchanged."""
+    if steps <= 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + steps))
+    except OSError:
+        pass
 
 
 def _apply_changes(state: ModelState | None, manifest: Manifest, changes: dict[int, tuple[Any, Any]]) -> ModelState:
@@ -136,6 +151,10 @@ class Node:
         self._no_push: set[str] = set()
         self._decoded: OrderedDict[str, tuple[dict, list[tuple[int, int]]]] = OrderedDict()
         self._decoded_lock = threading.Lock()
+        self._decode_pool = ThreadPoolExecutor(config.limits.parallel_streams + 2, thread_name_prefix="p2psync-apply",
+                                               initializer=_lower_thread_priority,
+                                               initargs=(config.limits.decode_nice,))
+        """Decode and apply threads (at ``limits.decode_nice`` below the node's other threads)."""
         self._children: dict[str, tuple[str, float]] = {}
         self._upstream_cat: Catalogue | None = None
         self._wake = asyncio.Event()
@@ -229,6 +248,7 @@ class Node:
             await self._client.close()
         if self._runner is not None:
             await self._runner.cleanup()
+        self._decode_pool.shutdown(wait=False, cancel_futures=True)
         self.log.info("stopped at version %s", self.version)
 
     async def __aenter__(self) -> Node:
@@ -368,7 +388,7 @@ class Node:
                 self._remember_decoded(manifest.artifact_id, ap.changes, ap.state.tensor_sums())
             return ap.state, fp
 
-        state, fp = await asyncio.to_thread(work)
+        state, fp = await asyncio.get_running_loop().run_in_executor(self._decode_pool, work)
         self.state, self.version, self.fingerprint = state, manifest.target_version, fp
         self.metrics.inc("p2psync_versions_applied_total")
         self.metrics.set("p2psync_version", manifest.target_version)
@@ -702,7 +722,7 @@ class Node:
         manifest = art.manifest
         applier = await asyncio.to_thread(Applier.onto, self.state, manifest)
         # Chunks decode in worker threads while later ones download (bounded, so memory is too).
-        decode = Pipeline(applier.add_chunk, self.config.limits.parallel_streams + 2)
+        decode = Pipeline(applier.add_chunk, self.config.limits.parallel_streams + 2, self._decode_pool)
         submitted: set[int] = set()
 
         async def submit(i: int, data: bytes | memoryview) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from p2psync.artifact import Manifest
 from p2psync.errors import ChunkHashMismatch, PeerUnreachable
@@ -104,8 +105,9 @@ class Pipeline:
     fails is raised by the next :meth:`submit` or by :meth:`drain`.
     """
 
-    def __init__(self, fn: Callable[[int, bytes | memoryview], object], depth: int) -> None:
+    def __init__(self, fn: Callable[[int, bytes | memoryview], object], depth: int, executor: Any = None) -> None:
         self._fn = fn
+        self._executor = executor
         self._slots = asyncio.Semaphore(max(1, depth))
         self._pending: set[asyncio.Future] = set()
         self._error: BaseException | None = None
@@ -113,7 +115,7 @@ class Pipeline:
     async def submit(self, index: int, data: bytes | memoryview) -> None:
         self._raise()
         await self._slots.acquire()
-        fut = asyncio.get_running_loop().run_in_executor(None, self._fn, index, data)
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, self._fn, index, data)
         self._pending.add(fut)
         fut.add_done_callback(self._done)
 

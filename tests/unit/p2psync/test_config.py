@@ -59,6 +59,8 @@ def test_parse_overrides_nests_dotted_keys():
     (["--listen.port=70000"], "listen.port"),
     (["--limits.stall_timeout=0"], "limits.stall_timeout"),
     (["--limits.parallel_streams=abc"], "limits.parallel_streams"),
+    (["--limits.decode_nice=20"], "limits.decode_nice"),
+    (["--limits.decode_nice=-1"], "limits.decode_nice"),
     (["--limits.nonsense=1"], "limits.nonsense"),
     (["--parents=ftp://x"], "parents"),
     (["--cluster_token=short"], "cluster_token"),

@@ -229,3 +229,32 @@ def test_the_trainer_takes_the_publishers_changes_and_refuses_wrong_ones_untouch
             await tr.close()
 
     asyncio.run(go())
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="per-thread nice is Linux")
+def test_decode_threads_run_below_the_node_and_pass_it_on_to_threads_they_start(tmp_path):
+    """A node's decode/apply threads are ``limits.decode_nice`` below its other threads (so that on shared
+    cores receiving and forwarding come first), threads they start inherit it, and the loop's are unchanged."""
+    import os
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    _, tr_cfg, _ = _configs(tmp_path)
+
+    async def go():
+        tr = await Node.create(tr_cfg)
+        try:
+            mine = nice()
+            pool = tr._decode_pool
+            inner = pool.submit(lambda: (nice(), ThreadPoolExecutor(1).submit(nice).result())).result()
+            assert inner == (min(19, mine + tr.config.limits.decode_nice),) * 2
+            assert nice() == mine
+        finally:
+            await tr.close()
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    asyncio.run(go())
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base
