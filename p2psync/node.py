@@ -720,6 +720,21 @@ class Node:
             m = await self.upstream.manifest(aid, lambda m: m.verify(self.public_key))
             art = self.store.add_manifest(m)
         manifest = art.manifest
+        t0 = time.perf_counter()
+        # Children hear of it first (cut-through: they fetch, or are pushed, each chunk the moment
+        # it is verified here), before this node spends anything on its own decode and apply.
+        self.board.begin(aid, len(manifest.chunks))
+        self.heads.bump()
+        try:
+            await self._receive_apply(art, t0)
+        finally:
+            self.board.end(aid)
+            self.heads.bump()
+
+    async def _receive_apply(self, art: Any, t0: float) -> None:
+        manifest = art.manifest
+        aid = manifest.artifact_id
+        assert self.upstream is not None
         applier = await asyncio.to_thread(Applier.onto, self.state, manifest)
         # Chunks decode in worker threads while later ones download (bounded, so memory is too).
         decode = Pipeline(applier.add_chunk, self.config.limits.parallel_streams + 2, self._decode_pool)
@@ -739,20 +754,18 @@ class Node:
                                  await asyncio.to_thread(self.store.read_chunk, aid, i))
 
         await submit_held()
-        self.board.begin(aid, len(manifest.chunks))
-        self.heads.bump()  # children may start fetching now: cut-through
-        try:
-            if self._pushes.manifest(aid) is not None:
-                await self._take_pushed(art, submit_held)
-            await submit_held()  # no await between its last look and fetch_chunks' look at the store
-            await fetch_chunks(self.upstream, self.store, self.board, manifest,
-                               self.config.limits.parallel_streams, submit)
-            self.heads.bump()  # held complete (listed so) while it decodes and applies
-            await decode.drain()
-            await self._commit(manifest, applier=applier)
-        finally:
-            self.board.end(aid)
-            self.heads.bump()
+        pushed = len(submitted)
+        if self._pushes.manifest(aid) is not None:
+            await self._take_pushed(art, submit_held)
+            pushed = len(submitted)
+        await submit_held()  # no await between its last look and fetch_chunks' look at the store
+        await fetch_chunks(self.upstream, self.store, self.board, manifest,
+                           self.config.limits.parallel_streams, submit)
+        self.heads.bump()  # held complete (listed so) while it decodes and applies
+        self.log.info("holds %s: %d chunks (%d held or pushed) %.3f s after its manifest", aid,
+                      len(manifest.chunks), pushed, time.perf_counter() - t0)
+        await decode.drain()
+        await self._commit(manifest, applier=applier)
 
     async def _take_pushed(self, art: Any, submit_held: Any) -> None:
         """Decode pushed chunks as they arrive, until all are here or the push stalls for

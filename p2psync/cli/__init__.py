@@ -36,7 +36,8 @@ def _install_logging(level: str, as_json: bool) -> None:
 
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
+        fmt = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
+        handler.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
