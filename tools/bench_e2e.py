@@ -31,6 +31,31 @@ def run_once(out: Path, extra: list[str]) -> dict:
     return summary
 
 
+def sync_latency(out: Path) -> dict | None:
+    """Per version: publish called (the optimizer step had ended) -> the last rollout engine serving
+    it. At k = 1 the next-but-one batch can only start after this, so a step waits whenever this
+    latency plus one batch's generation exceeds a training step."""
+    try:
+        started = {}
+        for line in (out / "versions.jsonl").read_text().splitlines():
+            v = json.loads(line)
+            if "started" in v and v["version"] > 1:  # version 1: codec and engine warm-up
+                started[v["version"]] = v["started"]
+        serving: dict[int, float] = {}
+        for f in (out / "events").glob("*.jsonl"):
+            for line in f.read_text().splitlines():
+                e = json.loads(line)
+                if e.get("event") == "switch" and e["version"] in started:
+                    serving[e["version"]] = max(serving.get(e["version"], 0.0), e["time"])
+    except (OSError, ValueError, KeyError):
+        return None
+    lat = sorted(serving[v] - started[v] for v in serving)
+    if not lat:
+        return None
+    return {"median_s": round(statistics.median(lat), 4), "p90_s": round(lat[int(0.9 * (len(lat) - 1))], 4),
+            "versions": len(lat)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
@@ -56,6 +81,9 @@ def main() -> int:
         "step_ratio": (synced["median_step_s"] / unsynced["median_step_s"])
         if synced["median_step_s"] and unsynced["median_step_s"] else None,
         "switch_s": synced["median_switch_s"], "batch_s": synced["median_batch_s"],
+        "sync_latency": sync_latency(Path(a.out) / f"sync-{a.rounds - 1}" if a.rounds > 1 else Path(a.out) / "sync"),
+        "train_s_sync": synced.get("median_train_s"), "train_s_nosync": unsynced.get("median_train_s"),
+        "wait_s_sync": synced.get("median_wait_s"), "wait_s_nosync": unsynced.get("median_wait_s"),
         "switch_fraction": (synced["median_switch_s"] / synced["median_batch_s"])
         if synced["median_switch_s"] is not None and synced["median_batch_s"] else None,
         "fingerprints_checked": synced["fingerprints_checked"], "mismatches": len(synced["mismatches"]),

@@ -260,7 +260,9 @@ class GRPORun:
     # --- bookkeeping ----------------------------------------------------------------------------
     def _on_record(self, rec: Any) -> None:
         """Publisher thread: a version is published; write its step's metrics line."""
-        self.versions.write({"version": rec.version, "fingerprint": rec.fingerprint, "time": rec.published_at})
+        # started: the optimizer step had ended and publish was called (the sync latency's start)
+        self.versions.write({"version": rec.version, "fingerprint": rec.fingerprint, "time": rec.published_at,
+                             "started": rec.published_at - rec.total_s})
         row = self._steps.pop(rec.version, None)
         if row is None:
             return

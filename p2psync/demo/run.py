@@ -187,6 +187,8 @@ def run_demo(args: argparse.Namespace) -> int:
         "payload_bytes_total": sum(s.get("payload_bytes", 0) for s in steps),
         "full_bytes_total": sum(s.get("full_bytes", 0) for s in steps),
         "median_step_s": _median([s.get("step_s") for s in steps if s.get("step_s") is not None]),
+        "median_train_s": _median([s.get("train_s") for s in steps if s.get("train_s") is not None]),
+        "median_wait_s": _median([s.get("wait_s") for s in steps if s.get("wait_s") is not None]),
         "median_switch_s": _median(switch_s), "median_batch_s": _median(batch_s),
         "median_region_s": {r: _median([t[r] for t in rt.values() if r in t])
                             for r in sorted({r for t in rt.values() for r in t})},
