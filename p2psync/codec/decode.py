@@ -308,7 +308,8 @@ def decode_state(specs: list[TensorSpec], chunks: Iterable[tuple[int, bytes | me
 
 
 def warm_up(codes: Iterable[str] = ("BF16", "F16", "F32")) -> None:
-    """Import torch and load the compiled kernels of the apply path for ``codes`` (dtype codes).
+    """Import torch and load the compiled kernels of the apply path, and of both encode paths, for
+    ``codes`` (dtype codes).
 
     The first decode in a process otherwise pays for ``import torch`` and for numba loading
     its cached kernels (seconds, both): a node calls this in the background when it starts,
@@ -317,7 +318,12 @@ def warm_up(codes: Iterable[str] = ("BF16", "F16", "F32")) -> None:
     """
     import torch
 
-    from p2psync.codec.encode import CodecOptions, encode_delta, encode_snapshot
+    from p2psync.codec.encode import (
+        CodecOptions,
+        encode_delta,
+        encode_delta_sparse,
+        encode_snapshot,
+    )
 
     opts = CodecOptions(chunk_size=64 << 10, threads=1, segment_elements=4096, zstd_level=1)
     for code in codes:
@@ -336,6 +342,8 @@ def warm_up(codes: Iterable[str] = ("BF16", "F16", "F32")) -> None:
         snap = encode_snapshot(old, opts)
         got = decode_state(old.specs, enumerate(snap.chunks), len(snap.chunks), snap.target_fingerprint, 1)
         delta = encode_delta(old, new, opts)
+        pos = np.flatnonzero(old.words("w") != w)
+        encode_delta_sparse(old, {"w": (pos, w[pos])}, opts)  # the publisher's path (changes found elsewhere)
         ap = Applier(got, kind="delta", specs=got.specs, n_chunks=len(delta.chunks),
                      target_fingerprint=delta.target_fingerprint, base_fingerprint=delta.base_fingerprint)
         ap.add_chunks(enumerate(delta.chunks), 1)

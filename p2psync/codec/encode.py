@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from p2psync import dtypes
-from p2psync.codec import context, kernels
+from p2psync.codec import context, kernels, segencode
 from p2psync.codec.segment import MAX_BUCKETS, SegmentStats, encode_raw_segment
 from p2psync.codec.sparse import encode_changes
 from p2psync.errors import ConfigError
@@ -132,6 +132,14 @@ def _add_segment(out: _JobResult, encoded: tuple[bytes, SegmentStats, tuple[int,
 
 _local = threading.local()
 
+# A job's thresholds and a segment's bytes, each from one compiled call. The step-by-step
+# references are ``context.job_thresholds(_sparse)``, ``sparse.encode_changes`` and
+# :func:`_scan_job_reference`: the same bytes (tests swap these names for the references and
+# compare whole artifacts).
+_encode_segment = segencode.encode
+_thresholds = segencode.job_thresholds
+_thresholds_sparse = segencode.job_thresholds_sparse
+
 
 def _scan_buffers(size: int, word: np.dtype) -> tuple[np.ndarray, ...]:
     """Per-thread scan buffers (positions, old and new words, buckets, ranks), reused across jobs:
@@ -147,10 +155,29 @@ def _scan_buffers(size: int, word: np.dtype) -> tuple[np.ndarray, ...]:
 def _scan_job(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.ndarray, s: int, e: int, opts: CodecOptions):
     d = dtypes.from_code(spec.dtype)
     cap = opts.max_changes(d.width)
+    bufs = _scan_buffers(cap + 64, d.word)
+    seed = tensor_seed(spec.name)
+    out = _JobResult(tensor, [], SegmentStats(), (0, 0))
+    # Thresholds first (from a sample), so that one pass finds the changes and ranks them; then
+    # one compiled call per segment finds, ranks and codes its changes (``segencode``).
+    thr = _thresholds(d, old, new, s, e, opts.context_buckets)
+    at = s
+    while at < e:
+        at, encoded = segencode.scan(tensor, d, old, new, at, e, cap, thr, opts.zstd_level, seed, bufs)
+        if encoded is not None:
+            _add_segment(out, encoded)
+    return out
+
+
+def _scan_job_reference(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.ndarray, s: int, e: int,
+                        opts: CodecOptions):
+    """:func:`_scan_job` step by step (``context``, ``kernels``, ``sparse.encode_changes``): the
+    statement of what the compiled path computes; tests hold the two to the same bytes."""
+    d = dtypes.from_code(spec.dtype)
+    cap = opts.max_changes(d.width)
     pos_b, old_b, new_b, bkt_b, rank_b = _scan_buffers(cap + 64, d.word)
     seed = tensor_seed(spec.name)
     out = _JobResult(tensor, [], SegmentStats(), (0, 0))
-    # Thresholds first (from a sample), so that one pass finds the changes and ranks them.
     thr = context.job_thresholds(d, old, new, s, e, opts.context_buckets)
     consts = context.consts_for(d, thr)
     at = s
@@ -178,13 +205,14 @@ def _sparse_job(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.ndarray,
     lo, hi = np.searchsorted(pos, [s, e])
     if lo == hi:
         return out
-    thr = context.job_thresholds_sparse(d, old, pos[lo:hi], s, e, opts.context_buckets)
+    thr = _thresholds_sparse(d, old, pos[lo:hi], s, e, opts.context_buckets)
     at = s
     for a in range(lo, hi, cap):
         b = min(hi, a + cap)
         stop = int(pos[b]) if b < hi else e
         p = pos[a:b]
-        _add_segment(out, encode_changes(tensor, at, stop, old, p, old[p], vals[a:b], d, thr, opts.zstd_level, seed))
+        _add_segment(out, _encode_segment(tensor, at, stop, old, p, old[p], vals[a:b], d, thr, opts.zstd_level,
+                                          seed))
         at = stop
     return out
 

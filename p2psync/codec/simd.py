@@ -150,6 +150,25 @@ def load_be64(typingctx, buf, idx):
     return sig, codegen
 
 
+@intrinsic
+def store_be64(typingctx, buf, idx, value):
+    """Store the u64 ``value`` big-endian at ``buf[idx:idx + 8]`` of a byte array (a byte swap and
+    one unaligned store; the caller guarantees ``idx + 8 <= len(buf)``)."""
+    if not (_word_array(buf) and buf.dtype.bitwidth == 8):
+        return None
+    sig = types.void(buf, types.intp, types.uint64)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), ir.IntType(64).as_pointer())
+        fnty = ir.FunctionType(ir.IntType(64), [ir.IntType(64)])
+        v = builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.bswap.i64"), [args[2]])
+        builder.store(v, ptr, align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 PREFETCH_BYTES = 16384
 """How far ahead of a block pass :func:`prefetch_ahead` asks for memory. The passes over the base
 and new words stream hundreds of MB; on the benchmark VM the hardware prefetcher alone kept a
@@ -177,6 +196,27 @@ def prefetch_ahead(typingctx, arr, idx):
         for line in range(0, _LANES * width, 64):
             ptr = builder.gep(base, [ir.Constant(ir.IntType(64), PREFETCH_BYTES + line)])
             builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def prefetch_read(typingctx, arr, idx):
+    """Prefetch the line of word ``idx`` for reading (a hint: never faults, so ``idx`` may lie past
+    the end of the array)."""
+    if not _word_array(arr):
+        return None
+    sig = types.void(arr, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        i8p = ir.IntType(8).as_pointer()
+        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
+        i32 = ir.IntType(32)
+        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
         return context.get_dummy_value()
 
     return sig, codegen
