@@ -151,6 +151,7 @@ class Node:
         self._no_push: set[str] = set()
         self._decoded: OrderedDict[str, tuple[dict, list[tuple[int, int]]]] = OrderedDict()
         self._decoded_lock = threading.Lock()
+        self._checkpoint_lock = threading.Lock()
         self._decode_pool = ThreadPoolExecutor(config.limits.parallel_streams + 2, thread_name_prefix="p2psync-apply",
                                                initializer=_lower_thread_priority,
                                                initargs=(config.limits.decode_nice,))
@@ -402,10 +403,14 @@ class Node:
                       manifest.payload_bytes, manifest.target_version, fp)
 
     def _checkpoint(self) -> None:
-        if self.state is None or self.version is None:
-            return
-        self.store.save_state(self.state, self.version)
-        self._checkpointed = self.version
+        # One writer at a time: a stop cancels the task awaiting an interval checkpoint, not its
+        # thread, and its own checkpoint would otherwise race it for the same temporary file.
+        with self._checkpoint_lock:
+            state, version = self.state, self.version
+            if state is None or version is None or self._checkpointed == version:
+                return
+            self.store.save_state(state, version)
+            self._checkpointed = version
 
     async def _after_apply(self) -> None:
         """Checkpoint every ``checkpoint_interval`` versions, then apply retention."""

@@ -258,3 +258,46 @@ def test_decode_threads_run_below_the_node_and_pass_it_on_to_threads_they_start(
     base = os.getpriority(os.PRIO_PROCESS, 0)
     asyncio.run(go())
     assert os.getpriority(os.PRIO_PROCESS, 0) == base
+
+
+def test_checkpoints_never_write_at_once_and_the_saved_state_loads(tmp_path):
+    """A stop checkpoints while an interval checkpoint may still be writing in its thread (the
+    stop cancels the task awaiting it, not the thread): the two must not race for the temporary
+    file (that made the node exit 1 with FileNotFoundError); the saved weights load back."""
+    import threading
+    import time
+
+    _, tr_cfg, _ = _configs(tmp_path)
+    async def go():
+        tr = await Node.create(tr_cfg)
+        try:
+            import torch
+
+            tr.state, tr.version = ModelState({"w": torch.arange(1000, dtype=torch.float32)}), 4
+            inside, most = [0], [0]
+            real = tr.store.save_state
+
+            def slow_save(state, version):
+                inside[0] += 1
+                most[0] = max(most[0], inside[0])
+                time.sleep(0.2)
+                try:
+                    real(state, version)
+                finally:
+                    inside[0] -= 1
+
+            tr.store.save_state = slow_save
+            ts = [threading.Thread(target=tr._checkpoint) for _ in range(2)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            assert most[0] == 1
+            assert tr._checkpointed == 4
+            loaded = tr.store.load_state()
+            assert loaded is not None and loaded[1] == 4
+            assert loaded[0].fingerprint == tr.state.fingerprint
+        finally:
+            await tr.close()
+
+    asyncio.run(go())
