@@ -146,6 +146,9 @@ class Node:
         self._applied: list[Manifest] = []
         self._applied_base = 0
         self._applied_signal = HeadSignal()
+        self.state_lock = threading.Lock()
+        """Held while the node writes ``state`` in place (an apply's commit): a reader that holds
+        it (e.g. a rollout engine copying the weights) sees one version's words, never a mix."""
         self._keep_decoded = 0
         self._pushes = Pushes()
         self._no_push: set[str] = set()
@@ -379,12 +382,14 @@ class Node:
         delta's ``changes`` as its publisher extracted them: see :meth:`publish`)."""
         def work() -> tuple[ModelState, str]:
             if changes is not None:
-                return _apply_changes(self.state, manifest, changes), manifest.target_fingerprint
+                with self.state_lock:
+                    return _apply_changes(self.state, manifest, changes), manifest.target_fingerprint
             ap = applier or Applier.onto(self.state, manifest)
             if chunks is not None:
                 ap.add_chunks(enumerate(chunks), 2)
             ap.keep_changes = self._keep_decoded > 0
-            fp = ap.commit()
+            with self.state_lock:
+                fp = ap.commit()
             if ap.changes is not None:
                 self._remember_decoded(manifest.artifact_id, ap.changes, ap.state.tensor_sums())
             return ap.state, fp

@@ -53,6 +53,7 @@ began to apply it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import logging
@@ -262,13 +263,26 @@ class RolloutWorker:
     async def _load_from_node(self) -> None:
         """Copy the node's current weights (retry if the node moved on during the copy)."""
         await self._drain()
+        lock = getattr(self.node, "state_lock", None) or contextlib.nullcontext()
+
+        def copy(state: Any, version: int, fp: str) -> str:
+            with lock:  # the node writes no weights meanwhile
+                return self.engine.load(state, version, fp)
+
         for attempt in range(5):
             state, version, fp = self.node.state, self.node.version, self.node.fingerprint
             t0 = time.time()
             try:
-                got = await asyncio.to_thread(self.engine.load, state, version, fp)
+                got = await asyncio.to_thread(copy, state, version, fp)
             except FingerprintMismatch:
+                # The node committed its next version after ``version`` was read here and before
+                # the copy began: wait until it says so, then copy that one.
                 self.log.info("node changed while copying its weights (attempt %d); again", attempt + 1)
+                try:
+                    async with asyncio.timeout(5.0):
+                        await self.node.wait_version(version + 1)
+                except TimeoutError:
+                    pass
                 continue
             self._switched(version, fp, t0, t0, "copy", fp=got)
             return

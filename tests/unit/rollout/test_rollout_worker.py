@@ -397,3 +397,34 @@ def test_versions_the_node_no_longer_keeps_decoded_are_decoded_from_its_store(tm
         finally:
             await node.close()
     asyncio.run(go())
+
+
+def test_copy_of_the_node_weights_is_one_version_while_the_node_applies_the_next(tmp_path, versions,
+                                                                                  engine_factory):
+    """A rollout joining while its node applies versions (a late joiner catching up) copies one
+    version's words: the node's in-place commit waits for the copy instead of mixing into it."""
+    async def go():
+        node = await _node(tmp_path, versions)
+        node.work = MemoryWork()
+        loop = asyncio.get_running_loop()
+        try:
+            eng = engine_factory()
+            real_load = eng.load
+            calls = []
+
+            def load(state, version, fp):
+                calls.append(version)
+                if len(calls) == 1:  # the node commits version 1 while this copy runs
+                    asyncio.run_coroutine_threadsafe(node.publish(*versions.deltas[0]), loop)
+                    time.sleep(0.5)  # ample for the tiny model's commit, were it not held off
+                return real_load(state, version, fp)
+
+            eng.load = load
+            await RolloutWorker.create(node, _opts(tmp_path), eng)
+            assert calls == [0]  # the first copy was consistent: no retry
+            assert eng.version == 0 and bits_equal(versions.states[0], eng.model.state_dict()) == []
+            await node.wait_version(1)  # and the node's commit went ahead once the copy was done
+            assert node.fingerprint == versions.deltas[0][0].target_fingerprint
+        finally:
+            await node.close()
+    asyncio.run(go())
