@@ -176,6 +176,10 @@ class ControlSettings:
     """Rollout: URL of the coordinator; empty: the trainer's address learned from gossip."""
     request_timeout: float = 10.0
     """Rollout: seconds a call to the coordinator may take (a long-poll adds its wait)."""
+    max_body_bytes: int = 64 << 20
+    """Coordinator: largest control request body (a finished group's responses, a batch of progress
+    reports) it accepts, instead of ``limits.max_body_bytes``; rollout nodes split progress batches to
+    fit. A group's result is ~30 bytes of JSON per token: 16 responses of 32k tokens are ~16 MB."""
 
 
 @dataclass
@@ -354,6 +358,8 @@ class NodeConfig:
         if c.replan_delay < 0 or c.max_staleness < 0:
             raise ConfigError("control.replan_delay" if c.replan_delay < 0 else "control.max_staleness",
                               "must be >= 0")
+        if not 64 << 10 <= c.max_body_bytes <= 1 << 30:
+            raise ConfigError("control.max_body_bytes", f"must be 64 KiB..1 GiB, got {c.max_body_bytes}")
         if c.coordinator_url and not c.coordinator_url.startswith(("http://", "https://")):
             raise ConfigError("control.coordinator_url", "must be an http(s) URL")
         self.probe.validate()

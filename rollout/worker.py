@@ -62,7 +62,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from p2psync.control.api import Grant, ResponseResult, RolloutRequest
+from p2psync.control.api import Grant, ProgressReport, ResponseResult, RolloutRequest
 from p2psync.errors import ConfigError, FingerprintMismatch, LeaseExpired, P2PSyncError, UnknownWork, WrongBase
 from p2psync.logs import NodeAdapter
 from p2psync.store import plan_catchup
@@ -506,7 +506,8 @@ class RolloutWorker:
 
     async def _stream(self, work: Any, seqs: list[_Seq], gen: Any, results: dict, open_by_grant: dict[str, int],
                       lost: set[str], touched: list[int]) -> None:
-        calls, finished = [], []
+        due: list[tuple[_Seq, ProgressReport]] = []
+        finished = []
         for i in touched:
             s = seqs[i]
             st = s.state
@@ -516,19 +517,27 @@ class RolloutWorker:
             if st.done:
                 finished.append(i)
             if st.done or st.length - s.reported >= self.opts.progress_every:
-                calls.append(self._progress(work, s))
-        if calls:
-            outcomes = await asyncio.gather(*calls, return_exceptions=True)
-            for out in outcomes:
-                if isinstance(out, LeaseExpired):
-                    self._lose(out.work_id, seqs, gen, lost)
-                elif isinstance(out, BaseException) and not isinstance(out, (P2PSyncError, OSError)):
+                due.append((s, self._report(s, work)))
+        if due:
+            many = getattr(work, "progress_many", None)
+            if many is not None:  # every due response in one request
+                outcomes = await many([r for _, r in due])
+            else:
+                outcomes = await asyncio.gather(*(self._progress(work, r) for _, r in due), return_exceptions=True)
+            for (s, r), out in zip(due, outcomes):
+                if out is None:
+                    s.reported = r.offset + len(r.tokens)
+                elif isinstance(out, LeaseExpired):
+                    if out.work_id not in lost:
+                        self._lose(out.work_id, seqs, gen, lost)
+                elif not isinstance(out, (P2PSyncError, OSError)):
                     raise out
-                elif isinstance(out, BaseException):
+                else:
                     self.log.warning("progress report failed (the final result still carries it): %r", out)
         await self._finish_ready(work, seqs, finished, results, open_by_grant, lost)
 
-    async def _progress(self, work: Any, s: _Seq) -> None:
+    def _report(self, s: _Seq, work: Any) -> ProgressReport:
+        """What of ``s`` was not reported yet (all of it from the last report on)."""
         st = s.state
         assert st is not None
         req = st.request
@@ -538,13 +547,19 @@ class RolloutWorker:
         lps = list(pre[1]) + st.logprobs
         vers = list(pre[2]) + st.versions
         off = s.reported
+        reason = None
         if st.done and self._finish_kw(work):
             # The final report marks the response finished, so a later holder does not continue it.
             reason = "length" if st.finish_reason == "length" else "stop"
-            await work.progress(g, s.response, off, toks[off:], lps[off:], vers[off:], finish_reason=reason)
+        return ProgressReport(g, s.response, off, toks[off:], lps[off:], vers[off:], reason)
+
+    @staticmethod
+    async def _progress(work: Any, r: ProgressReport) -> None:
+        if r.finish_reason is not None:
+            await work.progress(r.grant, r.response, r.offset, r.tokens, r.logprobs, r.versions,
+                                finish_reason=r.finish_reason)
         else:
-            await work.progress(g, s.response, off, toks[off:], lps[off:], vers[off:])
-        s.reported = len(toks)
+            await work.progress(r.grant, r.response, r.offset, r.tokens, r.logprobs, r.versions)
 
     def _finish_kw(self, work: Any) -> bool:
         """Whether ``work.progress`` takes ``finish_reason`` (an extension of the WorkSource contract)."""

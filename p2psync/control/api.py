@@ -88,6 +88,20 @@ class Grant:
 
 
 @dataclass(frozen=True)
+class ProgressReport:
+    """Tokens ``offset..`` of one response of a held grant (one item of ``WorkSource.progress_many``)."""
+
+    grant: Grant
+    response: int
+    offset: int
+    tokens: Sequence[int]
+    logprobs: Sequence[float]
+    versions: Sequence[int]
+    finish_reason: str | None = None
+    """Set on the last report of a response: it is finished (a later holder gets it in ``Grant.done``)."""
+
+
+@dataclass(frozen=True)
 class Result:
     """An accepted result, yielded once per work id by :meth:`WorkSink.results`."""
 
@@ -112,7 +126,12 @@ class WorkSource(Protocol):
 
     async def progress(self, grant: Grant, response: int, offset: int, tokens: Sequence[int],
                        logprobs: Sequence[float], versions: Sequence[int]) -> None:
-        """Tokens ``offset..`` of response ``response`` so far (called every few tokens)."""
+        """Tokens ``offset..`` of response ``response`` so far (called every few tokens).
+
+        A source may also offer ``progress_many(reports) -> list[BaseException | None]``: every
+        open response's report in one call (one request per node per report interval, not one
+        per response); the worker uses it when present. Its outcome per report is ``None``
+        (recorded, or kept to be re-sent) or the error ``progress`` would have raised."""
         ...
 
     async def complete(self, grant: Grant, responses: dict[int, ResponseResult]) -> bool:

@@ -7,6 +7,9 @@ HTTP (JSON bodies, behind the cluster-token guard)::
     POST /v1/control/renew        {node, work_id, lease_id}                    -> {expires_at}
     POST /v1/control/progress     {node, work_id, lease_id, response, offset,
                                    tokens, logprobs, versions, finish_reason?} -> {have}
+    POST /v1/control/progress_many {node, reports: [{work_id, lease_id, response, offset,
+                                   tokens, logprobs, versions, finish_reason?}, ...]}
+                                                                               -> {results: [...]}
     POST /v1/control/complete     {node, work_id, lease_id, responses}         -> {accepted, reason}
     POST /v1/control/release      {node, work_id, lease_id}                    -> {}
     POST /v1/control/release_all  {node}                                       -> {released}
@@ -15,7 +18,12 @@ HTTP (JSON bodies, behind the cluster-token guard)::
 Errors: a malformed body is 400 and changes nothing; an unknown work id 404; a
 lease that is no longer the caller's 409 ``{"kind": "expired"}``; a progress
 report that starts past what is recorded 409 ``{"kind": "gap", "have": n}``
-(the client re-sends from ``have``).
+(the client re-sends from ``have``). ``progress_many`` carries up to
+``MAX_REPORTS`` progress reports of one node (every response it generates, one
+request per report interval instead of one per response): a malformed report
+makes the whole request 400 with nothing recorded; otherwise each report gets
+its own outcome, in order, as the single call would answer it (``{"have": n}``,
+or ``{"status": 404|409|400, "error", "kind"?, "have"?}``).
 
 Contracts:
 
@@ -63,6 +71,7 @@ logger = logging.getLogger(__name__)
 
 CONTROL = f"{API}/control"
 MAX_ITEMS = 64
+MAX_REPORTS = 1024
 MAX_WAIT = 60.0
 _DEFAULT_TPS = 100.0
 
@@ -92,6 +101,35 @@ def _floats(v: Any, name: str) -> list[float]:
     if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
         raise BadRequest(f"{name}: must be a list of numbers")
     return [float(x) for x in v]
+
+
+@dataclass(frozen=True)
+class _Report:
+    work_id: str
+    lease_id: int
+    response: int
+    offset: int
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str | None
+
+
+def _report(body: dict[str, Any], where: str) -> _Report:
+    """One progress report's fields, checked against the schema (:class:`BadRequest` names the field)."""
+    try:
+        tokens = _ints(body.get("tokens"), "tokens")
+        logprobs = _floats(body.get("logprobs"), "logprobs")
+        versions = _ints(body.get("versions"), "versions")
+        if not len(tokens) == len(logprobs) == len(versions):
+            raise BadRequest("tokens, logprobs and versions differ in length")
+        reason = _field(body, "finish_reason", str, optional=True)
+        if reason is not None and not 0 < len(reason) <= 32:
+            raise BadRequest("finish_reason: must be a short string")
+        return _Report(_field(body, "work_id", str), _field(body, "lease_id", int), _field(body, "response", int),
+                       _field(body, "offset", int), tokens, logprobs, versions, reason)
+    except BadRequest as exc:
+        raise BadRequest(f"{where}{exc}") from None
 
 
 def parse_response(d: Any, where: str) -> ResponseResult:
@@ -154,7 +192,9 @@ class Coordinator:
     # --- service ---------------------------------------------------------------------------------
     def routes(self) -> list[web.RouteDef]:
         return [web.post(f"{CONTROL}/lease", self.rpc_lease), web.post(f"{CONTROL}/renew", self.rpc_renew),
-                web.post(f"{CONTROL}/progress", self.rpc_progress), web.post(f"{CONTROL}/complete", self.rpc_complete),
+                web.post(f"{CONTROL}/progress", self.rpc_progress),
+                web.post(f"{CONTROL}/progress_many", self.rpc_progress_many),
+                web.post(f"{CONTROL}/complete", self.rpc_complete),
                 web.post(f"{CONTROL}/release", self.rpc_release),
                 web.post(f"{CONTROL}/release_all", self.rpc_release_all),
                 web.get(f"{CONTROL}/status", self.rpc_status)]
@@ -353,10 +393,21 @@ class Coordinator:
         self._dirty_holders.clear()
 
     # --- HTTP ----------------------------------------------------------------------------------
-    @staticmethod
-    async def _body(request: web.Request) -> dict[str, Any]:
+    async def _body(self, request: web.Request) -> dict[str, Any]:
+        # Read here, not with request.read(): control bodies may exceed the node's general body limit
+        # (the transport guard already refused a Content-Length over control.max_body_bytes).
+        limit = self.node.config.control.max_body_bytes
+        n = request.content_length
+        if request.body_exists and n is None:
+            raise BadRequest("Content-Length required")
         try:
-            body = json.loads(await request.read())
+            raw = await request.content.readexactly(n) if n else b""
+        except asyncio.IncompleteReadError:
+            raise BadRequest("body shorter than its Content-Length") from None
+        if len(raw) > limit:
+            raise BadRequest(f"body over {limit} bytes")
+        try:
+            body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise BadRequest(f"body is not JSON ({exc})") from None
         if not isinstance(body, dict):
@@ -443,23 +494,40 @@ class Coordinator:
 
     async def rpc_progress(self, request: web.Request) -> web.Response:
         async def progress(body: dict[str, Any]) -> dict[str, Any]:
-            tokens = _ints(body.get("tokens"), "tokens")
-            logprobs = _floats(body.get("logprobs"), "logprobs")
-            versions = _ints(body.get("versions"), "versions")
-            if not len(tokens) == len(logprobs) == len(versions):
-                raise BadRequest("tokens, logprobs and versions differ in length")
-            reason = _field(body, "finish_reason", str, optional=True)
-            if reason is not None and not 0 < len(reason) <= 32:
-                raise BadRequest("finish_reason: must be a short string")
-            wid = _field(body, "work_id", str)
-            response = _field(body, "response", int)
-            if not 0 <= response < self.table.item(wid).responses:
-                raise BadRequest(f"response: {response} is not a response index of {wid}")
-            have = self.table.progress(time.time(), body["node"], wid, _field(body, "lease_id", int),
-                                       response, _field(body, "offset", int), tokens,
-                                       logprobs=logprobs, versions=versions, finish_reason=reason)
-            return {"have": have}
+            return {"have": self._record_progress(body["node"], _report(body, ""))}
         return await self._handle(request, progress)
+
+    def _record_progress(self, node: str, r: _Report) -> int:
+        if not 0 <= r.response < self.table.item(r.work_id).responses:
+            raise BadRequest(f"response: {r.response} is not a response index of {r.work_id}")
+        return self.table.progress(time.time(), node, r.work_id, r.lease_id, r.response, r.offset, r.tokens,
+                                   logprobs=r.logprobs, versions=r.versions, finish_reason=r.finish_reason)
+
+    async def rpc_progress_many(self, request: web.Request) -> web.Response:
+        return await self._handle(request, self._progress_many)
+
+    async def _progress_many(self, body: dict[str, Any]) -> dict[str, Any]:
+        raw = _field(body, "reports", list)
+        if len(raw) > MAX_REPORTS:
+            raise BadRequest(f"reports: at most {MAX_REPORTS} per request")
+        reports = []
+        for i, r in enumerate(raw):  # every report is checked before any is recorded
+            if not isinstance(r, dict):
+                raise BadRequest(f"reports.{i}: must be an object")
+            reports.append(_report(r, f"reports.{i}."))
+        results: list[dict[str, Any]] = []
+        for r in reports:
+            try:
+                results.append({"have": self._record_progress(body["node"], r)})
+            except BadRequest as exc:
+                results.append({"status": 400, "error": str(exc)})
+            except UnknownWork as exc:
+                results.append({"status": 404, "error": str(exc), "work_id": exc.work_id})
+            except ProgressGap as exc:
+                results.append({"status": 409, "error": str(exc), "kind": "gap", "have": exc.have})
+            except LeaseExpired as exc:
+                results.append({"status": 409, "error": str(exc), "kind": "expired", "work_id": exc.work_id})
+        return {"results": results}
 
     async def rpc_complete(self, request: web.Request) -> web.Response:
         return await self._handle(request, self._complete)

@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
-from p2psync.control.api import Grant, ResponseResult
-from p2psync.control.coordinator import CONTROL
+from p2psync.control.api import Grant, ProgressReport, ResponseResult
+from p2psync.control.coordinator import CONTROL, MAX_REPORTS
 from p2psync.errors import LeaseExpired, P2PSyncError, PeerUnreachable, UnknownWork
 from p2psync.transport.client import cancel_quietly
 
@@ -113,7 +113,7 @@ class WorkClient:
                 data = await resp.json(content_type=None)
                 if not isinstance(data, dict):
                     raise PeerUnreachable(url, f"{verb}: answer is not a JSON object")
-                if resp.status == 400:
+                if resp.status in (400, 413):
                     raise P2PSyncError(f"coordinator refused {verb}: {data.get('error')}")
                 if resp.status >= 500 or resp.status == 401:
                     raise PeerUnreachable(url, f"{verb}: HTTP {resp.status} {data.get('error', '')}")
@@ -159,23 +159,98 @@ class WorkClient:
 
         ``finish_reason`` (an addition to the contract) marks the response finished, so
         that a later holder gets it in ``Grant.done`` instead of continuing it."""
-        h = self._held.get(self._key(grant))
+        h = self._keep(ProgressReport(grant, response, offset, tokens, logprobs, versions, finish_reason))
+        await self._send_progress(h, response, finish_reason)
+
+    def _keep(self, r: ProgressReport) -> _Held:
+        """Record a report locally (what the coordinator has not acknowledged is re-sent from here)."""
+        h = self._held.get(self._key(r.grant))
         if h is None or h.lost:
-            self._held.pop(self._key(grant), None)
-            raise LeaseExpired(grant.work_id)
-        if not len(tokens) == len(logprobs) == len(versions):
+            self._held.pop(self._key(r.grant), None)
+            raise LeaseExpired(r.grant.work_id)
+        if not len(r.tokens) == len(r.logprobs) == len(r.versions):
             raise ValueError("progress: tokens, logprobs and versions differ in length")
+        response, offset = r.response, r.offset
         have = h.tokens.setdefault(response, [])
         if offset > len(have) or offset < 0:
             raise ValueError(f"progress: offset {offset} but only {len(have)} tokens of response {response} given")
-        new = len(tokens) - (len(have) - offset)
+        new = len(r.tokens) - (len(have) - offset)
         del have[offset:], h.logprobs.setdefault(response, [])[offset:], h.versions.setdefault(response, [])[offset:]
-        have.extend(int(t) for t in tokens)
-        h.logprobs[response].extend(float(x) for x in logprobs)
-        h.versions[response].extend(int(v) for v in versions)
+        have.extend(int(t) for t in r.tokens)
+        h.logprobs[response].extend(float(x) for x in r.logprobs)
+        h.versions[response].extend(int(v) for v in r.versions)
         h.acked[response] = min(h.acked.get(response, 0), offset)
         self._measure(new)
-        await self._send_progress(h, response, finish_reason)
+        return h
+
+    async def progress_many(self, reports: Sequence[ProgressReport]) -> list[BaseException | None]:
+        """Several responses' progress in as few requests as fit ``control.max_body_bytes`` (one,
+        usually): per report ``None`` (recorded, or kept locally and re-sent with the next report
+        if the coordinator was unreachable) or the error :meth:`progress` would raise for it
+        (:class:`LeaseExpired` for a lost lease, ``ValueError`` for a malformed report)."""
+        out: list[BaseException | None] = [None] * len(reports)
+        todo: list[tuple[int, _Held, int, str | None]] = []
+        for i, r in enumerate(reports):
+            try:
+                todo.append((i, self._keep(r), r.response, r.finish_reason))
+            except (LeaseExpired, ValueError) as exc:
+                out[i] = exc
+        for _ in range(3):  # a "gap" answer is re-sent from what the coordinator has
+            if not todo:
+                break
+            again: list[tuple[int, _Held, int, str | None]] = []
+            for part, bodies in self._batches(todo):
+                try:
+                    status, data = await self._call("progress_many", {"reports": bodies})
+                    answers = data.get("results")
+                    if status != 200 or not isinstance(answers, list) or len(answers) != len(part):
+                        raise PeerUnreachable("coordinator", f"progress_many: HTTP {status}, "
+                                                             f"{len(answers or [])} answers for {len(part)}")
+                except (PeerUnreachable, P2PSyncError) as exc:
+                    # Kept locally; the next report (or the renewal) carries on from the acknowledged part.
+                    self.node.log.warning("progress of %d responses not delivered: %s", len(part), exc)
+                    continue
+                now = time.monotonic()
+                for (i, h, response, reason), ans in zip(part, answers):
+                    code = ans.get("status", 200) if isinstance(ans, dict) else 0
+                    if code == 200 and "have" in ans:
+                        h.acked[response] = int(ans["have"])
+                        h.renewed_at = now  # a progress report renews the lease
+                    elif code == 409 and ans.get("kind") == "gap":
+                        h.acked[response] = int(ans["have"])
+                        again.append((i, h, response, reason))
+                    elif code in (404, 409):
+                        h.lost = True
+                        self._held.pop(self._key(h.grant), None)
+                        out[i] = LeaseExpired(h.grant.work_id)
+                    else:
+                        out[i] = P2PSyncError(f"coordinator refused progress on {h.grant.work_id}: "
+                                              f"{ans.get('error') if isinstance(ans, dict) else ans!r}")
+            todo = again
+        return out
+
+    def _batches(self, todo: list[tuple[int, _Held, int, str | None]]):
+        """``todo`` as request bodies within the coordinator's body and report limits (a report alone
+        over the size limit still goes, alone, and gets the coordinator's refusal)."""
+        limit = self.settings.max_body_bytes - 1024
+        part: list[tuple[int, _Held, int, str | None]] = []
+        bodies: list[dict[str, Any]] = []
+        size = 0
+        for item in todo:
+            _, h, response, reason = item
+            start = h.acked.get(response, 0)
+            body = {"work_id": h.grant.work_id, "lease_id": h.grant.lease_id, "response": response,
+                    "offset": start, "tokens": h.tokens[response][start:], "logprobs": h.logprobs[response][start:],
+                    "versions": h.versions[response][start:], "finish_reason": reason}
+            n = 200 + 48 * len(body["tokens"])  # JSON of a token, its log-prob and version: < 48 bytes
+            if part and (size + n > limit or len(part) >= MAX_REPORTS):
+                yield part, bodies
+                part, bodies, size = [], [], 0
+            part.append(item)
+            bodies.append(body)
+            size += n
+        if part:
+            yield part, bodies
 
     async def _send_progress(self, h: _Held, response: int, finish_reason: str | None) -> None:
         for _ in range(3):

@@ -40,6 +40,8 @@ from p2psync.transport.board import Board
 from p2psync.transport.messages import API, NODE_HEADER, Catalogue, valid_artifact_id
 from p2psync.transport.metrics import Metrics
 
+CONTROL_PREFIX = f"{API}/control/"
+
 logger = logging.getLogger(__name__)
 
 _WRITE_PIECE = 256 << 10
@@ -104,6 +106,7 @@ class Server:
         self.view = view
         self.token = view.config.token().encode()
         self.limits = view.config.limits
+        self.control_body_limit = view.config.control.max_body_bytes
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.guard], client_max_size=self.limits.max_body_bytes)
@@ -131,9 +134,12 @@ class Server:
             self.view.metrics.inc("p2psync_requests_total", code="401")
             return _error(401, "missing or wrong cluster token")
         length = request.content_length
-        if length is not None and length > self.limits.max_body_bytes:
+        # Control requests (results, progress batches) carry tokens: they have their own, larger limit,
+        # and their handler reads the body itself (aiohttp's client_max_size is the general limit).
+        limit = self.control_body_limit if request.path.startswith(CONTROL_PREFIX) else self.limits.max_body_bytes
+        if length is not None and length > limit:
             self.view.metrics.inc("p2psync_requests_total", code="413")
-            resp = _error(413, f"request body of {length} bytes exceeds the {self.limits.max_body_bytes} limit")
+            resp = _error(413, f"request body of {length} bytes exceeds the {limit} limit")
             resp.force_close()
             return resp
         child = request.headers.get(NODE_HEADER)

@@ -255,3 +255,107 @@ def test_forged_coordinator_entries_are_refused(tmp_path):
             await tr.close()
 
     asyncio.run(go())
+
+
+def test_progress_many_records_each_report_or_refuses_the_whole_malformed_batch(tmp_path):
+    """One request carries every open response's progress: each report gets the answer the single
+    call would give (recorded, gap, unknown work, lost lease), in order; a malformed report or too
+    many reports refuse the whole request with nothing recorded."""
+    k = Keys(tmp_path)
+
+    async def go():
+        from p2psync.control.coordinator import MAX_REPORTS
+
+        tr = await Node.create(k.cfg("trainer", "trainer"))
+        try:
+            co = tr.coordinator
+            co.submit("w1", {"p": 1}, responses=2)
+            co.submit("w2", {"p": 2}, responses=1)
+            base = tr.address + "/v1/control"
+            status, got = await _post(base + "/lease", {"node": "a", "max_items": 2, "wait": 1})
+            lease = {g["work_id"]: g["lease_id"] for g in got["grants"]}
+            assert status == 200 and set(lease) == {"w1", "w2"}
+
+            def rep(wid, response=0, offset=0, tokens=(1, 2), **kw):
+                return {"work_id": wid, "lease_id": lease.get(wid, 99), "response": response, "offset": offset,
+                        "tokens": list(tokens), "logprobs": [-1.0] * len(tokens), "versions": [0] * len(tokens), **kw}
+
+            good = rep("w1")
+            for bad in ({**rep("w2"), "tokens": "x"}, {**rep("w2"), "logprobs": [-1.0]}, {**rep("w2"), "offset": None},
+                        {**rep("w2"), "finish_reason": ""}, "not an object"):
+                status, err = await _post(base + "/progress_many", {"node": "a", "reports": [good, bad]})
+                assert status == 400 and err["error"].startswith("reports.1"), err
+            status, err = await _post(base + "/progress_many", {"node": "a", "reports": [good] * (MAX_REPORTS + 1)})
+            assert status == 400
+            assert co.table.tokens("w1") == {} and co.table.tokens("w2") == {}  # nothing recorded
+
+            status, got = await _post(base + "/progress_many", {"node": "a", "reports": [
+                good, rep("w1", 1, 0, (7,), finish_reason="stop"), rep("w2", offset=4), rep("nope"), rep("w1", 5),
+                {**rep("w2"), "lease_id": lease["w2"] + 1000}]})
+            assert status == 200
+            r = got["results"]
+            assert r[0] == {"have": 2} and r[1] == {"have": 1}
+            assert r[2]["status"] == 409 and r[2]["kind"] == "gap" and r[2]["have"] == 0
+            assert r[3]["status"] == 404 and r[4]["status"] == 400
+            assert r[5]["status"] == 409 and r[5]["kind"] == "expired"
+            assert co.table.tokens("w1") == {0: (1, 2), 1: (7,)} and co.table.tokens("w2") == {0: ()}
+        finally:
+            await tr.close()
+
+    asyncio.run(go())
+
+
+def test_a_group_of_long_responses_is_delivered_and_progress_goes_in_one_request(tmp_path):
+    """Control bodies have their own limit: a finished group of 8 responses of 1000 tokens (~240 KB
+    of JSON, over the node's general 64 KiB body limit) is accepted; progress on two grants goes in
+    one call, a report the coordinator has a gap for is re-sent from what it has, a lost lease
+    fails only its own report; a body over the control limit is refused (413) with nothing recorded."""
+    k = Keys(tmp_path)
+
+    async def go():
+        from p2psync.control.api import ProgressReport
+
+        tr = await Node.create(k.cfg("trainer", "trainer", control={"max_body_bytes": 1 << 20}))
+        a = await Node.create(k.cfg("a", "rollout", seeds=[tr.address], parents=[tr.address]))
+        try:
+            await _until(lambda: a.work.coordinator_url())
+            co = tr.coordinator
+            co.submit("w1", {"prompt_ids": [1]}, responses=8)
+            co.submit("w2", {"prompt_ids": [2]}, responses=1)
+            co.submit("w3", {"prompt_ids": [3]}, responses=1)
+            grants = {g.work_id: g for g in await a.work.request(3, wait=5)}
+            assert set(grants) == {"w1", "w2", "w3"}
+            g1, g2, g3 = grants["w1"], grants["w2"], grants["w3"]
+            n = 1000
+            lp = [-0.123456789012] * n
+            out = await a.work.progress_many([ProgressReport(g1, r, 0, list(range(n)), lp, [3] * n)
+                                              for r in range(8)] + [ProgressReport(g2, 0, 0, [5], [-0.5], [3])])
+            assert out == [None] * 9
+            assert co.table.tokens("w1") == {r: tuple(range(n)) for r in range(8)}
+            # the coordinator has 1000 tokens of response 0; the client believes it acknowledged 1200
+            a.work._held[("w1", g1.lease_id)].acked[0] = 1200
+            a.work._held[("w1", g1.lease_id)].tokens[0].extend(range(n, 1300))
+            a.work._held[("w1", g1.lease_id)].logprobs[0].extend([-0.2] * 300)
+            a.work._held[("w1", g1.lease_id)].versions[0].extend([4] * 300)
+            co.table.release(time.time(), "a", "w3", g3.lease_id)  # w3's lease is no longer a's
+            out = await a.work.progress_many([ProgressReport(g1, 0, 1300, [], [], []),
+                                              ProgressReport(g3, 0, 0, [9], [-0.9], [4])])
+            assert out[0] is None and isinstance(out[1], LeaseExpired)
+            assert co.table.tokens("w1")[0] == tuple(range(1300))  # re-sent from 1000
+            final = {r: ResponseResult(list(range(n)), lp, [3] * n, "length") for r in range(8)}
+            final[0] = ResponseResult(list(range(1300)), [-0.123456789012] * n + [-0.2] * 300, [3] * n + [4] * 300,
+                                      "length")
+            assert await a.work.complete(g1, final) is True
+            r = await anext(co.results())
+            assert r.work_id == "w1" and r.responses[0] == final[0] and len(r.responses) == 8
+            # over the control limit (1 MiB here): refused before it is read, nothing recorded
+            big = {"node": "a", "work_id": "w2", "lease_id": g2.lease_id,
+                   "responses": {"0": ResponseResult([1] * 60000, [-0.123456789012] * 60000, [3] * 60000,
+                                                     "stop").to_json()}}
+            status, err = await _post(tr.address + "/v1/control/complete", big)
+            assert status == 413 and co.table.counts()["completed"] == 1
+        finally:
+            await a.close()
+            await tr.close()
+
+    asyncio.run(go())
