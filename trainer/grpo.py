@@ -85,6 +85,10 @@ class GRPOOptions:
     publish_threads: int = 2
     """Codec threads of the publisher."""
     chunk_size: int = 1 << 20
+    publish_first: bool | None = None
+    """Announce each version before the next step's training starts (None: when ``max_staleness <= 1``).
+    At k <= 1 the next-but-one batch waits for this version on the rollout nodes, while the next
+    step's training is not on that path; running both at once only slows the announcement."""
     metrics_path: str | None = None
     versions_path: str | None = None
 
@@ -224,6 +228,8 @@ class GRPORun:
         self.sink: Any = None
         self.local: Any = None
         self.pub: Any = None
+        first = opts.publish_first
+        self._publish_first = bool(opts.sync) and (opts.max_staleness <= 1 if first is None else first)
 
     @classmethod
     async def create(cls, node: Any, opts: GRPOOptions) -> GRPORun:
@@ -347,6 +353,8 @@ class GRPORun:
                 version = await self.pub.publish()
                 row["version"] = version
                 self._steps[version] = row
+                if self._publish_first:
+                    await self.pub.flush()
             else:
                 rec0 = self.pub.records[0] if self.pub.records else None
                 row.update(version=self.pub.version, changed_fraction=0.0, payload_bytes=0,
