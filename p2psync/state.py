@@ -104,6 +104,9 @@ def hash_words(words: np.ndarray, seed: np.uint64, pool: ThreadPoolExecutor | No
     return a, b
 
 
+_THREADED_CHANGES = 1 << 18
+"""Fewer changes than this are written on the calling thread (:meth:`ModelState.apply_parts`)."""
+
 class ModelState:
     """An ordered table of contiguous CPU tensors and its incrementally maintained fingerprint.
 
@@ -217,7 +220,9 @@ class ModelState:
             else:
                 words[pos] = new
         jobs.sort(key=lambda j: -j[1].shape[0])  # biggest first: the threads finish together
-        if threads <= 1 or len(jobs) <= 1:
+        # A pool per call costs thread starts and joins (~0.5 ms, more under load): worth it only when
+        # the scatter is long (about a nanosecond per change).
+        if threads <= 1 or len(jobs) <= 1 or sum(j[1].shape[0] for j in jobs) < _THREADED_CHANGES:
             for words, pos, new in jobs:
                 kernels.scatter(words, pos, new)
         else:
