@@ -50,6 +50,8 @@ import tomllib
 from p2psync.errors import ConfigError
 
 ROLES = ("trainer", "relay", "rollout")
+MAX_STREAM_WARMUP = 64 << 20
+"""Largest ``limits.stream_warmup_bytes`` (a parent never sends more padding than this per stream)."""
 
 
 @dataclass
@@ -93,6 +95,14 @@ class LimitsConfig:
     chunks, verified by the child as if pulled: one one-way delay instead of two round trips per
     hop); larger artifacts are pulled. 0: announcements only. Asked for by the child, capped by
     the parent."""
+    stream_warmup_bytes: int = 4 << 20
+    """When a child opens its push stream, the parent first sends this many bytes of padding
+    (asked for by the child, capped by the parent; 0: none). A new stream's TCP windows start
+    small (the sender's congestion window and the receiver's advertised window grow one round
+    trip at a time), so the first deltas pushed on it would take several round trips of a WAN
+    link; the padding opens both once per connection, off the critical path. The windows stay
+    open across idle gaps only where ``net.ipv4.tcp_slow_start_after_idle`` is 0 on the sender
+    (see :mod:`p2psync.transport.push`, "TCP windows")."""
 
 
 @dataclass
@@ -325,6 +335,9 @@ class NodeConfig:
             raise ConfigError("limits.parallel_streams", "must be at most 64")
         if isinstance(lim.push_bytes, bool) or not isinstance(lim.push_bytes, int) or not 0 <= lim.push_bytes <= 1 << 30:
             raise ConfigError("limits.push_bytes", f"must be an integer in 0..{1 << 30}, got {lim.push_bytes!r}")
+        w = lim.stream_warmup_bytes
+        if isinstance(w, bool) or not isinstance(w, int) or not 0 <= w <= MAX_STREAM_WARMUP:
+            raise ConfigError("limits.stream_warmup_bytes", f"must be an integer in 0..{MAX_STREAM_WARMUP}, got {w!r}")
         if self.testing.serve_delay < 0:
             raise ConfigError("testing.serve_delay", "must be >= 0")
         st = self.store

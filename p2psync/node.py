@@ -72,6 +72,14 @@ _CHILD_TTL = 30.0
 _LOG_KEEP = 1024
 
 
+def _slow_start_after_idle() -> bool:
+    """Whether this host (network namespace) restarts TCP slow start on idle connections (Linux)."""
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_slow_start_after_idle").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
 def _lower_thread_priority(steps: int) -> None:
     """Pool initializer: run this thread ``steps`` of ``nice`` below the process (Linux threads carry
     their own nice value; threads they start inherit it). Elsewhere, or if refused: unchanged."""
@@ -215,6 +223,10 @@ class Node:
         elif publish_dir is not None:
             self._spawn(self._publish_dir(Path(publish_dir)), "publish-dir")
         self.log.info("%s listening on %s (store: %d artifacts)", cfg.role, self.address, len(self.store.artifacts))
+        if _slow_start_after_idle():
+            self.log.info("net.ipv4.tcp_slow_start_after_idle is 1 on this host: streams to children restart TCP "
+                          "slow start after each idle gap; on WAN links set it to 0 (p2psync.transport.push, "
+                          "'TCP windows')")
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=f"{self.config.id}:{name}")
@@ -616,7 +628,8 @@ class Node:
         lim = self.config.limits
         if lim.push_bytes > 0 and url not in self._no_push:
             try:
-                async for frame in read_stream(self._client, url, lim.push_bytes, self._pushed_chunk_size):
+                async for frame in read_stream(self._client, url, lim.push_bytes, self._pushed_chunk_size,
+                                               lim.stream_warmup_bytes):
                     self.upstream.ok(url)
                     await self._on_frame(url, frame)
                 return

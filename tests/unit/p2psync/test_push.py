@@ -162,12 +162,12 @@ def _frame(kind: int, body: bytes) -> bytes:
     return push._HEADER.pack(kind, len(body)) + body
 
 
-async def _read_all(frames: list[bytes], sizes: dict[tuple[str, int], int]) -> list:
+async def _read_all(frames: list[bytes], sizes: dict[tuple[str, int], int], warm: int = 0) -> list:
     runner, url = await _fake_parent(frames)
     client = await PeerClient.create(TOKEN, "t", stall_timeout=2.0, sse_keepalive=1.0, parallel_streams=2)
     got = []
     try:
-        async for f in push.read_stream(client, url, 1 << 20, lambda aid, i: sizes.get((aid, i))):
+        async for f in push.read_stream(client, url, 1 << 20, lambda aid, i: sizes.get((aid, i)), warm):
             got.append(f)
     finally:
         await client.close()
@@ -190,6 +190,8 @@ def test_stream_frames_that_break_the_protocol_are_refused_before_their_bytes_ar
         "truncated frame": [push._HEADER.pack(push.MANIFEST, 1000) + b"abc"],
         "not a manifest": [_frame(push.MANIFEST, b"random bytes, not a manifest")],
         "not a catalogue": [_frame(push.CATALOGUE, b"{\"format\": 99}")],
+        "padding not asked for": [_frame(push.PADDING, b"\0" * 10)],
+        "oversized padding frame": [push._HEADER.pack(push.PADDING, push.MAX_PADDING_FRAME + 1)],
     }
     for name, frames in cases.items():
         with pytest.raises(PeerUnreachable):
@@ -229,3 +231,86 @@ def test_push_limit_is_validated(tmp_path):
         with pytest.raises(ConfigError, match="limits.push_bytes"):
             _cfg(tmp_path, "n", "relay", ["http://127.0.0.1:1"], limits={"push_bytes": bad}).validate()
     assert isinstance(Manifest, type)
+
+
+def test_padding_beyond_what_the_child_asked_for_is_refused(setup):
+    _, _, arts = setup
+    m, _ = arts[1]
+    man = _frame(push.MANIFEST, m.to_bytes())
+    pad = _frame(push.PADDING, b"\0" * 1000)
+    with pytest.raises(PeerUnreachable, match="more padding than asked"):
+        asyncio.run(_read_all([pad, pad, man], {}, warm=1500))
+
+    # Up to what was asked: skipped, and the frames after it are delivered.
+    async def read() -> list:
+        runner, url = await _fake_parent([pad, man])
+        client = await PeerClient.create(TOKEN, "t", stall_timeout=2.0, sse_keepalive=1.0, parallel_streams=2)
+        got = []
+        try:
+            async for f in push.read_stream(client, url, 1 << 20, lambda aid, i: None, 1500):
+                got.append(f)
+        except PeerUnreachable as exc:
+            assert "stream closed" in str(exc)
+        finally:
+            await client.close()
+            await runner.cleanup()
+        return got
+
+    got = asyncio.run(read())
+    assert [type(f) for f in got] == [push.ManifestFrame] and got[0].manifest.artifact_id == m.artifact_id
+
+
+def test_a_new_stream_is_padded_as_the_child_asked_capped_by_the_parent_and_pushes_still_arrive(tmp_path, setup):
+    _, states, arts = setup
+    cap = 1 << 20
+
+    async def go():
+        tr = await Node.create(_cfg(tmp_path, "trainer", "trainer", limits={"stream_warmup_bytes": cap}))
+        leaf = await Node.create(_cfg(tmp_path, "leaf", "rollout", [tr.address],
+                                      limits={"stream_warmup_bytes": 3 * cap}))
+        plain = await Node.create(_cfg(tmp_path, "plain", "rollout", [tr.address],
+                                       limits={"stream_warmup_bytes": 0}))
+        try:
+            await tr.publish(*arts[0])
+            for n in (leaf, plain):
+                await asyncio.wait_for(n.wait_version(0), 30)
+            await asyncio.sleep(0.5)  # streams open before the deltas are announced
+            for m, chunks in arts[1:]:
+                await tr.publish(m, chunks)
+            for n in (leaf, plain):
+                await asyncio.wait_for(n.wait_version(3), 30)
+                assert _same(n.state, states[3]) and n.fingerprint == tr.fingerprint
+                assert n.metrics.total("p2psync_chunks_pushed_in_total") == sum(len(c) for _, c in arts[1:])
+            # One stream each: the leaf asked for 3 MiB and got the parent's cap, the other asked for none.
+            assert tr.metrics.total("p2psync_stream_padding_bytes_total") == cap
+        finally:
+            for n in (plain, leaf, tr):
+                await n.close()
+
+    asyncio.run(go())
+
+
+def test_a_malformed_warm_request_is_refused(tmp_path, setup):
+    import aiohttp
+
+    async def go():
+        tr = await Node.create(_cfg(tmp_path, "trainer", "trainer"))
+        try:
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as s:
+                for bad in ("abc", "-1", "1.5"):
+                    async with s.get(f"{tr.address}/v1/stream?push=100&warm={bad}") as resp:
+                        assert resp.status == 400, bad
+                        assert "warm" in await resp.text()
+            assert tr.metrics.total("p2psync_stream_padding_bytes_total") == 0
+        finally:
+            await tr.close()
+
+    asyncio.run(go())
+
+
+def test_stream_warmup_limit_is_validated(tmp_path):
+    from p2psync.errors import ConfigError
+
+    for bad in (-1, 1.5, True, config.MAX_STREAM_WARMUP + 1):
+        with pytest.raises(ConfigError, match="limits.stream_warmup_bytes"):
+            _cfg(tmp_path, "n", "relay", ["http://127.0.0.1:1"], limits={"stream_warmup_bytes": bad}).validate()
