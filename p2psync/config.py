@@ -95,6 +95,11 @@ class LimitsConfig:
     chunks, verified by the child as if pulled: one one-way delay instead of two round trips per
     hop); larger artifacts are pulled. 0: announcements only. Asked for by the child, capped by
     the parent."""
+    forward_first: bool = False
+    """Decode a pushed delta only once every chunk of it is held (else each chunk decodes as it
+    arrives). Where several nodes, or a node and generation, share the same cores, receiving and
+    forwarding to children then do not compete with this node's decode; it costs at most the
+    push's transfer time before the apply (a few ms for a few MB on a fast link)."""
     stream_warmup_bytes: int = 4 << 20
     """When a child opens its push stream, the parent first sends this many bytes of padding
     (asked for by the child, capped by the parent; 0: none). A new stream's TCP windows start

@@ -72,6 +72,10 @@ _CHILD_TTL = 30.0
 _LOG_KEEP = 1024
 
 
+async def _nothing() -> None:
+    return None
+
+
 def _slow_start_after_idle() -> bool:
     """Whether this host (network namespace) restarts TCP slow start on idle connections (Linux)."""
     try:
@@ -779,7 +783,9 @@ class Node:
         await submit_held()
         pushed = len(submitted)
         if self._pushes.manifest(aid) is not None:
-            await self._take_pushed(art, submit_held)
+            # forward_first: a pushed delta arrives in one burst; hold it all before decoding, so
+            # that receiving (and forwarding to children) does not share the CPU with its decode.
+            await self._take_pushed(art, _nothing if self.config.limits.forward_first else submit_held)
             pushed = len(submitted)
         await submit_held()  # no await between its last look and fetch_chunks' look at the store
         await fetch_chunks(self.upstream, self.store, self.board, manifest,

@@ -80,7 +80,8 @@ def tokens_per_dollar(cfg, sync_s: float, rollout_s: float) -> float:
 
 # ---- methods -----------------------------------------------------------------------------------
 
-def run_p2psync(tb, art: dict, parents: dict, work: Path, timeout: float, snapshot: bool = True) -> dict:
+def run_p2psync(tb, art: dict, parents: dict, work: Path, timeout: float, snapshot: bool = True,
+                node_opts: list[str] | None = None, keep_logs: bool = False) -> dict:
     from p2psync.testbed import nodes
 
     d = Path(tempfile.mkdtemp(prefix="p2p-", dir=work))
@@ -88,7 +89,8 @@ def run_p2psync(tb, art: dict, parents: dict, work: Path, timeout: float, snapsh
     publish.mkdir()
     ns = nodes.start(tb, parents, d, Path(art["keys"]), TOKEN, publish,
                      extra=["--store.snapshot_interval=0", "--store.checkpoint_interval=0",
-                            "--limits.sse_keepalive=1", "--limits.stall_timeout=30"])
+                            "--limits.sse_keepalive=1", "--limits.stall_timeout=30", *(node_opts or [])],
+                     log_level="INFO" if keep_logs else "WARNING")
     out = {}
     try:
         # v0 (cold: every node starts from nothing and loads its codec on the way) is kept apart;
@@ -134,7 +136,10 @@ def run_p2psync(tb, art: dict, parents: dict, work: Path, timeout: float, snapsh
             time.sleep(2)  # let relays settle before the next version
     finally:
         ns.stop()
-        shutil.rmtree(d, ignore_errors=True)
+        if keep_logs:
+            print(f"node logs kept in {d}", file=sys.stderr, flush=True)
+        else:
+            shutil.rmtree(d, ignore_errors=True)
     return out
 
 
@@ -281,9 +286,11 @@ def suite(args, cfg, art: dict, methods: list[str]) -> dict:
             if method == "p2psync-tree":
                 parents, p = plan_parents(cfg, art["delta_bytes"], art["delta_chunk"])
                 plan_info = {"parents": p.parents, "est_completion_s": p.est_completion_s}
-                results[method] = run_p2psync(tb, art, parents, work, args.timeout, not args.delta_only)
+                results[method] = run_p2psync(tb, art, parents, work, args.timeout, not args.delta_only,
+                                              args.node_opt, args.keep_logs)
             elif method == "p2psync-star":
-                results[method] = run_p2psync(tb, art, star_parents(cfg), work, args.timeout, not args.delta_only)
+                results[method] = run_p2psync(tb, art, star_parents(cfg), work, args.timeout, not args.delta_only,
+                                              args.node_opt, args.keep_logs)
             elif method == "http-unicast":
                 results[method] = run_unicast(tb, art, work, args.timeout)
             elif method == "shardcast":
@@ -415,6 +422,9 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--delta-only", action="store_true",
                     help="p2psync methods: measure the delta only (the snapshot still seeds version 0, untimed)")
+    ap.add_argument("--node-opt", action="append", default=[], metavar="--SECTION.KEY=VALUE",
+                    help="extra option for every p2psync node (repeatable), e.g. --node-opt=--limits.decode_nice=19")
+    ap.add_argument("--keep-logs", action="store_true", help="p2psync methods: INFO node logs, kept under --work")
     ap.add_argument("--work", default="/tmp/p2psync-wan", help="artifacts cache and scratch space")
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
     args = ap.parse_args()

@@ -70,14 +70,16 @@ def setup(tmp_path):
     return priv, states, _artifacts(priv, states)
 
 
-@pytest.mark.parametrize("push_bytes", [16 << 20, 0], ids=["push", "pull-only"])
-def test_deltas_arrive_bit_exact_by_push_through_a_relay(tmp_path, setup, push_bytes):
+@pytest.mark.parametrize(("push_bytes", "forward_first"), [(16 << 20, False), (16 << 20, True), (0, False)],
+                         ids=["push", "push-forward-first", "pull-only"])
+def test_deltas_arrive_bit_exact_by_push_through_a_relay(tmp_path, setup, push_bytes, forward_first):
     priv, states, arts = setup
+    lim = {"push_bytes": push_bytes, "forward_first": forward_first}
 
     async def go():
         tr = await Node.create(_cfg(tmp_path, "trainer", "trainer"))
-        relay = await Node.create(_cfg(tmp_path, "relay", "relay", [tr.address], limits={"push_bytes": push_bytes}))
-        leaf = await Node.create(_cfg(tmp_path, "leaf", "rollout", [relay.address], limits={"push_bytes": push_bytes}))
+        relay = await Node.create(_cfg(tmp_path, "relay", "relay", [tr.address], limits=lim))
+        leaf = await Node.create(_cfg(tmp_path, "leaf", "rollout", [relay.address], limits=lim))
         try:
             await tr.publish(*arts[0])
             await asyncio.wait_for(leaf.wait_version(0), 30)
