@@ -5,6 +5,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/bootstrap.sh test
 bash tools/ensure_chromium.sh || echo "tools/test.sh: could not install chromium; the /ui browser test will skip" >&2
-# Compile the codec kernels once (numba caches them beside the source), not in many test node processes at once.
+# Compile the codec kernels once, into the numba cache the test session uses (tests/conftest.py sets
+# the same NUMBA_CACHE_DIR), so that the node processes the integration tests start load them instead
+# of all compiling them at once (7 node processes compiling on 2 cores outlasted the first test's
+# 150 s wait for version 0).
+export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-$PWD/.numba_cache}"
 .venv/bin/python -c "from p2psync.codec.decode import warm_up; warm_up()"
 exec .venv/bin/python -m pytest -q "$@"
