@@ -14,7 +14,8 @@ exponent field reaches ``e_k``: ``t_k = (e_k << shift) - 1``) split the elements
 of a segment into magnitude buckets, ``bucket(w) = #{k : key(w) > t_k}``. A
 change is coded by its bucket and its *rank*, the number of elements of the same
 bucket before it in the segment. The receiver holds the base words, so it
-recomputes the buckets and turns ranks back into positions (:func:`locate`).
+recomputes the buckets and turns ranks back into positions (:func:`locate`, and
+:func:`locate_grouped` for sparse segments).
 
 ``consts`` arrays carry the key mask at index 0 and the three thresholds after
 it, in the word type of the tensor (``context.consts_for``; missing thresholds
@@ -608,3 +609,120 @@ def locate(old, start, stop, consts, counts, ranks, pos_out, old_out):
         if n0 == e0 and n1 == e1 and n2 == e2 and n3 == e3:
             break
     return n0 + (n1 - e0) + (n2 - e1) + (n3 - e2)
+
+
+
+GROUP_BLOCKS = 64
+"""Blocks of 64 words per group of :func:`locate_grouped` (a group's running counts per bucket
+are one 64-lane vector of u16)."""
+
+
+@njit(nogil=True, cache=True)
+def locate_grouped(old, start, stop, consts, counts, ranks, pos_out, old_out):
+    """:func:`locate` (same arguments, positions, base words and count found) in two phases per
+    group of :data:`GROUP_BLOCKS` blocks, with no branch per block that depends on the data.
+
+    Phase one classifies the group's words: per block and bucket, the bucket's mask and how many
+    of its elements come before and through the block. Phase two places each rank that falls in
+    the group: its block is the number of blocks whose running count does not exceed it (one
+    vector compare of the 64 counts and a popcount), its position the matching set bit of that
+    block's mask (:func:`~p2psync.codec.simd.select64`). Each change costs the same whatever
+    the blocks around it hold. :func:`locate` decides per block and bucket whether the block
+    holds the bucket's next wanted element, and at RL densities (about one change per block)
+    those branches go either way at random. The one data-dependent branch left here ends a
+    bucket's run of ranks in a group (four per group). The placement loop is written once for
+    the four buckets, over their state in small arrays: a helper function per bucket would
+    take references on its array arguments on every call (atomic counts, measured ~15 %)."""
+    total = ranks.shape[0]
+    if total == 0:
+        return 0
+    G = GROUP_BLOCKS
+    nxt = np.empty(4, dtype=np.int64)  # next slot of each bucket
+    end = np.empty(4, dtype=np.int64)  # end slot of each bucket's ranks
+    done = np.zeros(4, dtype=np.int64)  # elements of each bucket before the group
+    cnt = np.empty(4, dtype=np.int64)  # ... in the group
+    e = 0
+    for k in range(4):
+        nxt[k] = e
+        e += counts[k]
+        end[k] = e
+    km = consts[0]
+    t1 = consts[1]
+    t2 = consts[2]
+    t3 = consts[3]
+    masks = np.empty(4 * G, dtype=np.uint64)
+    before = np.empty(4 * G, dtype=np.int64)
+    through = np.empty(4 * G, dtype=np.uint16)
+    grp = start
+    while grp < stop:
+        gend = min(grp + 64 * G, stop)
+        c0 = 0
+        c1 = 0
+        c2 = 0
+        c3 = 0
+        nb = 0
+        blk = grp
+        while blk < gend:
+            if blk + 64 <= gend:
+                prefetch_ahead(old, blk)
+                g1 = gt_mask64(old, blk, km, t1)
+                g2 = gt_mask64(old, blk, km, t2)
+                g3 = gt_mask64(old, blk, km, t3)
+                m0 = ~g1
+            else:  # the segment's last, shorter block
+                g1, g2, g3 = _gt3_tail(old, blk, gend - blk, consts)
+                m0 = low_bits(gend - blk) & ~g1
+            m1 = g1 & ~g2
+            m2 = g2 & ~g3
+            masks[nb] = m0
+            masks[G + nb] = m1
+            masks[2 * G + nb] = m2
+            masks[3 * G + nb] = g3
+            before[nb] = c0
+            before[G + nb] = c1
+            before[2 * G + nb] = c2
+            before[3 * G + nb] = c3
+            c0 += np.int64(popcount64(m0))
+            c1 += np.int64(popcount64(m1))
+            c2 += np.int64(popcount64(m2))
+            c3 += np.int64(popcount64(g3))
+            through[nb] = c0
+            through[G + nb] = c1
+            through[2 * G + nb] = c2
+            through[3 * G + nb] = c3
+            nb += 1
+            blk += 64
+        for b in range(nb, G):  # a short group: blocks past its end hold nothing
+            through[b] = c0
+            through[G + b] = c1
+            through[2 * G + b] = c2
+            through[3 * G + b] = c3
+        cnt[0] = c0
+        cnt[1] = c1
+        cnt[2] = c2
+        cnt[3] = c3
+        left = 0
+        for k in range(4):
+            n = nxt[k]
+            stop_n = end[k]
+            base = done[k]
+            last = base + cnt[k]
+            off = k * G
+            while n < stop_n:
+                r = ranks[n]
+                if r >= last:
+                    break
+                loc = r - base
+                # the block holding the bucket's element ``loc``: blocks whose running count is <= loc
+                b = off + np.int64(popcount64(~gt_mask64(through, off, np.uint16(0xFFFF), np.uint16(loc))))
+                p = grp + (b - off) * 64 + select64(masks[b], loc - before[b])
+                pos_out[n] = p
+                old_out[n] = old[p]
+                n += 1
+            nxt[k] = n
+            done[k] = last
+            left += stop_n - n
+        grp = gend
+        if left == 0:
+            break
+    return nxt[0] + (nxt[1] - end[0]) + (nxt[2] - end[1]) + (nxt[3] - end[2])

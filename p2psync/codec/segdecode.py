@@ -30,9 +30,9 @@ writes); any other stream goes through the general loop, so the result is the
 same for every input.
 
 Numba caches this module's kernels keyed on this file alone, and they compile in
-``kernels.locate``, ``kernels.hash_change``, ``rice._read`` and ``rans._parse_models``: after
-editing one of those, delete ``p2psync/codec/__pycache__/segdecode.*`` (a fresh clone has no
-cache; compiling this module takes ~11 s once).
+``kernels.locate``, ``kernels.locate_grouped``, ``kernels.hash_change``, ``rice._read`` and
+``rans._parse_models``: after editing one of those, delete ``p2psync/codec/__pycache__/segdecode.*``
+(a fresh clone has no cache; compiling this module takes ~11 s once).
 """
 
 from __future__ import annotations
@@ -74,6 +74,12 @@ ZSTD_LEN = -21  # info: decompressed bytes
 SMALL_PER_MODEL = 256
 """Below this many changes per residual model, rANS looks symbols up by scanning the cumulative
 frequencies instead of building a 4096-slot table per model (~2 us each)."""
+
+GROUPED_LOCATE = 2
+"""Segments with at most one change per this many elements find their positions with
+:func:`~p2psync.codec.kernels.locate_grouped` (a fixed cost per change: ~5 ns), denser ones with
+:func:`~p2psync.codec.kernels.locate`, whose whole-block path is cheaper when most of a bucket
+changes (measured: the two cross near half the elements changed)."""
 
 _M = rans.M
 _L = np.uint32(1 << 23)
@@ -367,7 +373,10 @@ def decode_body(seg, at, start, stop, old, shift, exp_mask, seed, planes, planes
         consts[:] = km
         for i in range(nt):
             consts[1 + i] = (thr[i] << shift) - 1
-        found = kernels.locate(old, start, stop, consts, counts, ranks, pos, old_w)
+        if n * GROUPED_LOCATE <= span:
+            found = kernels.locate_grouped(old, start, stop, consts, counts, ranks, pos, old_w)
+        else:
+            found = kernels.locate(old, start, stop, consts, counts, ranks, pos, old_w)
         if found != n:
             return OUTSIDE, n - found, e_i, e_w, nil, (z, z)
     if res_status != OK:

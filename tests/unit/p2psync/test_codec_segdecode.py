@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from numba import njit
 
 from p2psync import dtypes
-from p2psync.codec import rice, segdecode
+from p2psync.codec import context, kernels, rice, segdecode
 from p2psync.codec.decode import split_chunk
 from p2psync.codec.encode import CodecOptions, encode_delta
 from p2psync.codec.segment import parse_head, parse_segment
@@ -245,3 +245,64 @@ def test_truncated_body_is_a_truncated_error(cut):
     with pytest.raises(TruncatedError):
         segdecode.decode(seg[: p.body_at + cut], p.body_at, p.start, p.stop, dtypes.from_code("BF16"),
                          base.words("w"), tensor_seed("w"))
+
+
+# --- locate: the two-phase grouped kernel against the per-block one ------------------------
+_G = 64 * kernels.GROUP_BLOCKS  # elements per group
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["BF16", "F16", "F32", "U8"]),
+       st.one_of(st.sampled_from([1, 63, 64, 65, _G - 1, _G, _G + 1, 2 * _G + 64 * 3 + 5, 3 * _G - 64]),
+                 st.integers(1, 3 * _G)),
+       st.integers(0, 3), st.sampled_from([0.0005, 0.01, 0.05, 0.3, 1.0]), st.booleans(), st.integers(0, 2**31))
+def test_grouped_locate_finds_what_locate_finds(code, span, n_thr, density, misfit, seed):
+    """Same count found, and the same positions and base words in the same slots, for any sorted
+    ranks per bucket: sparse and dense blocks, a segment shorter than one group, groups cut short
+    at a block count that is not a multiple of 64, a last block shorter than 64, every bucket,
+    and ranks past a bucket's count (they do not fit the base: both stop short by as many)."""
+    rng = np.random.default_rng(seed)
+    d = dtypes.from_code(code)
+    start = int(rng.integers(0, 100))
+    old, _ = _step(rng, code, start + span + int(rng.integers(0, 100)), 0.0, 1)
+    if not d.exp_mask:
+        n_thr = 0
+    exps = np.unique((old >> d.word.type(d.exp_shift)) & d.word.type(d.exp_mask)) if d.exp_mask else []
+    exps = np.sort(rng.choice(exps[exps > 0], size=min(n_thr, int((exps > 0).sum())), replace=False)) if n_thr else []
+    consts = context.consts_for(d, np.array(exps, dtype=np.int64))
+    key = old[start:start + span] & consts[0]
+    bucket = (key > consts[1]).astype(np.int64) + (key > consts[2]) + (key > consts[3])
+    counts = np.zeros(4, dtype=np.int64)
+    ranks = []
+    for b in range(4):
+        size = int((bucket == b).sum()) + (int(rng.integers(1, 5)) if misfit and b <= len(exps) else 0)
+        chosen = np.flatnonzero(rng.random(size) < density)
+        counts[b] = chosen.shape[0]
+        ranks.append(chosen)
+    ranks = np.concatenate(ranks).astype(np.int64)
+    n = ranks.shape[0]
+    pos_a, old_a = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=old.dtype)
+    pos_b, old_b = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=old.dtype)
+    found = kernels.locate(old, start, start + span, consts, counts, ranks, pos_a, old_a)
+    assert kernels.locate_grouped(old, start, start + span, consts, counts, ranks, pos_b, old_b) == found
+    if found == n:  # slots of ranks that do not fit hold nothing defined
+        assert np.array_equal(pos_b, pos_a) and np.array_equal(old_b, old_a)
+        assert np.array_equal(old[pos_a], old_a)
+        assert np.all((pos_a >= start) & (pos_a < start + span))
+    else:
+        assert misfit
+
+
+def test_sparse_segments_take_the_grouped_locate():
+    """A sparse segment with thresholds (a few changes per block of 64, three buckets, a group cut
+    short) decodes through ``locate_grouped`` and gives the reference result."""
+    rng = np.random.default_rng(7)
+    old, new = _step(rng, "BF16", 3 * _G + 1000, 0.6, 8)
+    base, target = state_from_words({"w": ("BF16", old)}), state_from_words({"w": ("BF16", new)})
+    enc = encode_delta(base, target, CodecOptions(threads=1, context_buckets=4))
+    segs = [s for c in enc.chunks for s in split_chunk(c)]
+    p = parse_segment(segs[0])
+    assert len(p.thresholds) >= 1 and p.n * segdecode.GROUPED_LOCATE <= p.stop - p.start
+    for seg in segs:
+        ref, fast = _both(seg, base)
+        assert ref[0] == "ok" and fast == ref
