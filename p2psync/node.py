@@ -280,8 +280,11 @@ class Node:
     # --- what the server sees ----------------------------------------------------------------
     def catalogue(self) -> Catalogue:
         arts = self.store.catalogue(complete_only=True)
-        flying = [ArtifactInfo.of(self.store.artifacts[a].manifest, False) for a in self.board.ids
-                  if a in self.store.artifacts] if self.config.cut_through else []
+        # In flight: on the board and not yet complete (an artifact is listed once: a complete one
+        # can still be on the board for a moment, and a push stream would send it twice).
+        flying = [ArtifactInfo.of(art.manifest, False) for a in self.board.ids
+                  if (art := self.store.artifacts.get(a)) is not None and not art.complete] \
+            if self.config.cut_through else []
         all_arts = tuple(sorted(arts + flying, key=lambda i: (i.target, i.kind)))
         snaps = tuple(sorted({a.manifest.target_version for a in list(self.store.artifacts.values())
                               if a.manifest.kind == "snapshot"}))
@@ -786,7 +789,7 @@ class Node:
             # forward_first: a pushed delta arrives in one burst; hold it all before decoding, so
             # that receiving (and forwarding to children) does not share the CPU with its decode.
             await self._take_pushed(art, _nothing if self.config.limits.forward_first else submit_held)
-            pushed = len(submitted)
+            pushed = len(set(art.held) | submitted)
         await submit_held()  # no await between its last look and fetch_chunks' look at the store
         await fetch_chunks(self.upstream, self.store, self.board, manifest,
                            self.config.limits.parallel_streams, submit)

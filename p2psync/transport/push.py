@@ -147,8 +147,8 @@ async def serve_stream(server: Server, request: web.Request) -> web.StreamRespon
             else:
                 seq = heads.seq
                 cat = view.catalogue()
-                fresh = [] if known is None else [a for a in cat.artifacts if a.id not in known
-                                                  and a.kind == "delta" and 0 < a.bytes <= push_max]
+                fresh = [] if known is None else list({a.id: a for a in cat.artifacts if a.id not in known
+                                                       and a.kind == "delta" and 0 < a.bytes <= push_max}.values())
                 known = {a.id for a in cat.artifacts} | (known or set())
                 pushing = []
                 for a in fresh:

@@ -95,11 +95,47 @@ def test_deltas_arrive_bit_exact_by_push_through_a_relay(tmp_path, setup, push_b
             pushed = [n.metrics.total("p2psync_chunks_pushed_in_total") for n in (relay, leaf)]
             if push_bytes:
                 assert pushed == [delta_chunks, delta_chunks]  # no delta chunk had to be pulled
-                assert tr.metrics.total("p2psync_chunks_pushed_total") >= delta_chunks
+                # Each chunk once: the trainer's only child is the relay, and the relay's the leaf.
+                assert tr.metrics.total("p2psync_chunks_pushed_total") == delta_chunks
+                assert relay.metrics.total("p2psync_chunks_pushed_total") == delta_chunks
             else:
                 assert pushed == [0, 0]
         finally:
             for n in (leaf, relay, tr):
+                await n.close()
+
+    asyncio.run(go())
+
+
+def test_an_artifact_complete_but_still_on_the_board_is_listed_and_pushed_once(tmp_path, setup):
+    # Between the last chunk stored and the board's end (a moment on a busy trainer or relay), an
+    # artifact is both complete and in flight; a catalogue taken then listed it twice, and each
+    # push stream sent the whole delta twice over the child's link.
+    priv, states, arts = setup
+
+    async def go():
+        tr = await Node.create(_cfg(tmp_path, "trainer", "trainer"))
+        leaf = await Node.create(_cfg(tmp_path, "leaf", "rollout", [tr.address]))
+        try:
+            await tr.publish(*arts[0])
+            await asyncio.wait_for(leaf.wait_version(0), 30)
+            await asyncio.sleep(0.5)  # the stream is open
+            m, chunks = arts[1]
+            aid = m.artifact_id
+            tr.store.add_manifest(m)
+            for i, c in enumerate(chunks):
+                tr.store.put_chunk(aid, i, c)
+            tr.board.begin(aid, len(chunks))  # complete, and still on the board
+            ids = [a.id for a in tr.catalogue().artifacts]
+            assert ids.count(aid) == 1
+            tr.heads.bump()
+            await asyncio.wait_for(leaf.wait_version(1), 30)
+            tr.board.end(aid)
+            assert _same(leaf.state, states[1])
+            assert tr.metrics.total("p2psync_chunks_pushed_total") == len(chunks)
+            assert leaf.metrics.total("p2psync_chunks_pushed_in_total") == len(chunks)
+        finally:
+            for n in (leaf, tr):
                 await n.close()
 
     asyncio.run(go())
