@@ -175,6 +175,8 @@ class Node:
         self._upstream_cat: Catalogue | None = None
         self._wake = asyncio.Event()
         self._parent_changed = asyncio.Event()
+        self._codec_warm = False
+        self._stream_unpadded = False  # the open push stream asked for no padding (see _watch)
         self._publish_lock = asyncio.Lock()
         self._checkpointed: int | None = None
         self._progress: dict[str, int] = {}
@@ -369,9 +371,12 @@ class Node:
                 took = await warm_up_process()
             except Exception as exc:  # noqa: BLE001 - only a speed-up: the real apply path reports errors
                 self.log.warning("codec warm-up failed (the first apply will be slower): %r", exc)
-                return
-            self.metrics.set("p2psync_codec_warm_seconds", took)
-            self.log.info("codec warm in %.2f s", took)
+                took = None
+            if took is not None:
+                self.metrics.set("p2psync_codec_warm_seconds", took)
+                self.log.info("codec warm in %.2f s", took)
+            self._codec_warm = True
+            self._pad_stream_if_settled()
 
         self._spawn(warm_up(), "warm-up")
         loaded = await asyncio.to_thread(self.store.load_state)
@@ -446,6 +451,20 @@ class Node:
         if removed:
             self.log.info("retention removed %d artifacts", len(removed))
             self.heads.bump()
+        self._pad_stream_if_settled()
+
+    def _settled(self) -> bool:
+        """Codec warm, weights held and caught up with the parent: the node reads its stream at
+        once, so padding sent now opens the stream's TCP windows (see :meth:`_watch`)."""
+        cat = self._upstream_cat
+        return self._codec_warm and self.version is not None and (cat is None or cat.head is None
+                                                                  or cat.head <= self.version)
+
+    def _pad_stream_if_settled(self) -> None:
+        if self._stream_unpadded and self._settled():
+            self._stream_unpadded = False
+            self.log.info("settled: re-opening the push stream to be padded")
+            self._parent_changed.set()  # the watcher re-opens its stream to the same parent
 
     async def subscribe(self) -> AsyncIterator[Manifest]:
         """Each artifact applied from now on, in version order, after it was applied."""
@@ -634,13 +653,19 @@ class Node:
         assert self._client is not None and self.upstream is not None
         lim = self.config.limits
         if lim.push_bytes > 0 and url not in self._no_push:
+            # Padding opens the stream's TCP windows only if this node reads it at once: a node still
+            # starting (compiling its codec, loading or catching up: seconds of CPU, and the link busy
+            # with its snapshot) read it slowly on the WAN testbed, and the windows stayed small. Such
+            # a node opens its stream unpadded and re-opens it padded once settled.
+            warm = lim.stream_warmup_bytes if self._settled() else 0
+            self._stream_unpadded = lim.stream_warmup_bytes > 0 and not warm
             try:
-                async for frame in read_stream(self._client, url, lim.push_bytes, self._pushed_chunk_size,
-                                               lim.stream_warmup_bytes):
+                async for frame in read_stream(self._client, url, lim.push_bytes, self._pushed_chunk_size, warm):
                     self.upstream.ok(url)
                     await self._on_frame(url, frame)
                 return
             except PushUnsupported:
+                self._stream_unpadded = False
                 self._no_push.add(url)
                 self.log.info("parent %s cannot push; following its event stream instead", url)
         async for cat in self._client.call_events(url):
@@ -790,12 +815,22 @@ class Node:
             # that receiving (and forwarding to children) does not share the CPU with its decode.
             await self._take_pushed(art, _nothing if self.config.limits.forward_first else submit_held)
             pushed = len(set(art.held) | submitted)
+
+        def held() -> None:
+            self.heads.bump()  # held complete (listed so) while it decodes and applies
+            self.log.info("holds %s: %d chunks (%d held or pushed) %.3f s after its manifest", aid,
+                          len(manifest.chunks), pushed, time.perf_counter() - t0)
+
+        # All here already (pushed, forward_first): say so before the decode, whose bounded queue
+        # makes submitting them wait for the first chunks' decode.
+        early = len(art.held) >= len(manifest.chunks)
+        if early:
+            held()
         await submit_held()  # no await between its last look and fetch_chunks' look at the store
         await fetch_chunks(self.upstream, self.store, self.board, manifest,
                            self.config.limits.parallel_streams, submit)
-        self.heads.bump()  # held complete (listed so) while it decodes and applies
-        self.log.info("holds %s: %d chunks (%d held or pushed) %.3f s after its manifest", aid,
-                      len(manifest.chunks), pushed, time.perf_counter() - t0)
+        if not early:
+            held()
         await decode.drain()
         await self._commit(manifest, applier=applier)
 

@@ -136,7 +136,10 @@ def run_p2psync(tb, art: dict, parents: dict, work: Path, timeout: float, snapsh
             time.sleep(2)  # let relays settle before the next version
     finally:
         ns.stop()
-        if keep_logs:
+        if keep_logs:  # the logs only: each node's data directory holds GBs of weights and artifacts
+            for sub in d.iterdir():
+                if sub.is_dir():
+                    shutil.rmtree(sub, ignore_errors=True)
             print(f"node logs kept in {d}", file=sys.stderr, flush=True)
         else:
             shutil.rmtree(d, ignore_errors=True)

@@ -9,6 +9,13 @@ to the destination region's router. TCP therefore sees the real round-trip
 time end to end (slow start, window growth and loss recovery over a long
 RTT), unlike a splitting proxy.
 
+It runs at real-time priority (``SCHED_FIFO``, ``--rt-priority``, 0 to turn
+off): the emulated machines share the host's cores, and a link must not be
+slowed by their CPU (on the 2-core VM, 16 node processes decoding at once
+otherwise delay every WAN packet behind them; real links do not queue behind
+their hosts' computations). It only waits on the TUN device and its timer, so
+it takes the cores for the moments it forwards.
+
 What it does not emulate: jitter, reordering and random loss (packets leave
 in due-time order; loss only comes from the tbf queues overflowing); a packet
 that would overflow ``max_queued_bytes`` is dropped, as a full router queue
@@ -148,7 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="p2psync testbed WAN delay line (runs inside the core namespace)")
     ap.add_argument("--spec", required=True, help="JSON: {base: int, mtu: int, delays: [[src, dst, seconds], ...]}")
     ap.add_argument("--testbed", default="", help="name of the testbed (identifies this process to `down`)")
+    ap.add_argument("--rt-priority", type=int, default=10,
+                    help="SCHED_FIFO priority (1-99) so that busy emulated machines do not slow the links; 0: normal")
     args = ap.parse_args(argv)
+    if args.rt_priority:
+        try:
+            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(args.rt_priority))
+        except (OSError, ValueError) as exc:
+            print(f"delay line: no real-time priority ({exc}); busy machines will slow the links",
+                  file=sys.stderr, flush=True)
     spec = json.loads(args.spec)
     line = DelayLine(int(spec["base"]), {(int(a), int(b)): float(s) for a, b, s in spec["delays"]})
     fd = open_tun()

@@ -309,9 +309,16 @@ def test_a_new_stream_is_padded_as_the_child_asked_capped_by_the_parent_and_push
         plain = await Node.create(_cfg(tmp_path, "plain", "rollout", [tr.address],
                                        limits={"stream_warmup_bytes": 0}))
         try:
+            await asyncio.sleep(0.5)
+            # A node without weights opens its stream unpadded (it would read the padding slowly
+            # while it starts), and re-opens it padded once it is warm and caught up.
+            assert tr.metrics.total("p2psync_stream_padding_bytes_total") == 0
             await tr.publish(*arts[0])
             for n in (leaf, plain):
                 await asyncio.wait_for(n.wait_version(0), 30)
+            async with asyncio.timeout(30):
+                while tr.metrics.total("p2psync_stream_padding_bytes_total") < cap:
+                    await asyncio.sleep(0.05)
             await asyncio.sleep(0.5)  # streams open before the deltas are announced
             for m, chunks in arts[1:]:
                 await tr.publish(m, chunks)
