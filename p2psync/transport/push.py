@@ -44,7 +44,13 @@ link instead of one: on the WAN testbed a 1.78 MB push over a 200 Mbit/s link
 with 100 ms of one-way delay took 1.6-4.4 s on a fresh stream and 0.17-0.36 s
 after 2-8 MB of padding had opened the windows (docs/benchmarks/wan.md, "TCP
 windows"). The padding is paid once per stream (a parent switch opens a new
-one). What keeps the congestion window open across the idle seconds between
+one). It only opens the windows if the child reads it at once: the receiver's
+window grows with what its application reads per round trip, and a BBR sender
+keeps the rate it measured. Padded while every node of the testbed was still
+compiling its codec and pulling its first snapshot, the stream to ``ap-south``
+kept a 120 KB receive window and a 4.7 Mbit/s estimate, and a delta took 1.6-2 s
+on it. So a child that is not yet settled (codec warm, weights held, caught up)
+opens its stream unpadded and re-opens it, padded, once it is. What keeps the congestion window open across the idle seconds between
 steps is the sender's ``net.ipv4.tcp_slow_start_after_idle = 0`` (Linux
 otherwise restarts slow start after one retransmission timeout of silence), a
 host setting: the node logs a hint at start when it is 1.

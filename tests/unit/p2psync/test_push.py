@@ -62,6 +62,16 @@ def _same(a: ModelState, b: ModelState) -> bool:
     return all(np.array_equal(a.words(n), b.words(n)) for n in b)
 
 
+async def _padded(*parents: tuple[Node, int]) -> None:
+    """Wait until each (parent, n children) padded its children's streams: a child opens its
+    stream unpadded while it starts and re-opens it padded once settled; a delta announced
+    during that re-open is pulled instead of pushed."""
+    async with asyncio.timeout(60):
+        for node, n in parents:
+            while node.metrics.total("p2psync_stream_padding_bytes_total") < n * node.config.limits.stream_warmup_bytes:
+                await asyncio.sleep(0.05)
+
+
 @pytest.fixture
 def setup(tmp_path):
     priv = keys.generate()
@@ -83,6 +93,8 @@ def test_deltas_arrive_bit_exact_by_push_through_a_relay(tmp_path, setup, push_b
         try:
             await tr.publish(*arts[0])
             await asyncio.wait_for(leaf.wait_version(0), 30)
+            if push_bytes:
+                await _padded((tr, 1), (relay, 1))
             await asyncio.sleep(0.5)  # streams open before the deltas are announced
             delta_chunks = 0
             for m, chunks in arts[1:]:
@@ -119,6 +131,7 @@ def test_an_artifact_complete_but_still_on_the_board_is_listed_and_pushed_once(t
         try:
             await tr.publish(*arts[0])
             await asyncio.wait_for(leaf.wait_version(0), 30)
+            await _padded((tr, 1))
             await asyncio.sleep(0.5)  # the stream is open
             m, chunks = arts[1]
             aid = m.artifact_id
