@@ -27,6 +27,7 @@ import xxhash
 
 from p2psync import dtypes
 from p2psync.codec import kernels
+from p2psync.codec.workers import run_ordered
 from p2psync.errors import TensorTableMismatch
 
 if TYPE_CHECKING:
@@ -204,18 +205,22 @@ class ModelState:
         self.apply_parts([(i, pos, new) for i, (pos, new) in changes.items()], sums, threads)
 
     def apply_parts(self, parts: Iterable[tuple[int, np.ndarray, np.ndarray]], sums: list[tuple[int, int]],
-                    threads: int = 1) -> None:
+                    threads: int = 1, *, in_range: bool = False) -> None:
         """Like :meth:`apply_sparse` with the changes as ``(tensor index, positions, new words)``
         parts, several of which may name one tensor (e.g. one per decoded segment: no
         concatenation). With ``threads`` > 1 the parts are written on that many threads (the
-        scatter releases the GIL; it is memory-bound, about one cache line per change)."""
+        scatter releases the GIL; it is memory-bound, about one cache line per change).
+
+        ``in_range=True`` declares that every position is already known to lie in its tensor
+        (the decoder's positions: each segment's lie in its checked range), which skips a pass
+        over them on the calling thread (~1.3 ms for 1.4 M changes) before the threads start."""
         jobs = []
         for i, pos, new in parts:
             words = self._words[self.specs[i].name]
             pos = np.asarray(pos)
             new = np.asarray(new)
             if pos.dtype == np.int64 and new.dtype == words.dtype and pos.shape == new.shape and pos.ndim == 1 \
-                    and kernels.in_range(pos, words.shape[0]):
+                    and (in_range or kernels.in_range(pos, words.shape[0])):
                 jobs.append((words, pos, new))
             else:
                 words[pos] = new
@@ -226,9 +231,10 @@ class ModelState:
             for words, pos, new in jobs:
                 kernels.scatter(words, pos, new)
         else:
-            with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="p2psync-apply") as pool:
-                for f in [pool.submit(kernels.scatter, *j) for j in jobs]:
-                    f.result()
+            _, _, error = run_ordered(len(jobs), range(len(jobs)), lambda k: kernels.scatter(*jobs[k]),
+                                      min(threads, len(jobs)))
+            if error is not None:
+                raise error
         self._sums = sums
 
     def clone(self) -> "ModelState":

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from typing import cast
 
 import numpy as np
 
@@ -25,9 +25,11 @@ from p2psync.codec.segment import (
     SegmentStats,
     parse_head,
     parse_segment,
+    span_of,
     unpack_payload,
 )
 from p2psync.codec.wire import Reader
+from p2psync.codec.workers import run_ordered
 from p2psync.errors import (
     CodecError,
     FingerprintMismatch,
@@ -214,7 +216,14 @@ class Applier:
 
     def add_chunks(self, chunks: Iterable[tuple[int, bytes | memoryview]], threads: int = 2) -> None:
         """Decode many chunks on ``threads`` threads, segment by segment (so that one big chunk
-        also uses every thread)."""
+        also uses every thread).
+
+        The calling thread and ``threads - 1`` helpers (:func:`~p2psync.codec.workers.run_ordered`)
+        take the segments longest first (by element range, which the decode time follows: it
+        reads every base word of the range), so that a big segment in the last chunk (e.g. an
+        untied output embedding) does not run alone at the end. Results and errors do not depend
+        on that order: chunks are registered, and the first failing segment reported, in the
+        order given."""
         items = list(chunks)
         self.threads = max(1, threads)
         if threads <= 1 or not items:
@@ -229,15 +238,17 @@ class Applier:
                 raise CodecError(f"chunk {i} given twice")
             seen.add(i)
             split.append((i, split_chunk(c)))
-        with ThreadPoolExecutor(threads, thread_name_prefix="p2psync-decode") as pool:
-            futures = [(i, [pool.submit(self._decode_segment, seg) for seg in segs]) for i, segs in split]
-            try:
-                for i, fs in futures:
-                    self._register(i, [f.result() for f in fs])
-            finally:
-                for _, fs in futures:
-                    for f in fs:
-                        f.cancel()
+        segs = [seg for _, ss in split for seg in ss]  # in chunk order
+        order = sorted(range(len(segs)), key=lambda x: -span_of(segs[x]))
+        results, failed, error = run_ordered(len(segs), order, lambda x: self._decode_segment(segs[x]),
+                                             min(threads, len(segs)))
+        at = 0
+        for i, ss in split:  # registered in the order given, up to the first failing segment
+            if failed < at + len(ss):
+                assert error is not None
+                raise error
+            self._register(i, cast(list[tuple[int, tuple]], results[at:at + len(ss)]))
+            at += len(ss)
 
     def _ordered(self, t: int) -> list[tuple]:
         parts = sorted(self._parts.get(t, []), key=lambda x: x[0])
@@ -264,8 +275,10 @@ class Applier:
             fp = fold_root(state.table_hash, sums)
             if fp != self.target:
                 raise FingerprintMismatch(self.target, fp)
-            # Written segment by segment (no concatenation), on the decode threads.
-            state.apply_parts([(t, p[2], p[3]) for t, parts in ordered.items() for p in parts], sums, self.threads)
+            # Written segment by segment (no concatenation), on the decode threads. The decoder's
+            # positions lie in each segment's range, which was checked against the tensor.
+            state.apply_parts([(t, p[2], p[3]) for t, parts in ordered.items() for p in parts], sums, self.threads,
+                              in_range=True)
             if self.keep_changes:
                 self.changes = {t: (parts[0][2], parts[0][3]) if len(parts) == 1 else
                                 (np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts]))

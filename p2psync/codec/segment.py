@@ -188,6 +188,15 @@ class ParsedSegment:
     """Offset in :attr:`raw` of what follows the common header."""
 
 
+def span_of(buf: memoryview) -> int:
+    """Elements the segment ``buf`` covers, from its header alone (0 where the header is short or
+    the range empty or inverted: decoding the segment reports those)."""
+    if len(buf) < _HEAD.size:
+        return 0
+    _, _, start, stop = _HEAD.unpack_from(buf)
+    return max(0, stop - start)
+
+
 def parse_head(buf: memoryview) -> ParsedSegment:
     """The common header of a segment (kind, tensor, range) and, in :attr:`ParsedSegment.raw`, the
     segment itself: what the one-call delta decoder (``segdecode``) starts from. Raw segments are
