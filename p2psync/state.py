@@ -159,8 +159,26 @@ class ModelState:
 
     # --- fingerprint --------------------------------------------------------------------
     def _compute_sums(self, threads: int) -> list[tuple[int, int]]:
-        with ThreadPoolExecutor(max(1, threads)) as pool:
-            return [hash_words(self._words[s.name], tensor_seed(s.name), pool) for s in self.specs]
+        # One list of hash ranges over every tensor, longest first, on the calling thread and
+        # ``threads - 1`` helpers (no pool per call; a small tensor does not wait for a big one).
+        ranges = [(k, s, min(spec.numel, s + _HASH_RANGE)) for k, spec in enumerate(self.specs)
+                  for s in range(0, spec.numel, _HASH_RANGE)]
+        words = [self._words[spec.name] for spec in self.specs]
+        seeds = [tensor_seed(spec.name) for spec in self.specs]
+
+        def part(j: int) -> tuple[int, int]:
+            k, s, e = ranges[j]
+            return kernels.hash_range(words[k], s, e, seeds[k])
+
+        order = sorted(range(len(ranges)), key=lambda j: ranges[j][1] - ranges[j][2])
+        parts, _, error = run_ordered(len(ranges), order, part, max(1, threads))
+        if error is not None:
+            raise error
+        sums = [[0, 0] for _ in self.specs]
+        for (k, _, _), (a, b) in zip(ranges, parts):
+            sums[k][0] += int(a)
+            sums[k][1] += int(b)
+        return [(a & 0xFFFFFFFFFFFFFFFF, b & 0xFFFFFFFFFFFFFFFF) for a, b in sums]
 
     def tensor_sums(self, threads: int = 2) -> list[tuple[int, int]]:
         if self._sums is None:

@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from p2psync import artifact  # noqa: E402
 from p2psync.codec.decode import Applier  # noqa: E402
-from p2psync.codec.encode import CodecOptions, encode_delta  # noqa: E402
+from p2psync.codec.encode import CodecOptions, encode_delta, release_buffers  # noqa: E402
 from p2psync.state import ModelState  # noqa: E402
 from trainer.workload import Workload, build_model  # noqa: E402
 
@@ -108,6 +108,7 @@ def decode_gbps(prev: ModelState, enc, threads: int, repeats: int) -> tuple[floa
 
 
 def encode_extra_memory(prev: ModelState, cur: ModelState) -> int:
+    release_buffers()  # count the per-thread scan buffers, which encoding keeps between calls
     tracemalloc.start()
     encode_delta(prev, cur, CodecOptions(threads=2))
     _, peak = tracemalloc.get_traced_memory()

@@ -1,10 +1,12 @@
 """Encoding a state change (delta) or a whole state (snapshot) into chunks.
 
 Work is split into jobs of at most ``segment_elements`` elements of one tensor;
-jobs run on ``threads`` threads (the numba kernels, numpy and zstd release the
-GIL) and their segments are packed into chunks in job order, so the bytes out
-do not depend on the thread count. A job holds only buffers sized by its own
-changes: encoding allocates nothing proportional to the model.
+jobs run on ``threads`` threads, the calling one included (``workers.in_order``;
+the numba kernels, numpy and zstd release the GIL), and their segments are
+packed into chunks in job order as they come, so the bytes out do not depend on
+the thread count. A job holds only buffers sized by its own changes, taken from
+a few sets kept between calls: encoding allocates nothing proportional to the
+model.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import struct
 import threading
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,6 +22,7 @@ from p2psync import dtypes
 from p2psync.codec import context, kernels, segencode
 from p2psync.codec.segment import MAX_BUCKETS, SegmentStats, encode_raw_segment
 from p2psync.codec.sparse import encode_changes
+from p2psync.codec.workers import in_order
 from p2psync.errors import ConfigError
 from p2psync.state import ModelState, TensorSpec, check_table, fold_root, tensor_seed
 
@@ -130,8 +132,6 @@ def _add_segment(out: _JobResult, encoded: tuple[bytes, SegmentStats, tuple[int,
     out.hash_delta = ((a + da) & MASK64, (b + db) & MASK64)
 
 
-_local = threading.local()
-
 # A job's thresholds and a segment's bytes, each from one compiled call. The step-by-step
 # references are ``context.job_thresholds(_sparse)``, ``sparse.encode_changes`` and
 # :func:`_scan_job_reference`: the same bytes (tests swap these names for the references and
@@ -141,31 +141,60 @@ _thresholds = segencode.job_thresholds
 _thresholds_sparse = segencode.job_thresholds_sparse
 
 
-def _scan_buffers(size: int, word: np.dtype) -> tuple[np.ndarray, ...]:
-    """Per-thread scan buffers (positions, old and new words, buckets, ranks), reused across jobs:
-    encoding memory does not grow with the model."""
-    bufs = getattr(_local, "scan", None)
-    if bufs is None or bufs[0].shape[0] < size or bufs[1].dtype != word:
-        bufs = (np.empty(size, dtype=np.int64), np.empty(size, dtype=word), np.empty(size, dtype=word),
-                np.empty(size, dtype=np.uint8), np.empty(size, dtype=np.int64))
-        _local.scan = bufs
-    return bufs
+_spare: list[tuple[np.ndarray, ...]] = []
+_spare_lock = threading.Lock()
+_MAX_SPARE = 4
+
+
+def _take_buffers(size: int, word: np.dtype, width: int) -> tuple[np.ndarray, ...]:
+    """A job's scan buffers (positions, old and new words, buckets, ranks: ``size`` slots) and its
+    segments' scratch (``segencode.new_scratch``), taken from the spare sets when one fits.
+
+    Encoding memory does not grow with the model: a set is sized by a segment's changes, and
+    each thread holds one while it runs a job. The sets are kept across jobs and calls
+    (:func:`_give_back`, at most ``_MAX_SPARE``), not per thread: the helper threads start anew
+    with every call, and fresh buffers cost ~1,100 page faults per encode of the benchmark model
+    on two threads, several ms of CPU on the benchmark VM (BENCHMARKS.md, "Encode on two
+    threads")."""
+    with _spare_lock:
+        for k in range(len(_spare) - 1, -1, -1):
+            b = _spare[k]
+            if b[0].shape[0] >= size and b[1].dtype == word and b[8].shape[0] >= size * width:
+                return _spare.pop(k)
+    return (np.empty(size, dtype=np.int64), np.empty(size, dtype=word), np.empty(size, dtype=word),
+            np.empty(size, dtype=np.uint8), np.empty(size, dtype=np.int64)) + segencode.new_scratch(size, width)
+
+
+def _give_back(bufs: tuple[np.ndarray, ...]) -> None:
+    with _spare_lock:
+        _spare.append(bufs)
+        del _spare[:-_MAX_SPARE]
+
+
+def release_buffers() -> None:
+    """Free the scan buffers kept between encodes (~4.6 MB per thread that encoded at once for
+    4 MiB chunks); the next encode allocates them again."""
+    with _spare_lock:
+        _spare.clear()
 
 
 def _scan_job(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.ndarray, s: int, e: int, opts: CodecOptions):
     d = dtypes.from_code(spec.dtype)
     cap = opts.max_changes(d.width)
-    bufs = _scan_buffers(cap + 64, d.word)
     seed = tensor_seed(spec.name)
     out = _JobResult(tensor, [], SegmentStats(), (0, 0))
     # Thresholds first (from a sample), so that one pass finds the changes and ranks them; then
     # one compiled call per segment finds, ranks and codes its changes (``segencode``).
     thr = _thresholds(d, old, new, s, e, opts.context_buckets)
-    at = s
-    while at < e:
-        at, encoded = segencode.scan(tensor, d, old, new, at, e, cap, thr, opts.zstd_level, seed, bufs)
-        if encoded is not None:
-            _add_segment(out, encoded)
+    bufs = _take_buffers(cap + 64, d.word, d.width)
+    try:
+        at = s
+        while at < e:
+            at, encoded = segencode.scan(tensor, d, old, new, at, e, cap, thr, opts.zstd_level, seed, bufs)
+            if encoded is not None:
+                _add_segment(out, encoded)
+    finally:
+        _give_back(bufs)
     return out
 
 
@@ -175,23 +204,28 @@ def _scan_job_reference(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.
     statement of what the compiled path computes; tests hold the two to the same bytes."""
     d = dtypes.from_code(spec.dtype)
     cap = opts.max_changes(d.width)
-    pos_b, old_b, new_b, bkt_b, rank_b = _scan_buffers(cap + 64, d.word)
+    bufs = _take_buffers(cap + 64, d.word, d.width)
+    pos_b, old_b, new_b, bkt_b, rank_b = bufs[:5]
     seed = tensor_seed(spec.name)
     out = _JobResult(tensor, [], SegmentStats(), (0, 0))
     thr = context.job_thresholds(d, old, new, s, e, opts.context_buckets)
     consts = context.consts_for(d, thr)
     at = s
-    while at < e:
-        if thr.shape[0]:
-            stop, n = kernels.find_ranked_changes(old, new, at, e, cap, consts, pos_b, old_b, new_b, bkt_b, rank_b)
-            ranked = (bkt_b[:n], rank_b[:n])
-        else:
-            stop, n = kernels.find_changes(old, new, at, e, cap, pos_b, old_b, new_b)
-            ranked = None
-        if n:
-            _add_segment(out, encode_changes(tensor, at, stop, old, pos_b[:n], old_b[:n], new_b[:n], d, thr,
-                                             opts.zstd_level, seed, ranked))
-        at = stop
+    try:
+        while at < e:
+            if thr.shape[0]:
+                stop, n = kernels.find_ranked_changes(old, new, at, e, cap, consts, pos_b, old_b, new_b, bkt_b,
+                                                      rank_b)
+                ranked = (bkt_b[:n], rank_b[:n])
+            else:
+                stop, n = kernels.find_changes(old, new, at, e, cap, pos_b, old_b, new_b)
+                ranked = None
+            if n:
+                _add_segment(out, encode_changes(tensor, at, stop, old, pos_b[:n], old_b[:n], new_b[:n], d, thr,
+                                                 opts.zstd_level, seed, ranked))
+            at = stop
+    finally:
+        _give_back(bufs)
     return out
 
 
@@ -221,20 +255,21 @@ def _ranges(n: int, step: int) -> list[tuple[int, int]]:
     return [(s, min(n, s + step)) for s in range(0, n, step)]
 
 
-def _run(jobs, opts: CodecOptions) -> Iterator[_JobResult]:
+def _run(jobs: list[tuple], opts: CodecOptions) -> Iterator[_JobResult]:
+    """The jobs' results in job order; ``jobs``: ``(function, arguments, elements)``.
+
+    With several threads the calling thread runs jobs too (``workers.in_order``: no pool per call,
+    helpers that start at once). The look-ahead is bounded by elements, not jobs: at most
+    ``4 * threads + 1`` of the largest job's elements started past the oldest result not yet
+    packed, the bound a look-ahead of ``4 * threads`` jobs past the oldest gave, without leaving a
+    thread idle behind one long job at the head (the model's embedding comes first)."""
     if opts.threads == 1:
-        for fn, args in jobs:
+        for fn, args, _ in jobs:
             yield fn(*args)
         return
-    with ThreadPoolExecutor(opts.threads, thread_name_prefix="p2psync-encode") as pool:
-        # Bounded look-ahead keeps memory flat while both threads stay busy.
-        pending = []
-        for fn, args in jobs:
-            pending.append(pool.submit(fn, *args))
-            if len(pending) > 4 * opts.threads:
-                yield pending.pop(0).result()
-        for f in pending:
-            yield f.result()
+    sizes = [size for _, _, size in jobs]
+    window = (4 * opts.threads + 1) * max(sizes, default=0)
+    yield from in_order(lambda k: jobs[k][0](*jobs[k][1]), sizes, opts.threads, window)
 
 
 def _collect(kind: str, base: ModelState, results: Iterator[_JobResult], opts: CodecOptions) -> EncodedArtifact:
@@ -264,7 +299,7 @@ def encode_delta(base: ModelState, new: ModelState, opts: CodecOptions | None = 
     for i, spec in enumerate(base.specs):
         old_w, new_w = base.words(spec.name), new.words(spec.name)
         for s, e in _ranges(spec.numel, opts.segment_elements):
-            jobs.append((_scan_job, (i, spec, old_w, new_w, s, e, opts)))
+            jobs.append((_scan_job, (i, spec, old_w, new_w, s, e, opts), e - s))
     return _collect("delta", base, _run(jobs, opts), opts)
 
 
@@ -289,7 +324,7 @@ def encode_delta_sparse(
         if pos.shape[0] == 0:
             continue
         for s, e in _ranges(spec.numel, opts.segment_elements):
-            jobs.append((_sparse_job, (i, spec, base.words(spec.name), pos, vals, s, e, opts)))
+            jobs.append((_sparse_job, (i, spec, base.words(spec.name), pos, vals, s, e, opts), e - s))
     return _collect("delta", base, _run(jobs, opts), opts)
 
 
@@ -305,7 +340,7 @@ def encode_snapshot(state: ModelState, opts: CodecOptions | None = None) -> Enco
     for i, spec in enumerate(state.specs):
         step = opts.raw_elements(dtypes.from_code(spec.dtype).width)
         for s, e in _ranges(spec.numel, step):
-            jobs.append((job, (i, spec, s, e)))
+            jobs.append((job, (i, spec, s, e), e - s))
     art = _collect("snapshot", state, _run(jobs, opts), opts)
     art.base_fingerprint = None
     return art

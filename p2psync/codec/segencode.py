@@ -541,10 +541,15 @@ def _scratch(n: int, width: int) -> tuple[np.ndarray, ...]:
     if bufs is None or bufs[0].shape[0] < n or bufs[3].shape[0] < n * width:
         size = max(n, 1024, 0 if bufs is None else bufs[0].shape[0])
         pw = max(width, 0 if bufs is None else bufs[3].shape[0] // bufs[0].shape[0])
-        bufs = (np.empty(size, dtype=np.int64), np.empty(size, dtype=np.uint8), np.empty(size, dtype=np.uint8),
-                np.empty(size * pw, dtype=np.uint8), np.empty(2 * size + 4, dtype=np.uint8))
+        bufs = new_scratch(size, pw)
         _local.bufs = bufs
     return bufs
+
+
+def new_scratch(size: int, width: int) -> tuple[np.ndarray, ...]:
+    """Scratch of :func:`encode_body` for up to ``size`` changes of ``width``-byte words."""
+    return (np.empty(size, dtype=np.int64), np.empty(size, dtype=np.uint8), np.empty(size, dtype=np.uint8),
+            np.empty(size * width, dtype=np.uint8), np.empty(2 * size + 4, dtype=np.uint8))
 
 
 @njit(nogil=True, cache=True)
@@ -600,12 +605,12 @@ def scan(tensor: int, d: DType, old: np.ndarray, new: np.ndarray, at: int, end: 
          level: int, seed: np.uint64, bufs: tuple[np.ndarray, ...]
          ) -> tuple[int, tuple[bytes, SegmentStats, tuple[int, int]] | None]:
     """The next segment of a job from ``at``: ``(stop, (segment, statistics, hash change))``, or
-    ``(end, None)`` when ``[at, end)`` holds no change. ``bufs``: the scan's per-thread buffers
-    (positions, old and new words, buckets, ranks; ``cap + 64`` slots). The same segments as
+    ``(end, None)`` when ``[at, end)`` holds no change. ``bufs``: the scan's buffers (positions,
+    old and new words, buckets, ranks; ``cap + 64`` slots) followed by :func:`new_scratch` for
+    ``cap + 64`` changes, used by one thread at a time. The same segments as
     ``kernels.find_ranked_changes`` and :func:`~p2psync.codec.sparse.encode_changes`."""
     thr = np.ascontiguousarray(thresholds, dtype=np.int64)
-    pos_b, old_b, new_b, bkt_b, rank_b = bufs
-    ranks_g, sym, mdl, planes, sbuf = _scratch(cap + 64, d.width)
+    pos_b, old_b, new_b, bkt_b, rank_b, ranks_g, sym, mdl, planes, sbuf = bufs
     stop, n, out, head, rice_len, ne, h = scan_encode(
         tensor, old, new, at, end, cap, thr, d.exp_shift, d.exp_mask, seed, pos_b, old_b, new_b, bkt_b, rank_b,
         ranks_g, sym, mdl, planes, sbuf)

@@ -12,13 +12,20 @@ The helpers are started with ``_thread.start_new_thread``, which does not wait f
 thread to run, as ``threading.Thread.start`` does: the calling thread starts its first item at
 once instead of sleeping until the helper ran and then waiting to be scheduled again. Measured
 on the benchmark delta, both threads then began within 0.2 ms, in decode and in the commit.
+
+Encoding has one more constraint: its segments are packed into chunks in job order, as they
+come, and results waiting for an earlier job must stay bounded. :func:`in_order` yields the
+results in index order from the same calling-thread-plus-helpers arrangement, with a look-ahead
+bounded by the work started past the oldest result not yet handed out (measured in the caller's
+units, e.g. elements), so that one long job at the head does not stop the other thread after a
+few short jobs, as a look-ahead counted in jobs did (BENCHMARKS.md, "Encode on two threads").
 """
 
 from __future__ import annotations
 
 import _thread
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -74,3 +81,107 @@ def run_ordered(n: int, order: Sequence[int], work: Callable[[int], T], threads:
         for _ in range(helpers):
             finished.acquire()
     return results, failed[0], errors.get(failed[0])
+
+
+def in_order(work: Callable[[int], T], sizes: Sequence[int], threads: int, window: int) -> Iterator[T]:
+    """Yield ``work(0)``, ..., ``work(n - 1)`` (``n = len(sizes)``) in index order, computing them on
+    the calling thread and ``threads - 1`` helper threads, items started in index order.
+
+    Item ``i`` starts only while the sizes of the items started and not yet yielded, ``i``
+    included, add up to at most ``window`` (the oldest item not yet yielded always may), so at
+    most that much finished work waits for an earlier item. Between items, the calling thread
+    yields the finished results in order (the consumer then runs on it) before it starts another.
+
+    If ``work(f)`` raises, the results before ``f`` are yielded and then its exception is raised;
+    items after ``f`` that have not started are skipped: the error is the one of running the items
+    one after the other, whatever thread ran what. Closing the generator early stops the helpers
+    after their current item. Helpers have all finished when the generator returns or raises.
+    """
+    n = len(sizes)
+    if threads <= 1 or n <= 1:
+        for i in range(n):
+            yield work(i)
+        return
+    cond = threading.Condition(threading.Lock())
+    results: list[T | None] = [None] * n
+    done = [False] * n
+    errors: dict[int, BaseException] = {}
+    # next item to start, oldest item not yet yielded, sizes started and not yet yielded, the
+    # first failed index (n: none), and whether the consumer went away.
+    st = {"next": 0, "head": 0, "held": 0, "failed": n, "stop": False}
+
+    def take() -> int | None:
+        """Under ``cond``: the item to start now, -1 if none is left, None if the window is full."""
+        i = st["next"]
+        if i >= n or i > st["failed"] or st["stop"]:
+            return -1
+        if i != st["head"] and st["held"] + sizes[i] > window:
+            return None
+        st["next"] = i + 1
+        st["held"] += sizes[i]
+        return i
+
+    def run(i: int) -> None:
+        try:
+            r = work(i)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the generator, in index order
+            with cond:
+                errors[i] = exc
+                st["failed"] = min(st["failed"], i)
+                done[i] = True
+                cond.notify_all()
+            return
+        with cond:
+            results[i] = r
+            done[i] = True
+            cond.notify_all()
+
+    helpers = threads - 1
+    finished = threading.Semaphore(0)
+
+    def helper() -> None:
+        try:
+            while True:
+                with cond:
+                    i = take()
+                    while i is None:
+                        cond.wait()
+                        i = take()
+                if i < 0:
+                    return
+                run(i)
+        finally:
+            finished.release()
+
+    for _ in range(helpers):
+        _thread.start_new_thread(helper, ())
+    try:
+        while True:
+            with cond:
+                h = st["head"]
+                if h >= n:
+                    break
+                if done[h]:
+                    if h in errors:
+                        raise errors[h]
+                    r, results[h] = results[h], None
+                    st["head"] = h + 1
+                    st["held"] -= sizes[h]
+                    cond.notify_all()
+                    i = None
+                else:
+                    i = take()
+                    if i is None or i < 0:  # the oldest item runs on a helper: wait for it
+                        cond.wait()
+                        continue
+            if i is None:
+                yield r  # type: ignore[misc]
+                del r
+            else:
+                run(i)
+    finally:
+        with cond:
+            st["stop"] = True
+            cond.notify_all()
+        for _ in range(helpers):
+            finished.acquire()
