@@ -36,6 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="when a rollout node takes a new version: between decode steps (default: fresher tokens; "
                         "the transformers engine then re-prefills the running batch under the new weights) or "
                         "only between batches (no re-prefill, but a version waits for the batch to end)")
+    p.add_argument("--publish-first", choices=("auto", "on", "off"), default="auto",
+                   help="announce each version before the next step's training starts (auto: on when "
+                        "--max-staleness <= 1, where the next-but-one batch waits for that version)")
     p.add_argument("--no-sync", action="store_true",
                    help="do not publish after step 0 (rollouts keep the initial weights: the no-sync baseline)")
     p.add_argument("--seed", type=int, default=0)

@@ -21,6 +21,9 @@ def _trainer_options(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                             "metrics_path": str(out / "metrics.jsonl"), "sync": not args.no_sync,
                             "versions_path": str(out / "versions.jsonl"), "preset": args.preset_e2e,
                             "threads": 1, "done_path": str(out / "trainer.done.json")}
+    first = getattr(args, "publish_first", "auto")
+    if first != "auto":
+        opts["publish_first"] = first == "on"
     for key in ("task", "group_size", "groups_per_step", "lr", "model_path"):
         val = getattr(args, key)
         if val is not None:
