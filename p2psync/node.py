@@ -12,7 +12,8 @@ the same way, pulled as before whatever did not arrive.
 Snapshots for joiners. Relays cannot sign, so the trainer signs the snapshots a
 relay serves. Every ``store.snapshot_interval`` versions the trainer encodes its
 weights as a *raw* snapshot (``zstd_level=0``, ``store.snapshot_chunk_size``)
-and signs its manifest. Raw segments are a pure function of the weights, the
+and signs its manifest, beside the next version's announcement and transfer
+(housekeeping: see ``Node._after_apply``). Raw segments are a pure function of the weights, the
 tensor table and the chunk size, so any node holding version v bit-exactly can
 rebuild the very same chunks from its own state without downloading them: a
 follower that applied v and sees a signed snapshot manifest for v upstream
@@ -179,6 +180,10 @@ class Node:
         self._stream_unpadded = False  # the open push stream asked for no padding (see _watch)
         self._publish_lock = asyncio.Lock()
         self._checkpointed: int | None = None
+        self._housekeeping: asyncio.Task | None = None
+        self._rebuilt: set[int] = set()  # versions whose signed snapshot we rebuilt (or are rebuilding)
+        """Work on the applied version after its commit (snapshot, checkpoint, retention): see
+        :meth:`_after_apply`. The next commit waits for it; nothing else does."""
         self._progress: dict[str, int] = {}
         self.services: list[Any] = []
         """Optional parts (control plane, probes, live page): see :mod:`p2psync.services`."""
@@ -263,6 +268,7 @@ class Node:
                 self.log.warning("service %s failed to stop: %r", type(svc).__name__, exc)
         for t in self._tasks:
             await cancel_quietly(t)
+        await self._settle()
         if (self.config.store.checkpoint_on_exit and self.state is not None and self.version is not None
                 and self._checkpointed != self.version):
             await asyncio.to_thread(self._checkpoint)
@@ -403,7 +409,11 @@ class Node:
     async def _commit(self, manifest: Manifest, chunks: list[bytes] | None = None, applier: Any = None,
                       changes: dict[int, tuple[Any, Any]] | None = None) -> None:
         """Apply ``manifest`` all-or-nothing (from ``chunks``, an ``applier`` already fed, or the
-        delta's ``changes`` as its publisher extracted them: see :meth:`publish`)."""
+        delta's ``changes`` as its publisher extracted them: see :meth:`publish`).
+
+        First waits for the previous version's housekeeping: it reads the weights this changes."""
+        await self._settle()
+
         def work() -> tuple[ModelState, str]:
             if changes is not None:
                 with self.state_lock:
@@ -441,17 +451,60 @@ class Node:
             self.store.save_state(state, version)
             self._checkpointed = version
 
-    async def _after_apply(self) -> None:
-        """Checkpoint every ``checkpoint_interval`` versions, then apply retention."""
-        every = self.config.store.checkpoint_interval
-        if every and self.version is not None and (self._checkpointed is None or
-                                                   self.version - self._checkpointed >= every):
-            await asyncio.to_thread(self._checkpoint)
-        removed = self.store.prune(self.config.store.keep_deltas, self._checkpointed, self.board.ids)
-        if removed:
-            self.log.info("retention removed %d artifacts", len(removed))
-            self.heads.bump()
+    def _after_apply(self, first: Any = None) -> None:
+        """Start the applied version's housekeeping and return at once.
+
+        Housekeeping: ``first`` (a coroutine: the trainer signs a raw snapshot, a relay rebuilds
+        one), a checkpoint every ``checkpoint_interval`` versions, then retention. On a large
+        model the snapshot and the checkpoint each encode and write every weight (tens of
+        seconds for 16 GB), so they run beside the next artifact's announcement, transfer and
+        forwarding instead of in front of them. They read the weights of the version just
+        applied, so the next commit (the only writer) waits for them (:meth:`_commit`). A
+        failure is logged and counted and loses nothing: the version stays applied, and the
+        snapshot or checkpoint is simply not there (the next interval makes one).
+        """
+        prev = self._housekeeping
+
+        async def run() -> None:
+            try:
+                if prev is not None:
+                    await asyncio.shield(prev)
+            except BaseException:
+                if first is not None:
+                    first.close()  # never started: no "never awaited" warning
+                raise
+            if first is not None:
+                await first
+            every = self.config.store.checkpoint_interval
+            if every and self.version is not None and (self._checkpointed is None or
+                                                       self.version - self._checkpointed >= every):
+                await asyncio.to_thread(self._checkpoint)
+            removed = self.store.prune(self.config.store.keep_deltas, self._checkpointed, self.board.ids)
+            if removed:
+                self.log.info("retention removed %d artifacts", len(removed))
+                self.heads.bump()
+
+        async def guarded() -> None:
+            try:
+                await run()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the applied version stands; see the docstring
+                self.metrics.inc("p2psync_housekeeping_errors_total")
+                self.log.error("housekeeping after version %s failed: %r", self.version, exc)
+
+        self._housekeeping = asyncio.get_running_loop().create_task(guarded(), name=f"housekeeping-{self.version}")
         self._pad_stream_if_settled()
+
+    async def _settle(self) -> None:
+        """Wait for the housekeeping started after the last commit (a no-op if it is done).
+
+        Shielded: a caller cancelled while waiting does not cancel the housekeeping, whose
+        threads would go on reading the weights regardless.
+        """
+        task = self._housekeeping
+        if task is not None and not task.done():
+            await asyncio.shield(task)
 
     def _settled(self) -> bool:
         """Codec warm, weights held and caught up with the parent: the node reads its stream at
@@ -552,12 +605,16 @@ class Node:
                 self.heads.bump()
                 raise
             every = self.config.store.snapshot_interval
+            first = None
             if self.private_key is not None and every and manifest.kind == "delta" \
                     and manifest.target_version % every == 0:
-                snap = await asyncio.to_thread(self._sign_snapshot, manifest.model_id)
-                self.heads.bump()
-                self.log.info("signed raw snapshot %s", snap.artifact_id)
-            await self._after_apply()
+                first = self._sign_snapshot_task(manifest.model_id)
+            self._after_apply(first)
+
+    async def _sign_snapshot_task(self, model_id: str) -> None:
+        snap = await asyncio.to_thread(self._sign_snapshot, model_id)
+        self.heads.bump()
+        self.log.info("signed raw snapshot %s", snap.artifact_id)
 
     def _sign_snapshot(self, model_id: str) -> Manifest:
         from p2psync.artifact import build_manifest
@@ -724,13 +781,12 @@ class Node:
         assert self.upstream is not None and self._client is not None
         await self.loaded.wait()
         lim = self.config.limits
-        rebuilt: set[int] = set()
         while True:
             cat = self._upstream_cat
             if (cat is not None and self.config.materialise and self.version is not None
-                    and self.version not in rebuilt and self.version in cat.snapshot_manifests):
-                rebuilt.add(self.version)
-                await self._materialise(self.version)
+                    and self.version not in self._rebuilt and self.version in cat.snapshot_manifests):
+                self._rebuilt.add(self.version)
+                self._after_apply(self._materialise(self.version))  # beside the next catch-up
                 continue
             if cat is None or cat.head is None or (self.version is not None and cat.head <= self.version):
                 self._wake.clear()
@@ -763,9 +819,11 @@ class Node:
         for info in plan:
             await self._fetch_apply(info)
             latest = self._upstream_cat or cat  # it may list a snapshot signed while we fetched
+            first = None
             if self.config.materialise and self.version in latest.snapshot_manifests:
-                await self._materialise(self.version)
-            await self._after_apply()
+                self._rebuilt.add(self.version)
+                first = self._materialise(self.version)
+            self._after_apply(first)
 
     async def _fetch_apply(self, info: ArtifactInfo) -> None:
         assert self.upstream is not None

@@ -1,0 +1,140 @@
+"""Housekeeping after a commit (signed snapshot, checkpoint, retention) runs beside the next
+version's announcement, never under a commit, and its failure loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+
+from p2psync import config
+from p2psync.node import Node
+from tests.unit.p2psync.test_node_publish import _artifacts, _configs, _same, _states
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _trainer_cfg(tmp_path, **store):
+    priv, _, common = _configs(tmp_path)
+    cfg = config.load(overrides={**common, "id": "trainer", "role": "trainer", "data_dir": str(tmp_path / "t"),
+                                 "trainer_private_key": str(tmp_path / "keys" / "trainer.key"),
+                                 "store": {**common["store"], **store}})
+    return priv, cfg
+
+
+def _snapshot(node: Node, version: int):
+    return node.store.find("snapshot", version, complete=True)
+
+
+def test_next_version_is_announced_while_the_snapshot_is_signed_and_applied_after_it(tmp_path):
+    priv, cfg = _trainer_cfg(tmp_path, snapshot_interval=1, checkpoint_interval=1)
+    states = _states()
+    arts = _artifacts(priv, states)
+    gate, inside = threading.Event(), threading.Event()
+
+    async def go():
+        tr = await Node.create(cfg)
+        real_sign = tr._sign_snapshot
+
+        def held_sign(model_id):
+            inside.set()
+            assert gate.wait(20)
+            return real_sign(model_id)
+
+        tr._sign_snapshot = held_sign
+        try:
+            await tr.publish(*arts[0])
+            # Version 1's snapshot is due: publish returns with the trainer at version 1 while
+            # the snapshot is still being made.
+            await asyncio.wait_for(tr.publish(*arts[1]), 20)
+            assert tr.version == 1 and _same(tr.state, states[1])
+            assert await asyncio.to_thread(inside.wait, 20)
+            assert _snapshot(tr, 1) is None
+            # Version 2 is stored and announced at once; its commit waits for the snapshot,
+            # which reads version 1's weights.
+            pub = asyncio.create_task(tr.publish(*arts[2]))
+            aid2 = arts[2][0].artifact_id
+            for _ in range(200):
+                art = tr.store.artifacts.get(aid2)
+                if art is not None and art.complete:
+                    break
+                await asyncio.sleep(0.02)
+            assert tr.store.artifacts[aid2].complete
+            assert any(a.id == aid2 for a in tr.catalogue().artifacts)
+            await asyncio.sleep(0.2)
+            assert tr.version == 1 and not pub.done()
+            gate.set()
+            await asyncio.wait_for(pub, 20)
+            assert tr.version == 2 and _same(tr.state, states[2])
+            snap = _snapshot(tr, 1)
+            assert snap is not None
+            # The snapshot holds version 1's bits, not version 2's.
+            assert snap.manifest.target_fingerprint == arts[1][0].target_fingerprint
+            snap.manifest.verify(tr.public_key)
+            await tr._settle()
+        finally:
+            gate.set()
+            await tr.close()
+        # The checkpoint made on the way (or on exit) loads back as the last version.
+        loaded = tr.store.load_state()
+        assert loaded is not None and loaded[1] == 2 and _same(loaded[0], states[2])
+
+    asyncio.run(go())
+
+
+def test_a_failed_snapshot_is_logged_and_the_versions_go_on(tmp_path, caplog):
+    priv, cfg = _trainer_cfg(tmp_path, snapshot_interval=1, checkpoint_interval=0)
+    states = _states()
+    arts = _artifacts(priv, states)
+
+    async def go():
+        tr = await Node.create(cfg)
+
+        def broken(model_id):
+            raise OSError(28, "No space left on device")
+
+        tr._sign_snapshot = broken
+        try:
+            for m, chunks in arts:
+                await asyncio.wait_for(tr.publish(m, chunks), 20)
+            await tr._settle()
+            assert tr.version == 3 and _same(tr.state, states[3])
+            assert tr.fingerprint == arts[3][0].target_fingerprint
+            assert all(_snapshot(tr, v) is None for v in (1, 2, 3))
+            assert tr.metrics.total("p2psync_housekeeping_errors_total") == 3
+        finally:
+            await tr.close()
+
+    with caplog.at_level(logging.ERROR, logger="p2psync"):
+        asyncio.run(go())
+    assert sum("housekeeping after version" in r.getMessage() and "No space left" in r.getMessage()
+               for r in caplog.records) == 3
+
+
+def test_close_waits_for_a_snapshot_in_progress(tmp_path):
+    priv, cfg = _trainer_cfg(tmp_path, snapshot_interval=1, checkpoint_interval=0)
+    states = _states()
+    arts = _artifacts(priv, states)
+    inside = threading.Event()
+
+    async def go():
+        tr = await Node.create(cfg)
+        real_sign = tr._sign_snapshot
+
+        def slow_sign(model_id):
+            inside.set()
+            threading.Event().wait(0.5)
+            return real_sign(model_id)
+
+        tr._sign_snapshot = slow_sign
+        await tr.publish(*arts[0])
+        await tr.publish(*arts[1])
+        assert await asyncio.to_thread(inside.wait, 20)
+        await tr.close()
+        snap = _snapshot(tr, 1)
+        assert snap is not None and snap.complete
+        assert snap.manifest.target_fingerprint == arts[1][0].target_fingerprint
+
+    asyncio.run(go())
