@@ -16,7 +16,7 @@ from typing import cast
 import numpy as np
 
 from p2psync import dtypes
-from p2psync.codec import context, kernels, segdecode
+from p2psync.codec import context, kernels, segdecode, slabs
 from p2psync.codec.encode import CHUNK_MAGIC, CHUNK_VERSION
 from p2psync.codec.segment import (
     KIND_DELTA,
@@ -66,12 +66,14 @@ def chunk_stats(chunk: bytes | memoryview) -> SegmentStats:
     return st
 
 
-def _decode_delta(p: ParsedSegment, spec: TensorSpec, old: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+def _decode_delta(p: ParsedSegment, spec: TensorSpec, old: np.ndarray, out: slabs.Arena | None = None
+                  ) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
     """(positions, new words, fingerprint sum change) of one delta segment against ``old``
-    (``p`` from :func:`~p2psync.codec.segment.parse_head` or ``parse_segment``)."""
+    (``p`` from :func:`~p2psync.codec.segment.parse_head` or ``parse_segment``); the positions
+    and words are cut from ``out`` when given."""
     assert p.raw is not None
     return segdecode.decode(p.raw, p.body_at, p.start, p.stop, dtypes.from_code(spec.dtype), old,
-                            tensor_seed(spec.name))
+                            tensor_seed(spec.name), out)
 
 
 def _unplanes_into(buf: bytes | memoryview, dest: np.ndarray) -> None:
@@ -150,6 +152,9 @@ class Applier:
         (not sorted)."""
         if kind == "snapshot":
             self._staged = state if scratch else ModelState.empty_like(state.specs)
+        # Decoded positions and words come from slabs kept between decodes (no fresh pages per
+        # decode); a slab is reused only once nothing made from it is alive (``codec.slabs``).
+        self._arena = slabs.Arena()
 
     @classmethod
     def for_manifest(cls, state: ModelState, manifest, *, scratch: bool = False) -> Applier:
@@ -190,7 +195,7 @@ class Applier:
             raise CodecError(f"segment of {spec.name} covers [{p.start}, {p.stop}), tensor has {spec.numel}")
         d = dtypes.from_code(spec.dtype)
         if p.kind == KIND_DELTA and self.kind == "delta":
-            pos, vals, (a, b) = _decode_delta(p, spec, self.state.words(spec.name))
+            pos, vals, (a, b) = _decode_delta(p, spec, self.state.words(spec.name), self._arena)
             return p.tensor, (p.start, p.stop, pos, vals, a, b)
         if p.kind == KIND_RAW and self.kind == "snapshot":
             assert self._staged is not None
@@ -280,7 +285,9 @@ class Applier:
             state.apply_parts([(t, p[2], p[3]) for t, parts in ordered.items() for p in parts], sums, self.threads,
                               in_range=True)
             if self.keep_changes:
-                self.changes = {t: (parts[0][2], parts[0][3]) if len(parts) == 1 else
+                # Arrays of their own: decoded ones are cut from slabs that later decodes reuse once
+                # nothing refers to them, and a kept view would hold its whole slab.
+                self.changes = {t: (parts[0][2].copy(), parts[0][3].copy()) if len(parts) == 1 else
                                 (np.concatenate([p[2] for p in parts]), np.concatenate([p[3] for p in parts]))
                                 for t, parts in ordered.items()}
         else:
@@ -304,6 +311,7 @@ class Applier:
             self._staged = None
         self._committed = True
         self._parts.clear()
+        self._arena.close()
         return fp
 
 

@@ -36,8 +36,8 @@ from p2psync.codec.simd import (
     ne_mask_tail,
     popcount64,
     prefetch_ahead,
+    prefetch_l2,
     prefetch_read,
-    prefetch_write,
     select64,
 )
 
@@ -116,16 +116,23 @@ def hash_change(positions, old_values, new_values, seed):
     return a, b
 
 
+SCATTER_AHEAD = 32
+"""How many changes ahead :func:`scatter` prefetches the line it will write."""
+
+
 @njit(nogil=True, cache=True)
 def scatter(words, positions, values):
     """``words[positions] = values`` (positions already validated), ~10x numpy's fancy assignment.
 
-    Each write misses the cache (at RL densities about one change per line), so the line 16
-    changes ahead is prefetched for writing: 22 -> 15 ms for the benchmark's lr 1e-6 delta."""
+    Each write misses the cache (at RL densities about one change per line), so the line
+    :data:`SCATTER_AHEAD` changes ahead is prefetched into L2 for reading: 22 -> 15 ms for the
+    benchmark's lr 1e-6 delta with a prefetch for writing 16 changes ahead, 16.5-17 -> 12.5-13.3
+    ms with this one (one thread, median of 7; L2 and L1 read hints at 32-128 changes ahead and
+    write hints at 16-64 measured: BENCHMARKS.md, "Decode+apply without page faults")."""
     n = positions.shape[0]
     for j in range(n):
-        if j + 16 < n:
-            prefetch_write(words, positions[j + 16])
+        if j + SCATTER_AHEAD < n:
+            prefetch_l2(words, positions[j + SCATTER_AHEAD])
         words[positions[j]] = values[j]
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from p2psync.codec import kernels, rans, rice
+from p2psync.codec import kernels, rans, rice, slabs
 from p2psync.codec.segment import MAX_BUCKETS, decompress
 from p2psync.dtypes import DType
 from p2psync.errors import CodecError, TruncatedError
@@ -88,6 +88,7 @@ _U64 = np.uint64
 _ONE = np.uint64(1)
 _NO_PLANES = np.zeros(0, dtype=np.uint8)
 _NO_PLANES.setflags(write=False)  # the type of every planes array (numba compiles per array type)
+_NO_POS = np.empty(0, dtype=np.int64)  # no positions array given: decode_body allocates
 
 
 @njit(nogil=True, cache=True, inline="always")
@@ -228,13 +229,17 @@ def _rans_scan(buf, n_in, x, old_w, sh, mk, lut, freqs, planes, new_out):
 
 
 @njit(nogil=True, cache=True)
-def decode_body(seg, at, start, stop, old, shift, exp_mask, seed, planes, planes_state):
+def decode_body(seg, at, start, stop, old, shift, exp_mask, seed, planes, planes_state, pos_out, new_out):
     """Decode the delta body that starts at ``seg[at]`` (the segment runs to the end of ``seg``)
     against the base words ``old`` of ``[start, stop)``.
 
     ``planes_state`` 0: the escapes have not been decompressed; if they are zstd-compressed the
     call returns :data:`NEED_ZSTD` (and where they are) before decoding anything. 1: ``planes``
     holds them, decompressed. 2: they did not decompress (:data:`ZSTD_FAILED` if they are needed).
+
+    ``pos_out`` and ``new_out`` (int64 and ``old.dtype``) become the positions and new words when
+    they hold exactly as many elements as the segment has changes (every element is written
+    before they are returned); otherwise those arrays are allocated here.
 
     Returns ``(status, info, positions, new words, (escape offset, length), (hash lane a, b))``.
     A negative status is an error (``info``: a number for its message); the checks run in the
@@ -360,7 +365,7 @@ def decode_body(seg, at, start, stop, old, shift, exp_mask, seed, planes, planes
     st = rice._read(ub, ulen, rb, rlen, counts[:n_b], ks, span, ranks)
     if st != 0:
         return RICE, st, e_i, e_w, nil, (z, z)
-    pos = np.empty(n, dtype=np.int64)
+    pos = pos_out if pos_out.shape[0] == n else np.empty(n, dtype=np.int64)
     old_w = np.empty(n, dtype=old.dtype)
     if nt == 0:
         for j in range(n):
@@ -392,7 +397,7 @@ def decode_body(seg, at, start, stop, old, shift, exp_mask, seed, planes, planes
     elif n_planes >= width:
         src = planes
     lut = model_lut(bounds, exp_mask + 1)
-    new_w = np.empty(n, dtype=old.dtype)
+    new_w = new_out if new_out.shape[0] == n else np.empty(n, dtype=old.dtype)
     used = -1
     ne = small = 0
     if slen >= 4:
@@ -450,15 +455,25 @@ def _error(status: int, info: int, d: DType, size: int) -> CodecError:
     return CodecError(messages.get(status, f"segment: decode status {status}"))
 
 
-def decode(seg: bytes | memoryview, at: int, start: int, stop: int, d: DType, old: np.ndarray, seed: np.uint64
-           ) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+def decode(seg: bytes | memoryview, at: int, start: int, stop: int, d: DType, old: np.ndarray, seed: np.uint64,
+           out: slabs.Arena | None = None) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
     """(positions, new words, fingerprint sum change) of the delta segment ``seg`` whose body
     starts at byte ``at``, against the base words ``old`` of its tensor: the result and the error
-    of :func:`~p2psync.codec.sparse.decode_changes` of the parsed segment, for every input."""
+    of :func:`~p2psync.codec.sparse.decode_changes` of the parsed segment, for every input.
+
+    With ``out``, the positions and new words are cut from that arena (kept memory, no page
+    faults) instead of allocated: for as many changes as the header declares, when that is no
+    more than the range holds (otherwise decoding fails before it writes anything)."""
     buf = np.frombuffer(seg, dtype=np.uint8)
     buf.setflags(write=False)  # one compiled specialisation whether the chunk was bytes or a bytearray
+    pos_out = _NO_POS
+    new_out = np.empty(0, dtype=old.dtype)
+    if out is not None and buf.shape[0] >= at + 4:
+        n = int.from_bytes(buf[at:at + 4].tobytes(), "little")
+        if n <= stop - start:
+            pos_out, new_out = out.take(n, old.dtype)
     status, info, pos, new_w, (off, length), (a, b) = decode_body(
-        buf, at, start, stop, old, d.exp_shift, d.exp_mask, seed, _NO_PLANES, 0)
+        buf, at, start, stop, old, d.exp_shift, d.exp_mask, seed, _NO_PLANES, 0, pos_out, new_out)
     if status == NEED_ZSTD:
         # at most one escape per change: the count of changes bounds the planes
         bound = int.from_bytes(buf[at:at + 4].tobytes(), "little") * d.width
@@ -468,7 +483,7 @@ def decode(seg: bytes | memoryview, at: int, start: int, stop: int, d: DType, ol
         except CodecError as exc:
             failed, planes, state = exc, _NO_PLANES, 2
         status, info, pos, new_w, (off, length), (a, b) = decode_body(
-            buf, at, start, stop, old, d.exp_shift, d.exp_mask, seed, planes, state)
+            buf, at, start, stop, old, d.exp_shift, d.exp_mask, seed, planes, state, pos_out, new_out)
         if status == ZSTD_FAILED:
             assert failed is not None
             raise failed

@@ -223,8 +223,10 @@ def prefetch_read(typingctx, arr, idx):
 
 
 @intrinsic
-def prefetch_write(typingctx, arr, idx):
-    """Prefetch the line of word ``idx`` for writing (a hint: never faults)."""
+def prefetch_l2(typingctx, arr, idx):
+    """Prefetch the line of word ``idx`` into L2 for reading (``prefetcht1``; a hint: never
+    faults). For scattered writes far ahead: measured on the benchmark VM, it keeps more misses
+    in flight than a prefetch for writing into L1 (``prefetchw``), which the scatter used before."""
     if not _word_array(arr):
         return None
     sig = types.void(arr, types.intp)
@@ -236,7 +238,7 @@ def prefetch_write(typingctx, arr, idx):
         fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
         i32 = ir.IntType(32)
-        builder.call(fn, [ptr, i32(1), i32(3), i32(1)])
+        builder.call(fn, [ptr, i32(0), i32(2), i32(1)])
         return context.get_dummy_value()
 
     return sig, codegen

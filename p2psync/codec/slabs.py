@@ -1,0 +1,110 @@
+"""Memory for decoded changes, kept between decodes.
+
+A decoded delta segment yields its positions (int64) and new words, which live until the
+commit wrote them (or, with ``keep_changes``, as long as the caller keeps them). Allocated
+fresh per segment, that memory came back from the allocator as new pages each decode: the
+benchmark delta (lr 1e-6, 1.44 M changes, ~14 MB of outputs) took up to ~1,500-2,300 page
+faults per decode+apply, ~2.6 us each on the benchmark VM, almost all on the helper thread (its
+malloc arena returns freed memory to the kernel; BENCHMARKS.md, "Decode+apply without page
+faults").
+
+:class:`Arena` hands out those arrays from slabs of :data:`SLAB_BYTES`. A slab goes back to a
+free list when the last array cut from it is gone (a weak reference on the slab's lease: every
+piece is a view of the lease, so it lives while any piece, or anything made from one, does), so
+memory is never reused while anything can still read it, whatever the caller keeps. At most
+:data:`KEEP_BYTES` of slabs are kept; past that, slabs are plain allocations that die with their
+pieces, and pieces larger than a slab are allocated on their own. :func:`release` drops the free
+slabs.
+
+Decoding writes every element of the arrays it is given before it returns them (the positions
+found and the new words decoded, one per change) and returns nothing from a segment that fails,
+so a reused slab's old contents never reach a result.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+
+SLAB_BYTES = 4 << 20
+"""Size of one slab (the benchmark delta's largest segment needs ~1.3 MB of outputs)."""
+KEEP_BYTES = 32 << 20
+"""Most slab memory kept by the process (in use or free). The benchmark delta's outputs take 4-5
+slabs; a delta whose outputs need more uses plain allocations for the rest."""
+_ALIGN = 64
+
+_lock = threading.RLock()  # reentrant: a lease's callback may run from a collection inside the lock
+_free: list[np.ndarray] = []
+_pooled = [0]  # bytes of slabs that belong to the pool (free or leased)
+_leases: dict[int, tuple[weakref.ref, np.ndarray]] = {}
+
+
+def _returned(key: int) -> None:
+    with _lock:
+        _, slab = _leases.pop(key)
+        _free.append(slab)
+
+
+def _lease() -> np.ndarray:
+    """A writable uint8 array of :data:`SLAB_BYTES` that no live array shares memory with."""
+    with _lock:
+        if _free:
+            slab = _free.pop()
+        elif _pooled[0] + SLAB_BYTES <= KEEP_BYTES:
+            slab = np.empty(SLAB_BYTES, dtype=np.uint8)
+            _pooled[0] += SLAB_BYTES
+        else:
+            return np.empty(SLAB_BYTES, dtype=np.uint8)
+        # The lease wraps the slab's buffer, so views cut from it keep the lease (not the slab)
+        # as their base: the lease dies exactly when the last of them does.
+        lease = np.frombuffer(memoryview(slab), dtype=np.uint8)
+        key = id(lease)
+        _leases[key] = (weakref.ref(lease, lambda _, k=key: _returned(k)), slab)
+        return lease
+
+
+def release() -> None:
+    """Free the slabs no decode is using (the next decodes allocate them again)."""
+    with _lock:
+        _pooled[0] -= sum(slab.shape[0] for slab in _free)
+        _free.clear()
+
+
+def kept_bytes() -> int:
+    """Bytes of slab memory the process keeps (free or in use)."""
+    with _lock:
+        return _pooled[0]
+
+
+class Arena:
+    """Cuts arrays for one applier's decoded changes from leased slabs. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._slab: np.ndarray | None = None
+        self._at = 0
+
+    def _cut(self, nbytes: int) -> np.ndarray:
+        # caller holds self._mutex
+        if self._slab is None or self._at + nbytes > self._slab.shape[0]:
+            self._slab = _lease()
+            self._at = 0
+        piece = self._slab[self._at:self._at + nbytes]
+        self._at += (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        return piece
+
+    def take(self, n: int, word: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+        """(int64 positions, words of dtype ``word``), ``n`` elements each, contents undefined."""
+        word = np.dtype(word)
+        pb, wb = 8 * n, word.itemsize * n
+        with self._mutex:
+            pos = self._cut(pb).view(np.int64) if pb <= SLAB_BYTES else np.empty(n, dtype=np.int64)
+            new = self._cut(wb).view(word) if wb <= SLAB_BYTES else np.empty(n, dtype=word)
+        return pos, new
+
+    def close(self) -> None:
+        """Stop cutting from the current slab (it returns once the arrays cut from it are gone)."""
+        with self._mutex:
+            self._slab = None
