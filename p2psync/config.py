@@ -120,6 +120,10 @@ class StoreConfig:
     """Chunk size of trainer-signed snapshots (raw, so any node holding the weights can rebuild them)."""
     materialise_snapshots: bool | None = None
     """Rebuild trainer-signed snapshots from the weights held; default: relays and the trainer."""
+    snapshot_wait: float = 600.0
+    """Longest a rebuilding node waits for the parent to list a signed snapshot manifest it
+    announced as pending (the trainer signs one beside its next version: seconds per GB of
+    weights); the node's next commit waits with it, the next artifact's transfer does not."""
     checkpoint_interval: int = 10
     """Write the applied state to disk every this many versions (and on shutdown); 0: only on shutdown."""
     checkpoint_on_exit: bool = True
@@ -351,6 +355,8 @@ class NodeConfig:
                 raise ConfigError(f"store.{name}", "must be >= 0")
         if not 64 << 10 <= st.snapshot_chunk_size <= 256 << 20:
             raise ConfigError("store.snapshot_chunk_size", "must be between 64 KiB and 256 MiB")
+        if not st.snapshot_wait >= 0:
+            raise ConfigError("store.snapshot_wait", f"must be >= 0 seconds, got {st.snapshot_wait}")
         if not 0 <= st.cache_bytes <= 1 << 40:
             raise ConfigError("store.cache_bytes", f"must be between 0 and 1 TiB, got {st.cache_bytes}")
         g = self.gossip

@@ -181,9 +181,13 @@ class Node:
         self._publish_lock = asyncio.Lock()
         self._checkpointed: int | None = None
         self._housekeeping: asyncio.Task | None = None
-        self._rebuilt: set[int] = set()  # versions whose signed snapshot we rebuilt (or are rebuilding)
         """Work on the applied version after its commit (snapshot, checkpoint, retention): see
         :meth:`_after_apply`. The next commit waits for it; nothing else does."""
+        self._rebuilt: set[int] = set()  # versions whose signed snapshot we rebuilt (or are rebuilding)
+        self._snapshots_pending: set[int] = set()
+        """Versions whose signed snapshot this node is making (trainer) or rebuilding (relay), listed
+        in the catalogue from before the next version is announced: see :meth:`_materialise`."""
+        self._upstream_seen = HeadSignal()  # bumped for every catalogue the parent sends
         self._progress: dict[str, int] = {}
         self.services: list[Any] = []
         """Optional parts (control plane, probes, live page): see :mod:`p2psync.services`."""
@@ -260,6 +264,7 @@ class Node:
         self.log.info("stopping at version %s", self.version)
         self._stop.set()
         self.heads.close()
+        self._upstream_seen.close()  # a rebuild waiting for a snapshot manifest gives up
         self._applied_signal.close()
         for svc in reversed(self.services):
             try:
@@ -297,7 +302,9 @@ class Node:
         snaps = tuple(sorted({a.manifest.target_version for a in list(self.store.artifacts.values())
                               if a.manifest.kind == "snapshot"}))
         head = max((a.target for a in all_arts), default=None)
-        return Catalogue(self.config.id, self.config.region, self.version, self.fingerprint, head, all_arts, snaps)
+        pending = tuple(sorted(self._snapshots_pending.difference(snaps)))
+        return Catalogue(self.config.id, self.config.region, self.version, self.fingerprint, head, all_arts, snaps,
+                         pending)
 
     def note_child(self, node_id: str, address: str) -> None:
         self._children[node_id] = (address, time.time())
@@ -451,7 +458,7 @@ class Node:
             self.store.save_state(state, version)
             self._checkpointed = version
 
-    def _after_apply(self, first: Any = None) -> None:
+    def _after_apply(self, first: Any = None, snapshot_of: int | None = None) -> None:
         """Start the applied version's housekeeping and return at once.
 
         Housekeeping: ``first`` (a coroutine: the trainer signs a raw snapshot, a relay rebuilds
@@ -462,8 +469,13 @@ class Node:
         applied, so the next commit (the only writer) waits for them (:meth:`_commit`). A
         failure is logged and counted and loses nothing: the version stays applied, and the
         snapshot or checkpoint is simply not there (the next interval makes one).
+
+        ``snapshot_of``: the version whose signed snapshot ``first`` makes; the catalogue lists it
+        as pending from now until the housekeeping ends (see :class:`Catalogue`).
         """
         prev = self._housekeeping
+        if snapshot_of is not None:
+            self._snapshots_pending.add(snapshot_of)
 
         async def run() -> None:
             try:
@@ -492,6 +504,10 @@ class Node:
             except Exception as exc:  # noqa: BLE001 - the applied version stands; see the docstring
                 self.metrics.inc("p2psync_housekeeping_errors_total")
                 self.log.error("housekeeping after version %s failed: %r", self.version, exc)
+            finally:
+                if snapshot_of is not None:
+                    self._snapshots_pending.discard(snapshot_of)
+                    self.heads.bump()
 
         self._housekeeping = asyncio.get_running_loop().create_task(guarded(), name=f"housekeeping-{self.version}")
         self._pad_stream_if_settled()
@@ -609,7 +625,33 @@ class Node:
             if self.private_key is not None and every and manifest.kind == "delta" \
                     and manifest.target_version % every == 0:
                 first = self._sign_snapshot_task(manifest.model_id)
-            self._after_apply(first)
+            # Listed as pending before the lock is released, so before any newer version is
+            # announced: a relay then waits for this snapshot instead of moving past it.
+            self._after_apply(first, manifest.target_version if first is not None else None)
+
+    async def _snapshot_signed(self, version: int) -> bool:
+        """Wait until the parent lists the signed snapshot manifest of ``version`` (see :meth:`_materialise`)."""
+        lim = self.config.limits
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.store.snapshot_wait
+        while True:
+            seq = self._upstream_seen.seq
+            cat = self._upstream_cat
+            if self._stop.is_set():
+                return False
+            if cat is not None and version in cat.snapshot_manifests:
+                return True
+            if cat is not None and version not in cat.snapshots_pending:
+                self.log.warning("parent no longer makes the snapshot of version %d; not rebuilding it", version)
+                return False
+            left = deadline - loop.time()
+            if left <= 0:
+                self.log.warning("no signed snapshot of version %d after %.0f s; not rebuilding it", version,
+                                 self.config.store.snapshot_wait)
+                return False
+            await self._upstream_seen.wait(seq, min(left, lim.poll_interval))
+            if self._upstream_seen.seq == seq:
+                await self._poll()  # nothing heard: the push stream may be down
 
     async def _sign_snapshot_task(self, model_id: str) -> None:
         snap = await asyncio.to_thread(self._sign_snapshot, model_id)
@@ -768,6 +810,7 @@ class Node:
 
     def _note_upstream(self, cat: Catalogue) -> None:
         self._upstream_cat = cat
+        self._upstream_seen.bump()
         self.metrics.set("p2psync_head", -1 if cat.head is None else cat.head)
         self._wake.set()
 
@@ -784,9 +827,9 @@ class Node:
         while True:
             cat = self._upstream_cat
             if (cat is not None and self.config.materialise and self.version is not None
-                    and self.version not in self._rebuilt and self.version in cat.snapshot_manifests):
+                    and self.version not in self._rebuilt and _snapshot_named(cat, self.version)):
                 self._rebuilt.add(self.version)
-                self._after_apply(self._materialise(self.version))  # beside the next catch-up
+                self._after_apply(self._materialise(self.version), self.version)  # beside the next catch-up
                 continue
             if cat is None or cat.head is None or (self.version is not None and cat.head <= self.version):
                 self._wake.clear()
@@ -820,10 +863,10 @@ class Node:
             await self._fetch_apply(info)
             latest = self._upstream_cat or cat  # it may list a snapshot signed while we fetched
             first = None
-            if self.config.materialise and self.version in latest.snapshot_manifests:
+            if self.config.materialise and self.version is not None and _snapshot_named(latest, self.version):
                 self._rebuilt.add(self.version)
                 first = self._materialise(self.version)
-            self._after_apply(first)
+            self._after_apply(first, self.version if first is not None else None)
 
     async def _fetch_apply(self, info: ArtifactInfo) -> None:
         assert self.upstream is not None
@@ -906,9 +949,19 @@ class Node:
                 break
 
     async def _materialise(self, version: int) -> None:
-        """Rebuild the trainer-signed raw snapshot of ``version`` from our weights (see module doc)."""
+        """Rebuild the trainer-signed raw snapshot of ``version`` from our weights (see module doc).
+
+        If the parent lists it as pending (the trainer is still signing it, or the parent still
+        rebuilding it), first waits until the parent lists the manifest: this runs as the
+        version's housekeeping, so the next commit waits with it (the weights must still be
+        ``version``'s), while the next artifact is already received and forwarded. Gives up,
+        keeping nothing, when the parent stops listing it as pending without a manifest or after
+        ``store.snapshot_wait`` seconds.
+        """
         assert self.upstream is not None and self._client is not None
         if self.store.find("snapshot", version, complete=True) is not None:
+            return
+        if not await self._snapshot_signed(version):
             return
         url = await self.upstream.pick()
         try:
@@ -972,3 +1025,8 @@ class Node:
             self._decoded[artifact_id] = (changes, sums)
             while len(self._decoded) > self._keep_decoded:
                 self._decoded.popitem(last=False)
+
+
+def _snapshot_named(cat: Catalogue, version: int) -> bool:
+    """``cat`` lists a signed snapshot manifest of ``version``, or one being made."""
+    return version in cat.snapshot_manifests or version in cat.snapshots_pending

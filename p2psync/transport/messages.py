@@ -25,6 +25,10 @@ class Catalogue:
     a child may fetch those at once, chunks arrive as the node verifies them (cut-through).
     ``snapshot_manifests`` are versions with a trainer-signed snapshot manifest, held with or
     without its chunks (a node that holds the weights can rebuild them).
+    ``snapshots_pending`` are versions whose signed snapshot manifest is being made (the
+    trainer signs it, a relay rebuilds it) and not listed yet: a node listing one does so from
+    before it announces any newer version, so a relay that would move past such a version first
+    waits for the manifest and rebuilds the snapshot from the weights it still holds.
     """
 
     node: str
@@ -36,6 +40,7 @@ class Catalogue:
     """Newest version any listed artifact reaches."""
     artifacts: tuple[ArtifactInfo, ...]
     snapshot_manifests: tuple[int, ...] = ()
+    snapshots_pending: tuple[int, ...] = ()
     format_version: int = WIRE_VERSION
 
     def to_json(self) -> dict:
@@ -48,6 +53,7 @@ class Catalogue:
             "head": self.head,
             "artifacts": [a.to_json() for a in self.artifacts],
             "snapshot_manifests": list(self.snapshot_manifests),
+            "snapshots_pending": list(self.snapshots_pending),
         }
 
     def dumps(self) -> str:
@@ -64,10 +70,11 @@ class Catalogue:
         try:
             arts = tuple(ArtifactInfo.from_json(a) for a in d["artifacts"])
             snaps = tuple(int(v) for v in d.get("snapshot_manifests", []))
+            pending = tuple(int(v) for v in d.get("snapshots_pending", []))
             head, version = d["head"], d["version"]
             if not (head is None or isinstance(head, int)) or not (version is None or isinstance(version, int)):
                 raise CodecError("catalogue: head and version must be integers or null")
-            return cls(str(d["node"]), str(d["region"]), version, d["fingerprint"], head, arts, snaps)
+            return cls(str(d["node"]), str(d["region"]), version, d["fingerprint"], head, arts, snaps, pending)
         except (KeyError, TypeError, ValueError) as exc:
             raise CodecError(f"catalogue: malformed ({exc!r})") from None
 

@@ -17,11 +17,17 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _trainer_cfg(tmp_path, **store):
+    priv, cfg, _ = _setup(tmp_path, **store)
+    return priv, cfg
+
+
+def _setup(tmp_path, **store):
+    """A key pair, the trainer's config and the settings every node shares."""
     priv, _, common = _configs(tmp_path)
     cfg = config.load(overrides={**common, "id": "trainer", "role": "trainer", "data_dir": str(tmp_path / "t"),
                                  "trainer_private_key": str(tmp_path / "keys" / "trainer.key"),
                                  "store": {**common["store"], **store}})
-    return priv, cfg
+    return priv, cfg, common
 
 
 def _snapshot(node: Node, version: int):
@@ -136,5 +142,114 @@ def test_close_waits_for_a_snapshot_in_progress(tmp_path):
         snap = _snapshot(tr, 1)
         assert snap is not None and snap.complete
         assert snap.manifest.target_fingerprint == arts[1][0].target_fingerprint
+
+    asyncio.run(go())
+
+
+def _relay_cfg(tmp_path, common, parent: Node):
+    return config.load(overrides={**common, "id": "relay", "role": "relay", "data_dir": str(tmp_path / "relay"),
+                                  "parents": [parent.address]})
+
+
+def test_a_relay_waits_for_a_snapshot_still_being_signed_and_rebuilds_it(tmp_path):
+    """The trainer announces version 2 while it still signs version 1's snapshot. The relay
+    forwards version 2 at once (its child applies it), but commits it only after it rebuilt the
+    signed snapshot of version 1 from the weights it held: a late joiner can start from it."""
+    priv, cfg, common = _setup(tmp_path, snapshot_interval=1, checkpoint_interval=0)
+    states = _states()
+    arts = _artifacts(priv, states)
+    gate, inside = threading.Event(), threading.Event()
+
+    async def go():
+        tr = await Node.create(cfg)
+        real_sign = tr._sign_snapshot
+
+        def held_sign(model_id):
+            if tr.version == 1:
+                inside.set()
+                assert gate.wait(30)
+            return real_sign(model_id)
+
+        tr._sign_snapshot = held_sign
+        relay = await Node.create(_relay_cfg(tmp_path, common, tr))
+        kid = await Node.create(config.load(overrides={**common, "id": "kid", "role": "rollout",
+                                                       "data_dir": str(tmp_path / "kid"),
+                                                       "parents": [relay.address]}))
+        try:
+            await tr.publish(*arts[0])
+            await tr.publish(*arts[1])
+            await asyncio.wait_for(relay.wait_version(1), 20)
+            assert await asyncio.to_thread(inside.wait, 20)
+            pub = asyncio.create_task(tr.publish(*arts[2]))
+            # The relay forwards version 2 while its own commit waits for the snapshot.
+            await asyncio.wait_for(kid.wait_version(2), 20)
+            assert _same(kid.state, states[2])
+            assert relay.version == 1 and 1 in relay.catalogue().snapshots_pending
+            assert _snapshot(relay, 1) is None
+            gate.set()
+            await asyncio.wait_for(pub, 20)
+            await asyncio.wait_for(relay.wait_version(2), 20)
+            assert _same(relay.state, states[2])
+            snap = _snapshot(relay, 1)
+            assert snap is not None, sorted(relay.store.artifacts)
+            assert snap.manifest.target_fingerprint == arts[1][0].target_fingerprint
+            snap.manifest.verify(relay.public_key)
+            # Version 2's snapshot (due too) follows the same way once the trainer signed it.
+            await relay._settle()
+            assert _snapshot(relay, 2) is not None and not relay.catalogue().snapshots_pending
+            assert relay.metrics.total("p2psync_snapshots_materialised_total") == 2
+        finally:
+            gate.set()
+            await kid.close()
+            await relay.close()
+            await tr.close()
+
+    asyncio.run(go())
+
+
+def test_a_relay_gives_up_on_a_snapshot_the_trainer_failed_to_sign(tmp_path):
+    priv, cfg, common = _setup(tmp_path, snapshot_interval=1, checkpoint_interval=0)
+    states = _states()
+    arts = _artifacts(priv, states)
+    gate, inside = threading.Event(), threading.Event()
+
+    async def go():
+        tr = await Node.create(cfg)
+        real_sign = tr._sign_snapshot
+
+        def failing_sign(model_id):
+            if tr.version == 1:
+                inside.set()
+                assert gate.wait(30)
+                raise OSError(28, "No space left on device")
+            return real_sign(model_id)
+
+        tr._sign_snapshot = failing_sign
+        relay = await Node.create(_relay_cfg(tmp_path, common, tr))
+        try:
+            await tr.publish(*arts[0])
+            await tr.publish(*arts[1])
+            assert await asyncio.to_thread(inside.wait, 20)
+            pub = asyncio.create_task(tr.publish(*arts[2]))
+            for _ in range(200):
+                if 1 in relay.catalogue().snapshots_pending:
+                    break
+                await asyncio.sleep(0.02)
+            assert 1 in relay.catalogue().snapshots_pending
+            gate.set()
+            await asyncio.wait_for(pub, 20)
+            # The trainer withdraws the pending snapshot; the relay stops waiting at once (well
+            # before store.snapshot_wait) and goes on, keeping no snapshot of version 1.
+            await asyncio.wait_for(relay.wait_version(2), 10)
+            assert _same(relay.state, states[2])
+            await relay._settle()
+            assert _snapshot(relay, 1) is None and not relay.catalogue().snapshots_pending
+            await tr.publish(*arts[3])
+            await asyncio.wait_for(relay.wait_version(3), 10)
+            assert _same(relay.state, states[3])
+        finally:
+            gate.set()
+            await relay.close()
+            await tr.close()
 
     asyncio.run(go())
