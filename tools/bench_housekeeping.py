@@ -13,6 +13,9 @@ step), and on to a rollout node below the relay, and reports per version:
 - ``relay_s`` / ``leaf_s``: publish called -> the relay / the rollout node holding that version
   (its dissemination time; the rollout node is what serves generation).
 
+and at the end how many signed snapshots the relay rebuilt and which it holds (a late joiner's
+cheapest start; retention keeps the newest).
+
 Versions right after a housekeeping version show whether that housekeeping delayed them. Run it
 in two trees to compare (cwd = the tree)::
 
@@ -102,6 +105,12 @@ async def run(args: argparse.Namespace) -> list[dict]:
                    "payload_bytes": arts[v][0].payload_bytes}
             rows.append(row)
             print(json.dumps(row), flush=True)
+        await fol._settle()
+        rebuilt = sorted(a.manifest.target_version for a in fol.store.artifacts.values()
+                         if a.manifest.kind == "snapshot" and a.complete and a.manifest.target_version > 0)
+        rows.append({"relay_rebuilt_snapshots": rebuilt,
+                     "relay_materialised": int(fol.metrics.total("p2psync_snapshots_materialised_total"))})
+        print(json.dumps(rows[-1]), flush=True)
     finally:
         await leaf.close()
         await fol.close()
@@ -123,6 +132,7 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="append the rows here")
     args = ap.parse_args()
     rows = asyncio.run(run(args))
+    end = rows.pop()
 
     def med(key: str, pred) -> float | None:
         xs = [r[key] for r in rows if pred(r)]
@@ -132,7 +142,8 @@ def main() -> int:
                    "after": med(k, lambda r: r["after_housekeeping"]),
                    "other": med(k, lambda r: not r["housekeeping"] and not r["after_housekeeping"])}
                for k in ("publish_s", "relay_s", "leaf_s")}
-    print(json.dumps({"summary": summary, "mb": args.mb, "interval": args.interval, "gap": args.gap}))
+    print(json.dumps({"summary": summary, **end, "mb": args.mb,
+                      "interval": args.interval, "gap": args.gap}))
     if args.json:
         with open(args.json, "a") as f:
             f.writelines(json.dumps({**r, "mb": args.mb, "gap": args.gap}) + "\n" for r in rows)
