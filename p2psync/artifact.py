@@ -20,7 +20,7 @@ import json
 import os
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -31,7 +31,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from p2psync import keys
 from p2psync.codec.decode import Applier
-from p2psync.codec.encode import EncodedArtifact
+from p2psync.codec.encode import CodecOptions, EncodedArtifact
 from p2psync.dtypes import BY_CODE
 from p2psync.errors import ChunkHashMismatch, CodecError, FormatVersionError, SignatureError, TruncatedError
 from p2psync.state import ModelState, TensorSpec, table_hash
@@ -268,7 +268,10 @@ def build_manifest(
     chunk_size: int,
     private_key: Ed25519PrivateKey | None = None,
     created: float | None = None,
+    refs: Sequence[ChunkRef] | None = None,
 ) -> Manifest:
+    """The manifest of ``enc`` (signed if ``private_key`` is given). ``refs``: the chunks' sizes
+    and hashes when ``enc`` holds no chunks (see :func:`snapshot_manifest`)."""
     m = Manifest(
         kind=enc.kind,
         model_id=model_id,
@@ -278,13 +281,57 @@ def build_manifest(
         target_fingerprint=enc.target_fingerprint,
         tensors=tuple(enc.specs),
         chunk_size=chunk_size,
-        chunks=tuple(ChunkRef(len(c), chunk_hash(c)) for c in enc.chunks),
+        chunks=tuple(refs) if refs is not None else tuple(ChunkRef(len(c), chunk_hash(c)) for c in enc.chunks),
         created=time.time() if created is None else created,
         changed=tuple(enc.changed) if enc.kind == "delta" else (),
         stats=tuple(sorted({"header": enc.stats.header, "positions": enc.stats.positions,
                             "residuals": enc.stats.residuals, "raw": enc.stats.raw}.items())),
     )
     return m.sign(private_key) if private_key is not None else m
+
+
+def snapshot_manifest(state: ModelState, opts: CodecOptions, *, model_id: str, target_version: int,
+                      private_key: Ed25519PrivateKey | None = None) -> Manifest:
+    """The manifest of ``encode_snapshot(state, opts)``, made without holding its chunks: each is
+    hashed as it is packed and dropped, so a snapshot of any size takes a few chunks of memory
+    (a raw snapshot's encode is a copy: cheap next to an encoded copy of the whole model). Write
+    the chunks afterwards with :func:`snapshot_chunks_to`, while ``state`` is unchanged."""
+    from p2psync.codec.encode import encode_snapshot
+
+    refs: list[ChunkRef] = []
+    enc = encode_snapshot(state, opts, sink=lambda i, c: refs.append(ChunkRef(len(c), chunk_hash(c))))
+    return build_manifest(enc, model_id=model_id, target_version=target_version, chunk_size=opts.chunk_size,
+                          private_key=private_key, refs=refs)
+
+
+def snapshot_chunks_to(state: ModelState, manifest: Manifest, opts: CodecOptions,
+                       put: Callable[[int, bytes], None], *, verify: bool = True) -> None:
+    """Encode the snapshot of ``state`` again and hand each chunk, in order, to ``put``.
+
+    Checked against ``manifest`` as it goes (each chunk's size and hash unless ``verify`` is
+    false because ``put`` checks it, the chunk count, the fingerprint): raises
+    :class:`ChunkHashMismatch` or :class:`CodecError` at the first difference, after handing
+    over only chunks that matched. Used to rebuild a trainer-signed snapshot from weights held,
+    and for the second pass after :func:`snapshot_manifest`."""
+    from p2psync.codec.encode import encode_snapshot
+
+    n = 0
+
+    def sink(i: int, chunk: bytes) -> None:
+        nonlocal n
+        if verify:
+            verify_chunk(manifest, i, chunk)
+        elif i >= len(manifest.chunks):
+            raise CodecError(f"chunk index {i} out of range (artifact has {len(manifest.chunks)})")
+        put(i, chunk)
+        n = i + 1
+
+    enc = encode_snapshot(state, opts, sink=sink)
+    if n != len(manifest.chunks):
+        raise CodecError(f"the weights make {n} snapshot chunks, the manifest lists {len(manifest.chunks)}")
+    if enc.target_fingerprint != manifest.target_fingerprint:
+        raise CodecError(f"the weights' fingerprint {enc.target_fingerprint} is not the manifest's "
+                         f"{manifest.target_fingerprint}")
 
 
 def verify_chunk(manifest: Manifest, index: int, data: bytes | memoryview) -> None:
@@ -300,17 +347,53 @@ def verify_chunk(manifest: Manifest, index: int, data: bytes | memoryview) -> No
 
 
 # --- artifact files ----------------------------------------------------------------------
-def write_file(path: str | Path, manifest: Manifest, chunks: list[bytes]) -> None:
+def write_file(path: str | Path, manifest: Manifest, chunks: Iterable[bytes]) -> None:
     """Write atomically (temp file, then rename)."""
-    path = Path(path)
-    mbytes = manifest.to_bytes()
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(FILE_MAGIC + struct.pack("<HQ", FORMAT_VERSION, len(mbytes)))
-        f.write(mbytes)
-        for c in chunks:
-            f.write(c)
-    os.replace(tmp, path)
+    with FileWriter(path, manifest) as w:
+        for i, c in enumerate(chunks):
+            w.put(i, c)
+
+
+class FileWriter:
+    """Writes an artifact file chunk by chunk, atomically: into a temporary file renamed into
+    place when the ``with`` block ends without an error and every chunk was written in order;
+    otherwise the temporary file is removed and nothing at ``path`` changes."""
+
+    def __init__(self, path: str | Path, manifest: Manifest, *, fsync: bool = False):
+        self.path, self.manifest, self.fsync = Path(path), manifest, fsync
+        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._next = 0
+        self._f: Any = None
+
+    def __enter__(self) -> FileWriter:
+        mbytes = self.manifest.to_bytes()
+        self._f = open(self._tmp, "wb")
+        self._f.write(FILE_MAGIC + struct.pack("<HQ", FORMAT_VERSION, len(mbytes)))
+        self._f.write(mbytes)
+        return self
+
+    def put(self, index: int, data: bytes | memoryview) -> None:
+        if index != self._next:
+            raise CodecError(f"chunk {index} written out of order (expected {self._next})")
+        self._f.write(data)
+        self._next += 1
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        try:
+            if exc_type is None and self._next != len(self.manifest.chunks):
+                raise CodecError(f"{self._next} of {len(self.manifest.chunks)} chunks written")
+            if exc_type is None and self.fsync:
+                self._f.flush()
+                os.fsync(self._f.fileno())
+            self._f.close()
+        except BaseException:
+            self._f.close()
+            self._tmp.unlink(missing_ok=True)
+            raise
+        if exc_type is not None:
+            self._tmp.unlink(missing_ok=True)
+            return
+        os.replace(self._tmp, self.path)
 
 
 class ArtifactFile:

@@ -659,17 +659,24 @@ class Node:
         self.log.info("signed raw snapshot %s", snap.artifact_id)
 
     def _sign_snapshot(self, model_id: str) -> Manifest:
-        from p2psync.artifact import build_manifest
-        from p2psync.codec.encode import CodecOptions, encode_snapshot
+        """Sign and store a raw snapshot of the weights in two passes (the manifest from every
+        chunk's hash, then the chunks encoded again and stored), in a few chunks of memory. The
+        manifest is listed from the first pass on, before the chunks: relays rebuild the chunks
+        from their own weights, and joiners only use complete snapshots."""
+        from p2psync.artifact import snapshot_chunks_to, snapshot_manifest
+        from p2psync.codec.encode import CodecOptions
 
         assert self.state is not None and self.version is not None
-        size = self.config.store.snapshot_chunk_size
-        enc = encode_snapshot(self.state, CodecOptions(chunk_size=size, zstd_level=0))
-        m = build_manifest(enc, model_id=model_id, target_version=self.version, chunk_size=size,
-                           private_key=self.private_key)
+        opts = CodecOptions(chunk_size=self.config.store.snapshot_chunk_size, zstd_level=0)
+        m = snapshot_manifest(self.state, opts, model_id=model_id, target_version=self.version,
+                              private_key=self.private_key)
         self.store.add_manifest(m)
-        for i, c in enumerate(enc.chunks):
-            self.store.put_chunk(m.artifact_id, i, c)
+        try:
+            snapshot_chunks_to(self.state, m, opts, lambda i, c: self.store.put_chunk(m.artifact_id, i, c),
+                               verify=False)  # put_chunk verifies
+        except BaseException:
+            self.store.remove(m.artifact_id)
+            raise
         return m
 
     async def _publish_dir(self, directory: Path) -> None:
@@ -975,21 +982,21 @@ class Node:
             return
 
         def rebuild() -> bool:
-            from p2psync.artifact import verify_chunk
-            from p2psync.codec.encode import CodecOptions, encode_snapshot
+            # Chunk by chunk, each verified against the signed manifest as it is stored: a few
+            # chunks of memory whatever the model's size. A difference removes what was stored.
+            from p2psync.artifact import snapshot_chunks_to
+            from p2psync.codec.encode import CodecOptions
 
             assert self.state is not None
-            enc = encode_snapshot(self.state, CodecOptions(chunk_size=m.chunk_size, zstd_level=0))
-            if len(enc.chunks) != len(m.chunks):
-                return False
-            try:
-                for i, c in enumerate(enc.chunks):
-                    verify_chunk(m, i, c)
-            except P2PSyncError:
-                return False
             self.store.add_manifest(m)
-            for i, c in enumerate(enc.chunks):
-                self.store.put_chunk(m.artifact_id, i, c)
+            try:
+                snapshot_chunks_to(self.state, m, CodecOptions(chunk_size=m.chunk_size, zstd_level=0),
+                                   lambda i, c: self.store.put_chunk(m.artifact_id, i, c), verify=False)
+            except BaseException as exc:
+                self.store.remove(m.artifact_id)
+                if isinstance(exc, P2PSyncError):
+                    return False
+                raise
             return True
 
         if await asyncio.to_thread(rebuild):

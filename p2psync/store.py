@@ -319,13 +319,18 @@ class VersionStore:
 
     # --- applied state ---------------------------------------------------------------------
     def save_state(self, state: ModelState, version: int) -> None:
-        """Checkpoint the applied weights atomically, as a raw unsigned snapshot artifact."""
-        from p2psync.artifact import build_manifest, write_file
-        from p2psync.codec.encode import CodecOptions, encode_snapshot
+        """Checkpoint the applied weights atomically, as a raw unsigned snapshot artifact.
 
-        enc = encode_snapshot(state, CodecOptions(chunk_size=16 << 20, zstd_level=0))
-        m = build_manifest(enc, model_id="state-checkpoint", target_version=version, chunk_size=16 << 20)
-        write_file(self.root / STATE_FILE, m, enc.chunks)
+        Two passes over the weights (hash every chunk for the manifest, then encode again and
+        write), so the memory it takes is a few chunks, not a copy of the model. ``state`` must
+        not change meanwhile (the node's next commit waits for its housekeeping)."""
+        from p2psync.artifact import FileWriter, snapshot_chunks_to, snapshot_manifest
+        from p2psync.codec.encode import CodecOptions
+
+        opts = CodecOptions(chunk_size=16 << 20, zstd_level=0)
+        m = snapshot_manifest(state, opts, model_id="state-checkpoint", target_version=version)
+        with FileWriter(self.root / STATE_FILE, m, fsync=self.fsync) as w:
+            snapshot_chunks_to(state, m, opts, w.put)
 
     def load_state(self) -> tuple[ModelState, int] | None:
         """The checkpointed weights and their version, audited against the recorded fingerprint."""

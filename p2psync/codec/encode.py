@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -255,24 +255,26 @@ def _ranges(n: int, step: int) -> list[tuple[int, int]]:
     return [(s, min(n, s + step)) for s in range(0, n, step)]
 
 
-def _run(jobs: list[tuple], opts: CodecOptions) -> Iterator[_JobResult]:
+def _run(jobs: list[tuple], opts: CodecOptions, ahead: int = 4) -> Iterator[_JobResult]:
     """The jobs' results in job order; ``jobs``: ``(function, arguments, elements)``.
 
     With several threads the calling thread runs jobs too (``workers.in_order``: no pool per call,
     helpers that start at once). The look-ahead is bounded by elements, not jobs: at most
     ``4 * threads + 1`` of the largest job's elements started past the oldest result not yet
     packed, the bound a look-ahead of ``4 * threads`` jobs past the oldest gave, without leaving a
-    thread idle behind one long job at the head (the model's embedding comes first)."""
+    thread idle behind one long job at the head (the model's embedding comes first). ``ahead``
+    replaces the 4 (jobs of even cost, such as a raw snapshot's copies, need less)."""
     if opts.threads == 1:
         for fn, args, _ in jobs:
             yield fn(*args)
         return
     sizes = [size for _, _, size in jobs]
-    window = (4 * opts.threads + 1) * max(sizes, default=0)
+    window = (ahead * opts.threads + 1) * max(sizes, default=0)
     yield from in_order(lambda k: jobs[k][0](*jobs[k][1]), sizes, opts.threads, window)
 
 
-def _collect(kind: str, base: ModelState, results: Iterator[_JobResult], opts: CodecOptions) -> EncodedArtifact:
+def _collect(kind: str, base: ModelState, results: Iterator[_JobResult], opts: CodecOptions,
+             sink: Callable[[int, bytes], None] | None = None) -> EncodedArtifact:
     sums = base.tensor_sums(opts.threads)
     base_fp = fold_root(base.table_hash, sums)
     changed = [0] * len(base.specs)
@@ -286,7 +288,16 @@ def _collect(kind: str, base: ModelState, results: Iterator[_JobResult], opts: C
             stats.add(r.stats)
             yield from r.segments
 
-    chunks = list(pack_chunks(segments(), opts.chunk_size))
+    chunks: list[bytes] = []
+    try:
+        for i, chunk in enumerate(pack_chunks(segments(), opts.chunk_size)):
+            if sink is None:
+                chunks.append(chunk)
+            else:
+                sink(i, chunk)
+    finally:
+        if isinstance(results, Generator):
+            results.close()  # a sink that raised: the helper threads stop now, not at garbage collection
     return EncodedArtifact(kind, list(base.specs), chunks, base_fp, fold_root(base.table_hash, sums), sums,
                            changed, stats)
 
@@ -328,8 +339,15 @@ def encode_delta_sparse(
     return _collect("delta", base, _run(jobs, opts), opts)
 
 
-def encode_snapshot(state: ModelState, opts: CodecOptions | None = None) -> EncodedArtifact:
-    """Chunks holding every word of ``state``."""
+def encode_snapshot(state: ModelState, opts: CodecOptions | None = None,
+                    sink: Callable[[int, bytes], None] | None = None) -> EncodedArtifact:
+    """Chunks holding every word of ``state``.
+
+    ``sink``: called with each chunk's index and bytes as soon as it is packed, in order; the
+    result then holds no chunks (``chunks`` is empty), so a snapshot of any size is encoded in
+    a few chunks' worth of memory (see :func:`p2psync.artifact.snapshot_manifest`). An error
+    the sink raises stops the encode.
+    """
     opts = opts or CodecOptions()
 
     def job(i: int, spec: TensorSpec, s: int, e: int) -> _JobResult:
@@ -341,6 +359,7 @@ def encode_snapshot(state: ModelState, opts: CodecOptions | None = None) -> Enco
         step = opts.raw_elements(dtypes.from_code(spec.dtype).width)
         for s, e in _ranges(spec.numel, step):
             jobs.append((job, (i, spec, s, e), e - s))
-    art = _collect("snapshot", state, _run(jobs, opts), opts)
+    # Streamed to a sink: at most threads + 1 segments in flight (each a copy of up to a chunk).
+    art = _collect("snapshot", state, _run(jobs, opts, 1 if sink is not None else 4), opts, sink)
     art.base_fingerprint = None
     return art
