@@ -73,16 +73,18 @@ def unzigzag(z: np.ndarray) -> np.ndarray:
     return (z >> one) ^ (np.zeros_like(z) - (z & one))
 
 
-def planes(words: np.ndarray) -> bytearray:
+def planes(words: np.ndarray, head: bytes = b"") -> bytearray:
     """The bytes of the 1-D ``words`` as byte planes: every word's byte 0, then every byte 1, ...
 
     One strided gather per plane straight into the result (no transposed intermediate, no
-    ``tobytes`` copy of it): the bytes pass through memory once.
+    ``tobytes`` copy of it): the bytes pass through memory once. ``head``: bytes placed before
+    the planes in the same buffer (a raw segment's header, so joining them copies nothing).
     """
     w = words.dtype.itemsize
     n = words.size
-    out = bytearray(n * w)
-    dst = np.frombuffer(out, dtype=np.uint8)
+    out = bytearray(len(head) + n * w)
+    out[:len(head)] = head
+    dst = np.frombuffer(out, dtype=np.uint8)[len(head):]
     src = np.ascontiguousarray(words).reshape(-1).view(np.uint8)
     if w == 1:
         dst[:] = src
@@ -158,6 +160,10 @@ def unpack_payload(codec: int, data: memoryview, size: int) -> bytes | memoryvie
 
 # --- whole segments ----------------------------------------------------------------------
 def encode_raw_segment(tensor: int, start: int, words: np.ndarray, level: int) -> tuple[bytes, SegmentStats]:
+    size = words.size * words.dtype.itemsize
+    if level <= 0 or size <= 64:  # stored raw (as pack_payload would): header and planes in one buffer
+        head = _HEAD.pack(KIND_RAW, tensor, start, start + words.shape[0]) + struct.pack("<BI", CODEC_RAW, size)
+        return planes(words, head), SegmentStats(header=len(head), raw=size)
     codec, payload = pack_payload(planes(words), level)
     head = _HEAD.pack(KIND_RAW, tensor, start, start + words.shape[0]) + struct.pack("<BI", codec, len(payload))
     return head + payload, SegmentStats(header=len(head), raw=len(payload))
