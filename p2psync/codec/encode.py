@@ -90,9 +90,9 @@ class EncodedArtifact:
     stats: SegmentStats = field(default_factory=SegmentStats)
 
 
-def pack_chunks(segments: Iterable[bytes], chunk_size: int) -> Iterator[bytes]:
+def pack_chunks(segments: Iterable[bytes | bytearray], chunk_size: int) -> Iterator[bytes]:
     """Greedy in-order packing of segments into chunks of at most ``chunk_size`` bytes."""
-    batch: list[bytes] = []
+    batch: list[bytes | bytearray] = []
     size = _CHUNK_HEAD
     for seg in segments:
         need = _SEG_PREFIX + len(seg)
@@ -107,8 +107,8 @@ def pack_chunks(segments: Iterable[bytes], chunk_size: int) -> Iterator[bytes]:
         yield _chunk(batch)
 
 
-def _chunk(segs: list[bytes]) -> bytes:
-    parts = [CHUNK_MAGIC, struct.pack("<I", len(segs))]
+def _chunk(segs: list[bytes | bytearray]) -> bytes:
+    parts: list[bytes | bytearray] = [CHUNK_MAGIC, struct.pack("<I", len(segs))]
     for s in segs:
         parts.append(struct.pack("<I", len(s)))
         parts.append(s)
@@ -119,7 +119,7 @@ def _chunk(segs: list[bytes]) -> bytes:
 @dataclass
 class _JobResult:
     tensor: int
-    segments: list[bytes]
+    segments: list[bytes | bytearray]
     stats: SegmentStats
     hash_delta: tuple[int, int]
 
@@ -280,7 +280,7 @@ def _collect(kind: str, base: ModelState, results: Iterator[_JobResult], opts: C
     changed = [0] * len(base.specs)
     stats = SegmentStats()
 
-    def segments() -> Iterator[bytes]:
+    def segments() -> Iterator[bytes | bytearray]:
         for r in results:
             a, b = sums[r.tensor]
             sums[r.tensor] = ((a + r.hash_delta[0]) & MASK64, (b + r.hash_delta[1]) & MASK64)

@@ -569,8 +569,8 @@ def _finish(out: np.ndarray, head: int, rice_len: int, ne: int, n: int, planes: 
             h: tuple) -> tuple[bytes, SegmentStats, tuple[int, int]]:
     """The segment with its escape section (zstd when it saves bytes), its statistics and hash
     change."""
-    esc_codec, esc = pack_payload(planes[:ne * width], level) if ne else (0, b"")
-    seg = b"".join((out, struct.pack("<BI", esc_codec, len(esc)), esc))
+    esc_codec, esc = pack_payload(planes[:ne * width].data, level) if ne else (0, b"")
+    seg = b"".join((out.data, struct.pack("<BI", esc_codec, len(esc)), esc))
     stats = SegmentStats(header=head, positions=rice_len, residuals=len(seg) - head - rice_len, changed=n)
     return seg, stats, (int(h[0]), int(h[1]))
 

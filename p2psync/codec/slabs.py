@@ -59,9 +59,13 @@ def _lease() -> np.ndarray:
             return np.empty(SLAB_BYTES, dtype=np.uint8)
         # The lease wraps the slab's buffer, so views cut from it keep the lease (not the slab)
         # as their base: the lease dies exactly when the last of them does.
-        lease = np.frombuffer(memoryview(slab), dtype=np.uint8)
+        lease = np.frombuffer(slab.data, dtype=np.uint8)
         key = id(lease)
-        _leases[key] = (weakref.ref(lease, lambda _, k=key: _returned(k)), slab)
+
+        def back(_: object, k: int = key) -> None:
+            _returned(k)
+
+        _leases[key] = (weakref.ref(lease, back), slab)
         return lease
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import _thread
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 T = TypeVar("T")
 
@@ -155,6 +155,7 @@ def in_order(work: Callable[[int], T], sizes: Sequence[int], threads: int, windo
 
     for _ in range(helpers):
         _thread.start_new_thread(helper, ())
+    start: int | None  # the item this thread runs next; None: yield the oldest result first
     try:
         while True:
             with cond:
@@ -168,17 +169,17 @@ def in_order(work: Callable[[int], T], sizes: Sequence[int], threads: int, windo
                     st["head"] = h + 1
                     st["held"] -= sizes[h]
                     cond.notify_all()
-                    i = None
+                    start = None
                 else:
-                    i = take()
-                    if i is None or i < 0:  # the oldest item runs on a helper: wait for it
+                    start = take()
+                    if start is None or start < 0:  # the oldest item runs on a helper: wait for it
                         cond.wait()
                         continue
-            if i is None:
-                yield r  # type: ignore[misc]
+            if start is None:
+                yield cast(T, r)  # done[h]: work(h) returned r
                 del r
             else:
-                run(i)
+                run(start)
     finally:
         with cond:
             st["stop"] = True
