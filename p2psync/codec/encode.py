@@ -154,8 +154,7 @@ def _take_buffers(size: int, word: np.dtype, width: int) -> tuple[np.ndarray, ..
     each thread holds one while it runs a job. The sets are kept across jobs and calls
     (:func:`_give_back`, at most ``_MAX_SPARE``), not per thread: the helper threads start anew
     with every call, and fresh buffers cost ~1,100 page faults per encode of the benchmark model
-    on two threads, several ms of CPU on the benchmark VM (BENCHMARKS.md, "Encode on two
-    threads")."""
+    on two threads, several ms of CPU on the benchmark VM (docs/CODEC.md, "Speed")."""
     with _spare_lock:
         for k in range(len(_spare) - 1, -1, -1):
             b = _spare[k]
