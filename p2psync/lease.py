@@ -31,11 +31,24 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from p2psync.errors import LeaseExpired, ProgressGap, UnknownWork
 
 logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+def _put_column(col: list[_T], offset: int, extra: Sequence[_T] | None) -> None:
+    """Write ``extra`` at ``offset`` of one response's column. A column stays a contiguous prefix
+    of known values: a range reported without it (or after a hole in it) cuts it there."""
+    if extra is not None and len(col) >= offset:
+        del col[offset:]
+        col.extend(extra)
+    else:
+        del col[min(offset, len(col)):]
 
 
 @dataclass(frozen=True)
@@ -209,15 +222,8 @@ class LeaseTable:
             raise ProgressGap(work_id, response, offset, len(have))
         del have[offset:]
         have.extend(tokens)
-        for store, extra in ((s.logprobs, logprobs), (s.versions, versions)):
-            # A column stays a contiguous prefix of known values: a range reported without it
-            # (or after a hole in it) cuts it there.
-            col = store.setdefault(response, [])
-            if extra is not None and len(col) >= offset:
-                del col[offset:]
-                col.extend(extra)
-            else:
-                del col[min(offset, len(col)):]
+        _put_column(s.logprobs.setdefault(response, []), offset, logprobs)
+        _put_column(s.versions.setdefault(response, []), offset, versions)
         if finished or finish_reason is not None:
             s.done.add(response)
             if finish_reason is not None:

@@ -23,6 +23,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from p2psync.errors import LeaseExpired
 from p2psync.lease import LeaseTable, QueuedWork, WorkItem
@@ -83,6 +84,17 @@ class LengthPredictor:
 
     def predict(self, prompt_key: str) -> float:
         return self.ewma.get(prompt_key, self.total / self.count if self.count else self.prior)
+
+
+class Policy(Protocol):
+    """What :func:`simulate` asks of a scheduler (a ``predictor`` attribute, when present,
+    is told each finished work's length)."""
+
+    name: str
+    """Shown in the simulation's result."""
+
+    def assign(self, now: float, queue: Sequence[QueuedWork], nodes: Sequence[NodeView],
+               head: int) -> list[tuple[str, str]]: ...
 
 
 @dataclass
@@ -247,7 +259,7 @@ def default_cluster(seed: int = 0, n: int = 16) -> list[SimNode]:
     return out
 
 
-def simulate(policy, cluster: Sequence[SimNode], work: Workload = Workload(), *, seed: int = 0,
+def simulate(policy: Policy, cluster: Sequence[SimNode], work: Workload = Workload(), *, seed: int = 0,
              preempt_share: float = 0.0, notice_share: float = 0.7, stall_share: float = 0.0,
              downtime: float = 60.0, ttl: float = 30.0) -> SimResult:
     """Run ``work`` on ``cluster`` under ``policy``; faults hit ``preempt_share`` of the nodes.
@@ -263,7 +275,7 @@ def simulate(policy, cluster: Sequence[SimNode], work: Workload = Workload(), *,
                    for _ in range(work.prompts)]
     table = LeaseTable(ttl)
     tput = Ewma(0.3)
-    predictor = getattr(policy, "predictor", None)
+    predictor: LengthPredictor | None = getattr(policy, "predictor", None)
     nodes = {n.id: n for n in cluster}
     up = {n.id: True for n in cluster}
     version = {n.id: 0 for n in cluster}
@@ -271,10 +283,11 @@ def simulate(policy, cluster: Sequence[SimNode], work: Workload = Workload(), *,
     running: dict[str, dict[str, tuple[int, float, float, int]]] = {n.id: {} for n in cluster}
     """node -> work id -> (lease id, start, finish, start tokens)"""
     length: dict[str, int] = {}
-    events: list[tuple[float, int, str, str, object]] = []
+    events: list[tuple[float, int, str, str, Any]] = []
+    """(time, sequence, kind, node, data): ``data`` depends on ``kind``."""
     seq = [0]
 
-    def push(t: float, kind: str, node: str, data: object = None) -> None:
+    def push(t: float, kind: str, node: str, data: Any = None) -> None:
         seq[0] += 1
         heapq.heappush(events, (t, seq[0], kind, node, data))
 
@@ -334,7 +347,7 @@ def simulate(policy, cluster: Sequence[SimNode], work: Workload = Workload(), *,
     while events:
         now, _, kind, nid, data = heapq.heappop(events)
         if kind == "finish":
-            wid, lid = data  # type: ignore[misc]
+            wid, lid = data
             if not up[nid] or running[nid].get(wid, (None,))[0] != lid:
                 continue
             if nid in stalled and now < stalled[nid]:
@@ -352,9 +365,9 @@ def simulate(policy, cluster: Sequence[SimNode], work: Workload = Workload(), *,
                 if other != nid and wid in running[other] and c.accepted and other not in stalled:
                     del running[other][wid]
         elif kind == "preempt":
-            if (not running[nid] or not up[nid]) and int(data or 0) < 15:  # type: ignore[call-overload]
+            if (not running[nid] or not up[nid]) and int(data or 0) < 15:
                 # Preempt it while it works (the case that matters): try again a bit later.
-                push(now + 2.0, "preempt", nid, int(data or 0) + 1)  # type: ignore[call-overload]
+                push(now + 2.0, "preempt", nid, int(data or 0) + 1)
                 continue
             if not up[nid]:
                 continue
@@ -366,12 +379,12 @@ def simulate(policy, cluster: Sequence[SimNode], work: Workload = Workload(), *,
         elif kind == "return":
             up[nid] = True
             version[nid] = -1
-            ready_at[nid] = now + work.snapshot_bytes / nodes[nid].bandwidth
-            push(ready_at[nid], "ready", nid, None)
+            ready_at[nid] = t = now + work.snapshot_bytes / nodes[nid].bandwidth
+            push(t, "ready", nid, None)
         elif kind == "ready":
             if up[nid]:
                 # A snapshot (data None) is of the head at the time it completes.
-                version[nid] = max(version[nid], head if data is None else int(data))  # type: ignore[arg-type]
+                version[nid] = max(version[nid], head if data is None else int(data))
                 if version[nid] >= head:
                     ready_at[nid] = None
         elif kind == "stall":
@@ -387,12 +400,12 @@ def simulate(policy, cluster: Sequence[SimNode], work: Workload = Workload(), *,
                         running[other].pop(wid, None)
         elif kind == "published":
             publishing = False
-            head = int(data)  # type: ignore[arg-type]
+            head = int(data)
             release_step()
             for m, n in nodes.items():
                 if up[m] and version[m] >= 0:
-                    ready_at[m] = now + work.delta_bytes / n.bandwidth
-                    push(ready_at[m], "ready", m, head)
+                    ready_at[m] = t = now + work.delta_bytes / n.bandwidth
+                    push(t, "ready", m, head)
         for s_node, until in list(stalled.items()):
             if now >= until:
                 del stalled[s_node]

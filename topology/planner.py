@@ -41,6 +41,7 @@ import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from p2psync.errors import ConfigError
 from topology.model import NetworkModel
@@ -144,7 +145,7 @@ class _Builder:
             self.pipe_reserved[(a, b)] = self.pipe_reserved.get((a, b), 0.0) + used
 
     def best_source(self, gateways: list[str], exclude_region: str | None = None) -> tuple[float, str, str] | None:
-        best: tuple[float, float, int, str, str] | None = None
+        best: tuple[float, float, float, int, float, str, str] | None = None
         for g in gateways:
             for s in self.sources:
                 if exclude_region is not None and s != self.root and self.m.region_of(s) == exclude_region:
@@ -184,7 +185,7 @@ class _Builder:
                 self.serve[g] = min(m.node(g).uplink_bps, bws[len(bws) // 2])
         pending = dict(gateways)
         while pending:
-            best: tuple[float, float, int, str, str, str] | None = None
+            best: tuple[float, float, float, int, str, str, str] | None = None
             for region, gws in pending.items():
                 hit = self.best_source(gws)
                 if hit is None:
@@ -200,7 +201,7 @@ class _Builder:
                 s = max(self.sources, key=lambda x: (m.node(x).uplink_bps - self.reserved[x]) / (1 + len(self.children[x])))
                 r = min(m.bandwidth(s, gws[0]), m.node(s).uplink_bps / (1 + len(self.children[s])))
                 best = (*self.score(r, s, gws[0]), region, s, gws[0])
-            region, s, g = best[4:]
+            _, _, _, _, region, s, g = best
             r = self.offer(s, g) or min(m.bandwidth(s, g), m.node(s).uplink_bps / (1 + len(self.children[s])))
             self.link(s, g, r, reserve_cap)
             self.entries[region] = [g]
@@ -217,7 +218,7 @@ class _Builder:
     def fan_out(self, region: str, heads: list[str], members: list[str], target: float) -> None:
         """Attach ``members`` (strongest first) breadth first below ``heads``."""
         m = self.m
-        queue: list[list] = [[h, self.slots(h, target)] for h in heads]
+        queue: list[list[Any]] = [[h, self.slots(h, target)] for h in heads]
         queue = [q for q in queue if q[1] > 0] or [[heads[-1], 1]]
         qi = 0
         attached = list(heads)

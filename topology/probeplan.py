@@ -189,10 +189,10 @@ def node_specs(members: Sequence[Member], measurements: Iterable[Measurement],
     out_best: dict[str, float] = {}
     in_best: dict[str, float] = {}
     every: list[float] = []
-    for m in measurements:
-        out_best[m.src] = max(out_best.get(m.src, 0.0), m.bandwidth_bps)
-        in_best[m.dst] = max(in_best.get(m.dst, 0.0), m.bandwidth_bps)
-        every.append(m.bandwidth_bps)
+    for ms in measurements:
+        out_best[ms.src] = max(out_best.get(ms.src, 0.0), ms.bandwidth_bps)
+        in_best[ms.dst] = max(in_best.get(ms.dst, 0.0), ms.bandwidth_bps)
+        every.append(ms.bandwidth_bps)
     typical = statistics.median(every) if every else fallback_bps
     specs = []
     for m in members:

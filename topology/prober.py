@@ -124,7 +124,8 @@ async def discover(client: ProbeClient, urls: Sequence[str], timeout: float = 5.
             unreachable.append((url, str(a)))
             continue
         nid, region, role = a.get("node"), a.get("region"), a.get("role")
-        if not all(isinstance(x, str) and x for x in (nid, region, role)):
+        if not (isinstance(nid, str) and nid and isinstance(region, str) and region and isinstance(role, str)
+                and role):
             unreachable.append((url, "status lacks node/region/role"))
             continue
         if nid in addresses:

@@ -26,7 +26,7 @@ worse than the input; the degree limit and the tree contract hold.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from topology.model import NetworkModel
 from topology.tree import Estimate, children_of, estimate, subtree
@@ -85,7 +85,8 @@ def _entries_added(model: NetworkModel, tree: Mapping[str, str], trial: Mapping[
     return any(d > 0 for d in delta.values())
 
 
-def _moves(model: NetworkModel, root: str, tree: dict[str, str], est: Estimate, max_degree: int):
+def _moves(model: NetworkModel, root: str, tree: dict[str, str], est: Estimate,
+           max_degree: int) -> Iterator[dict[str, str]]:
     """Trial trees, cheapest-looking first: moves of the critical path's nodes, top down, then re-roots."""
     worst = max(est.eta_s, key=lambda x: (est.eta_s[x], x))
     path: list[str] = []

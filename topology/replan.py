@@ -79,7 +79,7 @@ def replan(old: Plan, model: NetworkModel, config: PlannerConfig | None = None,
     # region has nothing attached, instead of scanning every attached node.
     sources = {n for n in attached if n == root or model.region_of(parents[n]) != model.region_of(n)}
 
-    def choose(top: str) -> tuple[tuple, str]:
+    def choose(top: str) -> tuple[tuple[bool, float, int, float, str], str]:
         region = model.region_of(top)
         cands = [u for u in by_region.get(region, ()) if len(children[u]) < cfg.max_degree]
         if not cands:

@@ -151,32 +151,32 @@ def simulate(model: NetworkModel, parents: Mapping[str, str], payload_bytes: int
         dt = math.inf
         targets = []
         for f, r in zip(active, rates):
-            c = flow_child[f]
-            boundary = min(payload, (math.floor(sent[c] / chunk_bytes + 1e-9) + 1) * chunk_bytes)
+            ci = flow_child[f]
+            boundary = min(payload, (math.floor(sent[ci] / chunk_bytes + 1e-9) + 1) * chunk_bytes)
             target = min(boundary, held[flow_parent[f]])
             targets.append(target)
             if r > 0:
-                dt = min(dt, (target - sent[c]) / r)
+                dt = min(dt, (target - sent[ci]) / r)
         if arrivals:
             dt = min(dt, arrivals[0][0] - t)
         if not math.isfinite(dt):
             raise RuntimeError("simulation stalled: no active flow and nothing in flight")
         t += max(dt, 0.0)
         for f, r, target in zip(active, rates, targets):
-            c = flow_child[f]
-            before = sent[c]
-            sent[c] += r * dt
-            if sent[c] >= target - eps:
-                sent[c] = target
-            whole = math.floor(sent[c] / chunk_bytes + 1e-9) * chunk_bytes
-            complete = payload if sent[c] >= payload - eps else min(payload, whole)
+            ci = flow_child[f]
+            before = sent[ci]
+            sent[ci] += r * dt
+            if sent[ci] >= target - eps:
+                sent[ci] = target
+            whole = math.floor(sent[ci] / chunk_bytes + 1e-9) * chunk_bytes
+            complete = payload if sent[ci] >= payload - eps else min(payload, whole)
             if complete > math.floor(before / chunk_bytes + 1e-9) * chunk_bytes or complete == payload > before:
-                heapq.heappush(arrivals, (t + flow_delay[f], c, complete))
-            if sent[c] >= payload:
+                heapq.heappush(arrivals, (t + flow_delay[f], ci, complete))
+            if sent[ci] >= payload:
                 sending.discard(f)
         while arrivals and arrivals[0][0] <= t + 1e-12:
-            _, c, amount = heapq.heappop(arrivals)
-            held[c] = max(held[c], amount)
-            if held[c] >= payload:
-                done[ids[c]] = t
+            _, ci, amount = heapq.heappop(arrivals)
+            held[ci] = max(held[ci], amount)
+            if held[ci] >= payload:
+                done[ids[ci]] = t
     return SimResult(done, max(done.values()), events)

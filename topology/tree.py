@@ -99,7 +99,12 @@ class Plan:
             raise ConfigError("nodes", "must be a non-empty object")
         if not isinstance(root, str) or root not in nodes:
             raise ConfigError("root", f"must name a node of the plan, got {root!r}")
-        parents, edge_bps, eta, fallbacks, regions, roles = {}, {}, {}, {}, {}, {}
+        parents: dict[str, str] = {}
+        edge_bps: dict[str, float] = {}
+        eta: dict[str, float] = {}
+        fallbacks: dict[str, list[str]] = {}
+        regions: dict[str, str] = {}
+        roles: dict[str, str] = {}
         for n, o in nodes.items():
             where = f"nodes.{n}"
             if not isinstance(o, dict):

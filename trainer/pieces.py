@@ -21,11 +21,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 
 from p2psync import dtypes
 from p2psync.state import TensorSpec
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,7 @@ class Piece:
         return flat
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch builds without distributed
@@ -70,7 +74,7 @@ def _chunk_bounds(lo: int, hi: int, parts: int, k: int) -> tuple[int, int]:
     return lo + a, lo + min(n, a + size)
 
 
-def dtensor_rows(t: torch.Tensor) -> tuple[int, int] | None:
+def dtensor_rows(t: DTensor) -> tuple[int, int] | None:
     """Global rows ``[lo, hi)`` of dim 0 that this rank holds, or ``None`` if another rank publishes them.
 
     Supports placements made of ``Shard(0)`` and ``Replicate`` (FSDP2 and HSDP); anything else

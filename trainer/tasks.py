@@ -58,7 +58,7 @@ class CharTokenizer:
 
     def decode(self, tokens: Sequence[int]) -> tuple[str, bool]:
         """(text up to the first stop symbol, whether a stop symbol was reached); pad/bos read as '?'."""
-        out = []
+        out: list[str] = []
         for t in tokens:
             s = self.symbol(int(t))
             if s == EOS:

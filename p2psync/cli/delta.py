@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, TypedDict
+
+if TYPE_CHECKING:
+    from p2psync.artifact import ArtifactFile
+
+
+class _TensorRow(TypedDict):
+    name: str
+    dtype: str
+    shape: list[int]
+    numel: int
+    changed: int
 
 
 def parse_size(text: str) -> int:
@@ -91,7 +103,7 @@ def run_encode(args: argparse.Namespace) -> int:
     return 0
 
 
-def _open(args: argparse.Namespace, path: str):
+def _open(args: argparse.Namespace, path: str) -> ArtifactFile:
     from p2psync import artifact, keys
 
     public = keys.load_public(args.pubkey) if args.pubkey else None
@@ -140,10 +152,15 @@ def run_inspect(args: argparse.Namespace) -> int:
         for _, c in art.chunks():  # also verifies every chunk hash
             streams.add(chunk_stats(c))
     full = m.model_bytes
-    rows = []
+    rows: list[_TensorRow] = []
     for i, t in enumerate(m.tensors):
         n = m.changed[i] if m.changed else t.numel
         rows.append({"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "numel": t.numel, "changed": n})
+    ratio = full / max(1, m.payload_bytes)
+    changed = sum(r["changed"] for r in rows)
+    numel = sum(r["numel"] for r in rows)
+    stream_bytes = {"positions": streams.positions, "residuals": streams.residuals, "raw": streams.raw,
+                    "headers": streams.header}
     report = {
         "kind": m.kind,
         "model_id": m.model_id,
@@ -157,11 +174,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         "chunk_size": m.chunk_size,
         "payload_bytes": m.payload_bytes,
         "full_bytes": full,
-        "ratio": full / max(1, m.payload_bytes),
-        "changed": sum(r["changed"] for r in rows),
-        "numel": sum(r["numel"] for r in rows),
-        "stream_bytes": {"positions": streams.positions, "residuals": streams.residuals, "raw": streams.raw,
-                         "headers": streams.header},
+        "ratio": ratio,
+        "changed": changed,
+        "numel": numel,
+        "stream_bytes": stream_bytes,
         "tensors": rows,
     }
     if args.json:
@@ -174,9 +190,9 @@ def run_inspect(args: argparse.Namespace) -> int:
     con.print(f"[bold]{m.kind}[/] {m.model_id}: version {m.base_version} -> {m.target_version}")
     con.print(f"signature: {sig}")
     con.print(f"payload {m.payload_bytes:,} B in {len(m.chunks)} chunks vs full {full:,} B: "
-              f"[bold]{report['ratio']:.1f}x[/] smaller; changed {report['changed']:,} of {report['numel']:,} "
-              f"elements ({100 * report['changed'] / max(1, report['numel']):.3f} %)")
-    con.print("streams: " + ", ".join(f"{k} {v:,} B" for k, v in report["stream_bytes"].items()))
+              f"[bold]{ratio:.1f}x[/] smaller; changed {changed:,} of {numel:,} "
+              f"elements ({100 * changed / max(1, numel):.3f} %)")
+    con.print("streams: " + ", ".join(f"{k} {v:,} B" for k, v in stream_bytes.items()))
     tab = Table("tensor", "dtype", "shape", "changed", "%")
     shown = rows if args.all else sorted(rows, key=lambda r: -r["changed"])[:20]
     for r in shown:

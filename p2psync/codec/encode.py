@@ -90,9 +90,9 @@ class EncodedArtifact:
     stats: SegmentStats = field(default_factory=SegmentStats)
 
 
-def pack_chunks(segments: Iterable[bytes], chunk_size: int) -> Iterator[bytes]:
+def pack_chunks(segments: Iterable[bytes | bytearray], chunk_size: int) -> Iterator[bytes]:
     """Greedy in-order packing of segments into chunks of at most ``chunk_size`` bytes."""
-    batch: list[bytes] = []
+    batch: list[bytes | bytearray] = []
     size = _CHUNK_HEAD
     for seg in segments:
         need = _SEG_PREFIX + len(seg)
@@ -107,8 +107,8 @@ def pack_chunks(segments: Iterable[bytes], chunk_size: int) -> Iterator[bytes]:
         yield _chunk(batch)
 
 
-def _chunk(segs: list[bytes]) -> bytes:
-    parts = [CHUNK_MAGIC, struct.pack("<I", len(segs))]
+def _chunk(segs: list[bytes | bytearray]) -> bytes:
+    parts: list[bytes | bytearray] = [CHUNK_MAGIC, struct.pack("<I", len(segs))]
     for s in segs:
         parts.append(struct.pack("<I", len(s)))
         parts.append(s)
@@ -119,7 +119,7 @@ def _chunk(segs: list[bytes]) -> bytes:
 @dataclass
 class _JobResult:
     tensor: int
-    segments: list[bytes]
+    segments: list[bytes | bytearray]
     stats: SegmentStats
     hash_delta: tuple[int, int]
 
@@ -154,8 +154,7 @@ def _take_buffers(size: int, word: np.dtype, width: int) -> tuple[np.ndarray, ..
     each thread holds one while it runs a job. The sets are kept across jobs and calls
     (:func:`_give_back`, at most ``_MAX_SPARE``), not per thread: the helper threads start anew
     with every call, and fresh buffers cost ~1,100 page faults per encode of the benchmark model
-    on two threads, several ms of CPU on the benchmark VM (BENCHMARKS.md, "Encode on two
-    threads")."""
+    on two threads, several ms of CPU on the benchmark VM (docs/CODEC.md, "Speed")."""
     with _spare_lock:
         for k in range(len(_spare) - 1, -1, -1):
             b = _spare[k]
@@ -280,7 +279,7 @@ def _collect(kind: str, base: ModelState, results: Iterator[_JobResult], opts: C
     changed = [0] * len(base.specs)
     stats = SegmentStats()
 
-    def segments() -> Iterator[bytes]:
+    def segments() -> Iterator[bytes | bytearray]:
         for r in results:
             a, b = sums[r.tensor]
             sums[r.tensor] = ((a + r.hash_delta[0]) & MASK64, (b + r.hash_delta[1]) & MASK64)

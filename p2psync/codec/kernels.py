@@ -125,10 +125,10 @@ def scatter(words, positions, values):
     """``words[positions] = values`` (positions already validated), ~10x numpy's fancy assignment.
 
     Each write misses the cache (at RL densities about one change per line), so the line
-    :data:`SCATTER_AHEAD` changes ahead is prefetched into L2 for reading: 22 -> 15 ms for the
-    benchmark's lr 1e-6 delta with a prefetch for writing 16 changes ahead, 16.5-17 -> 12.5-13.3
-    ms with this one (one thread, median of 7; L2 and L1 read hints at 32-128 changes ahead and
-    write hints at 16-64 measured: BENCHMARKS.md, "Decode+apply without page faults")."""
+    :data:`SCATTER_AHEAD` changes ahead is prefetched into L2 for reading: on the benchmark VM
+    that keeps the most misses in flight (12.5-13.3 ms for the lr 1e-6 delta's 1.44 M changes,
+    one thread; L1 and L3 read hints at 32-128 changes ahead and write hints at 16-64 are
+    slower; docs/CODEC.md, "Speed")."""
     n = positions.shape[0]
     for j in range(n):
         if j + SCATTER_AHEAD < n:
@@ -283,7 +283,7 @@ def exponent_sample(old, start, stop, shift, mask, hist):
     returns the number of words counted. ``hist`` is zeroed first.
 
     The sampled blocks lie far apart, so each would wait for memory: the block 8 samples ahead is
-    prefetched (6.5 -> 3 ms over the benchmark model's jobs), and the counts go to four
+    prefetched (about half the time over the benchmark model's jobs), and the counts go to four
     histograms in turn (neighbouring words usually share an exponent, and one counter would chain
     them through memory)."""
     hist[:] = 0
@@ -337,8 +337,8 @@ def change_sample(old, new, start, stop, shift, mask, hist):
     blk = start
     while blk < stop:
         if blk + 64 <= stop:
-            # the sampled blocks are 16 apart: ask for them 16 KiB ahead (6 -> 4 ms over the
-            # benchmark model's jobs)
+            # the sampled blocks are 16 apart: ask for them 16 KiB ahead (a third less time over
+            # the benchmark model's jobs)
             prefetch_ahead(old, blk)
             prefetch_ahead(new, blk)
             m = ne_mask64(old, new, blk)
@@ -499,7 +499,7 @@ def locate(old, start, stop, consts, counts, ranks, pos_out, old_out):
     Dense fast path (learning rates that change most elements): when every element of a bucket
     in the block is wanted (the next rank is the bucket's first in the block and the rank
     ``count - 1`` slots on is its last: ranks strictly increase, so those two decide), the
-    positions are the mask's set bits in order, with no select each (392 -> 280 us for the tiny
+    positions are the mask's set bits in order, with no select each (~30 % less time for the tiny
     model's delta at lr 1e-2). The check is written out per bucket: an inlined helper made the
     loop 2x slower (measured)."""
     total = ranks.shape[0]

@@ -3,7 +3,7 @@
 :func:`~p2psync.codec.sparse.decode_changes` decodes a segment step by step
 from Python (parse, Rice, locate, residual tables, rANS, escapes, hash): some
 40 Python-level operations and a dozen kernel calls per segment. On a model of
-many small tensors that fixed cost was about half of all decoding (the tiny demo
+many small tensors that fixed cost is about half of all decoding (the tiny demo
 model: 24 segments of 10 to 33,000 changes). :func:`decode_body` does the same
 work in one ``nogil`` call: it validates the header and the residual tables,
 reads the Rice streams, locates the positions, and then runs one loop over the

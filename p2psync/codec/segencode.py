@@ -12,21 +12,20 @@ the step-by-step encoder, which stays as the reference (``encode._scan_job_refer
 tests hold the two to the same chunks on generated tensors of every word width, density,
 bucket count and escape share.
 
-Per change, what is different (benchmark model, lr 1e-6: 34-50 -> 22-30 ns per change after the
-scan, one thread):
+Per change (benchmark model, lr 1e-6: 22-30 ns per change after the scan, one thread):
 
-- Two passes over the changes instead of five. :func:`change_stats` counts changes and
+- Two passes over the changes. :func:`change_stats` counts changes and
   escapes per bucket in a loop that LLVM vectorises, the base exponents in four histograms
   taken in turn (one counter in memory would chain each change to the one before through a
   store and a load), and the fingerprint change in ``kernels.hash_change`` (vectorised).
   :func:`encode_body` then writes each change's rank, rANS symbol and model in bucket order
   and its escape straight into the byte planes.
 - Rice codes go out as one 8-byte big-endian store per code, overlapping the next, and the
-  writer advances by whole bytes: no branch per code (6.0 -> 3.5 ns per change). One loop over
+  writer advances by whole bytes: no branch per code (~3.5 ns per change). One loop over
   a bucket's gaps prices all three candidate parameters.
 - rANS divides by a symbol's frequency with a precomputed reciprocal (ryg_rans's
   ``RansEncSymbol``: exact for states below 2**31, which byte-wise renormalisation never
-  leaves): the state's dependency chain is two multiplies, not a division (6.5 -> 3.8 ns).
+  leaves): the state's dependency chain is two multiplies, not a division (~3.8 ns per change).
 
 :func:`job_thresholds` makes the bucket-threshold choice of ``context`` in one call too (same
 numbers; it hands back to ``context.choose_thresholds`` the two cases where numpy's summation
@@ -420,8 +419,8 @@ def scan_encode(tensor, old, new, start, end, cap, thr, shift, exp_mask, seed, p
     (hash lane a, b))``; with no change in ``[start, end)``, ``n`` is 0 and the rest is empty.
 
     The statistics are a loop of their own, not gathered in the scan while each change's words
-    are in registers: that made the scan of the benchmark model 49 -> 57 ms (it is not purely
-    waiting on memory, and its per-change code lost its shape)."""
+    are in registers: that makes the scan of the benchmark model ~15 % slower (it is not purely
+    waiting on memory, and its per-change code loses its shape)."""
     nt = thr.shape[0]
     if nt:
         consts = np.empty(4, dtype=old.dtype)  # ``context.consts_for``
@@ -569,8 +568,8 @@ def _finish(out: np.ndarray, head: int, rice_len: int, ne: int, n: int, planes: 
             h: tuple) -> tuple[bytes, SegmentStats, tuple[int, int]]:
     """The segment with its escape section (zstd when it saves bytes), its statistics and hash
     change."""
-    esc_codec, esc = pack_payload(planes[:ne * width], level) if ne else (0, b"")
-    seg = b"".join((out, struct.pack("<BI", esc_codec, len(esc)), esc))
+    esc_codec, esc = pack_payload(planes[:ne * width].data, level) if ne else (0, b"")
+    seg = b"".join((out.data, struct.pack("<BI", esc_codec, len(esc)), esc))
     stats = SegmentStats(header=head, positions=rice_len, residuals=len(seg) - head - rice_len, changed=n)
     return seg, stats, (int(h[0]), int(h[1]))
 

@@ -126,7 +126,7 @@ def _compressor(level: int) -> zstandard.ZstdCompressor:
     return c
 
 
-def pack_payload(data: bytes, level: int) -> tuple[int, bytes]:
+def pack_payload(data: bytes | bytearray | memoryview, level: int) -> tuple[int, bytes | bytearray | memoryview]:
     """zstd if it saves bytes, else raw (tiny segments and incompressible planes)."""
     if level > 0 and len(data) > 64:
         z = _compressor(level).compress(data)
@@ -142,7 +142,7 @@ def decompress(data: bytes | memoryview | np.ndarray, max_size: int) -> bytes:
     if d is None:
         d = _zstd.d = zstandard.ZstdDecompressor()
     try:
-        return d.decompress(data, max_output_size=max_size)
+        return d.decompress(data.data if isinstance(data, np.ndarray) else data, max_output_size=max_size)
     except zstandard.ZstdError as exc:
         raise CodecError(f"segment: payload does not decompress ({exc})") from None
 
@@ -159,7 +159,8 @@ def unpack_payload(codec: int, data: memoryview, size: int) -> bytes | memoryvie
 
 
 # --- whole segments ----------------------------------------------------------------------
-def encode_raw_segment(tensor: int, start: int, words: np.ndarray, level: int) -> tuple[bytes, SegmentStats]:
+def encode_raw_segment(tensor: int, start: int, words: np.ndarray, level: int
+                       ) -> tuple[bytes | bytearray, SegmentStats]:
     size = words.size * words.dtype.itemsize
     if level <= 0 or size <= 64:  # stored raw (as pack_payload would): header and planes in one buffer
         head = _HEAD.pack(KIND_RAW, tensor, start, start + words.shape[0]) + struct.pack("<BI", CODEC_RAW, size)

@@ -2,11 +2,10 @@
 
 A decoded delta segment yields its positions (int64) and new words, which live until the
 commit wrote them (or, with ``keep_changes``, as long as the caller keeps them). Allocated
-fresh per segment, that memory came back from the allocator as new pages each decode: the
-benchmark delta (lr 1e-6, 1.44 M changes, ~14 MB of outputs) took up to ~1,500-2,300 page
-faults per decode+apply, ~2.6 us each on the benchmark VM, almost all on the helper thread (its
-malloc arena returns freed memory to the kernel; BENCHMARKS.md, "Decode+apply without page
-faults").
+fresh per segment, that memory comes back from the allocator as new pages each decode: for the
+benchmark delta (lr 1e-6, 1.44 M changes, ~14 MB of outputs) up to ~1,500-2,300 page faults per
+decode+apply, ~2.6 us each on the benchmark VM, almost all on the helper thread (its malloc
+arena returns freed memory to the kernel; docs/CODEC.md, "Speed").
 
 :class:`Arena` hands out those arrays from slabs of :data:`SLAB_BYTES`. A slab goes back to a
 free list when the last array cut from it is gone (a weak reference on the slab's lease: every
@@ -59,9 +58,13 @@ def _lease() -> np.ndarray:
             return np.empty(SLAB_BYTES, dtype=np.uint8)
         # The lease wraps the slab's buffer, so views cut from it keep the lease (not the slab)
         # as their base: the lease dies exactly when the last of them does.
-        lease = np.frombuffer(memoryview(slab), dtype=np.uint8)
+        lease = np.frombuffer(slab.data, dtype=np.uint8)
         key = id(lease)
-        _leases[key] = (weakref.ref(lease, lambda _, k=key: _returned(k)), slab)
+
+        def back(_: object, k: int = key) -> None:
+            _returned(k)
+
+        _leases[key] = (weakref.ref(lease, back), slab)
         return lease
 
 

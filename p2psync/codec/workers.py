@@ -2,23 +2,23 @@
 
 Decoding a delta (one item per segment) and writing it (one per segment's changes) each take
 tens of milliseconds on two threads. With a :class:`~concurrent.futures.ThreadPoolExecutor`
-per call, the second thread began its first item 0.1-3.5 ms after the first one, in decode and
-again in the commit (timelines of the benchmark delta: BENCHMARKS.md, "Decode+apply on two
-threads"), while the calling thread only submitted items (a future, a lock and a condition per
-item), waited and woke up on every result. :func:`run_ordered` starts ``threads - 1`` helpers,
-works on the calling thread as well, and hands out items from one shared list.
+per call, the second thread begins its first item 0.1-3.5 ms after the first one, in decode and
+again in the commit (timelines of the benchmark delta), while the calling thread only submits
+items (a future, a lock and a condition per item), waits and wakes up on every result.
+:func:`run_ordered` starts ``threads - 1`` helpers, works on the calling thread as well, and
+hands out items from one shared list.
 
 The helpers are started with ``_thread.start_new_thread``, which does not wait for the new
 thread to run, as ``threading.Thread.start`` does: the calling thread starts its first item at
-once instead of sleeping until the helper ran and then waiting to be scheduled again. Measured
-on the benchmark delta, both threads then began within 0.2 ms, in decode and in the commit.
+once instead of sleeping until the helper ran and then waiting to be scheduled again. On the
+benchmark delta both threads begin within 0.2 ms, in decode and in the commit.
 
 Encoding has one more constraint: its segments are packed into chunks in job order, as they
 come, and results waiting for an earlier job must stay bounded. :func:`in_order` yields the
 results in index order from the same calling-thread-plus-helpers arrangement, with a look-ahead
 bounded by the work started past the oldest result not yet handed out (measured in the caller's
 units, e.g. elements), so that one long job at the head does not stop the other thread after a
-few short jobs, as a look-ahead counted in jobs did (BENCHMARKS.md, "Encode on two threads").
+few short jobs, as a look-ahead counted in jobs would (docs/CODEC.md, "Speed").
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from __future__ import annotations
 import _thread
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
+from typing import TypeVar, cast
 
 T = TypeVar("T")
 
@@ -155,6 +155,7 @@ def in_order(work: Callable[[int], T], sizes: Sequence[int], threads: int, windo
 
     for _ in range(helpers):
         _thread.start_new_thread(helper, ())
+    start: int | None  # the item this thread runs next; None: yield the oldest result first
     try:
         while True:
             with cond:
@@ -168,17 +169,17 @@ def in_order(work: Callable[[int], T], sizes: Sequence[int], threads: int, windo
                     st["head"] = h + 1
                     st["held"] -= sizes[h]
                     cond.notify_all()
-                    i = None
+                    start = None
                 else:
-                    i = take()
-                    if i is None or i < 0:  # the oldest item runs on a helper: wait for it
+                    start = take()
+                    if start is None or start < 0:  # the oldest item runs on a helper: wait for it
                         cond.wait()
                         continue
-            if i is None:
-                yield r  # type: ignore[misc]
+            if start is None:
+                yield cast(T, r)  # done[h]: work(h) returned r
                 del r
             else:
-                run(i)
+                run(start)
     finally:
         with cond:
             st["stop"] = True

@@ -5,7 +5,8 @@
 drives many nodes in one process for tests and scale figures.
 """
 
-from p2psync.gossip.coordinator_state import CoordinatorState, NotCoordinator
+from p2psync.errors import NotCoordinator
+from p2psync.gossip.coordinator_state import CoordinatorState
 from p2psync.gossip.membership import DetectorConfig, MemberTable
 from p2psync.gossip.messages import MemberEntry
 from p2psync.gossip.protocol import GossipConfig, GossipNode

@@ -73,30 +73,33 @@ def _want(cond: bool, what: str) -> None:
         raise CodecError(f"gossip: {what}")
 
 
-def _int(d: dict, name: str, lo: int = 0) -> int:
+def _int(d: dict[str, Any], name: str, lo: int = 0) -> int:
     v = d.get(name)
-    _want(isinstance(v, int) and not isinstance(v, bool) and v >= lo, f"{name} must be an integer >= {lo}, got {v!r}")
+    if not (isinstance(v, int) and not isinstance(v, bool) and v >= lo):
+        raise CodecError(f"gossip: {name} must be an integer >= {lo}, got {v!r}")
     return v
 
 
-def _num(d: dict, name: str) -> float:
+def _num(d: dict[str, Any], name: str) -> float:
     v = d.get(name)
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-    _want(ok, f"{name} must be a finite number >= 0, got {v!r}")
+    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
+        raise CodecError(f"gossip: {name} must be a finite number >= 0, got {v!r}")
     return float(v)
 
 
-def _str(d: dict, name: str, limit: int = MAX_ID, choices: tuple[str, ...] | None = None) -> str:
+def _str(d: dict[str, Any], name: str, limit: int = MAX_ID, choices: tuple[str, ...] | None = None) -> str:
     v = d.get(name)
-    _want(isinstance(v, str) and 0 < len(v) <= limit, f"{name} must be a non-empty string of at most {limit} chars")
+    if not (isinstance(v, str) and 0 < len(v) <= limit):
+        raise CodecError(f"gossip: {name} must be a non-empty string of at most {limit} chars")
     if choices is not None:
         _want(v in choices, f"{name} must be one of {', '.join(choices)}, got {v!r}")
     return v
 
 
-def _list(d: dict, name: str) -> list:
+def _list(d: dict[str, Any], name: str) -> list[Any]:
     v = d.get(name, [])
-    _want(isinstance(v, list) and len(v) <= MAX_ITEMS, f"{name} must be a list of at most {MAX_ITEMS} items")
+    if not (isinstance(v, list) and len(v) <= MAX_ITEMS):
+        raise CodecError(f"gossip: {name} must be a list of at most {MAX_ITEMS} items")
     return v
 
 
