@@ -1,6 +1,7 @@
 """Memory and time of writing a raw snapshot of the weights (a node's checkpoint, the trainer's
-signed snapshot, a relay's rebuild): one pass that keeps every encoded chunk (before session 12)
-against two passes that hash, then encode again and write, chunk by chunk (now).
+signed snapshot, a relay's rebuild): one pass that keeps every encoded chunk
+(the `one-pass` mode, as a baseline) against two passes that hash, then encode again and write, chunk by chunk (what
+the store does).
 
 Each measurement runs in a fresh process (peak RSS is per process), modes alternating::
 

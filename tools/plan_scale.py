@@ -161,11 +161,8 @@ def report(rows: list[dict], big: dict, cfg: PlannerConfig, command: str, out: P
             f"median {statistics.median(rs):.3f}x (target <= 1.1x: {'met' if max(rs) <= 1.1 else 'MISSED'})."
         )
     lines.append(
-        "- Until this version the tree bound bucketed the hop capacities into 64 thresholds and charged "
-        "each bucket at its upper end: valid, but up to 6 % too optimistic once measured pairs make the "
-        "capacities distinct, which is most of why the noisy flavour once read 1.103x. The bound is exact "
-        "now (a Pareto label search over (delay, bottleneck); a unit test checks it against every simple "
-        "path), and the local search closes part of the remaining gap "
+        "- The tree bound is exact (a Pareto label search over (delay, bottleneck); a unit test checks it "
+        "against every simple path), and the local search closes part of the remaining gap "
         f"(no local search: worst {max(r['no local search'] / r['tree_lb'] for r in rows):.3f}x)."
     )
     if max(ratios) > 1.1:
