@@ -62,7 +62,8 @@ from p2psync.transport.messages import Catalogue
 from p2psync.transport.metrics import Metrics
 from p2psync.transport.parents import ParentSet
 from p2psync.transport.push import CatalogueFrame, ChunkFrame, ManifestFrame, Pushes, PushUnsupported, read_stream
-from p2psync.transport.server import HeadSignal, serve
+from p2psync.transport.server import serve
+from p2psync.transport.view import HeadSignal
 
 if TYPE_CHECKING:
     from p2psync.state import ModelState
