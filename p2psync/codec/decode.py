@@ -29,7 +29,7 @@ from p2psync.codec.segment import (
     unpack_payload,
 )
 from p2psync.codec.wire import Reader
-from p2psync.codec.workers import run_ordered
+from p2psync.workers import run_ordered
 from p2psync.errors import (
     CodecError,
     FingerprintMismatch,
@@ -223,7 +223,7 @@ class Applier:
         """Decode many chunks on ``threads`` threads, segment by segment (so that one big chunk
         also uses every thread).
 
-        The calling thread and ``threads - 1`` helpers (:func:`~p2psync.codec.workers.run_ordered`)
+        The calling thread and ``threads - 1`` helpers (:func:`~p2psync.workers.run_ordered`)
         take the segments longest first (by element range, which the decode time follows: it
         reads every base word of the range), so that a big segment in the last chunk (e.g. an
         untied output embedding) does not run alone at the end. Results and errors do not depend
