@@ -98,41 +98,6 @@ def _lower_thread_priority(steps: int) -> None:
         pass
 
 
-def _apply_changes(state: ModelState | None, manifest: Manifest, changes: dict[int, tuple[Any, Any]]) -> ModelState:
-    """Write a delta's ``changes`` (tensor index -> (positions, new words)) to ``state``, all or
-    nothing: the base fingerprint, the tensor table and every index are checked, and the
-    fingerprint the changes lead to must be the manifest's target, before anything is written."""
-    import numpy as np
-
-    from p2psync.errors import FingerprintMismatch
-    from p2psync.state import check_table, fold_root
-
-    if state is None:
-        raise WrongBase(str(manifest.base_fingerprint), "no weights", manifest.base_version)
-    check_table(list(manifest.tensors), state.specs)
-    if state.fingerprint != manifest.base_fingerprint:
-        raise WrongBase(str(manifest.base_fingerprint), state.fingerprint, manifest.base_version)
-    parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
-    for t, (pos, new) in changes.items():
-        if not (isinstance(t, int) and 0 <= t < len(state.specs)):
-            raise CodecError(f"changes name tensor #{t}, table has {len(state.specs)}")
-        spec = state.specs[t]
-        words = state.words(spec.name)
-        pos = np.ascontiguousarray(pos, dtype=np.int64)
-        new = np.ascontiguousarray(new)
-        if new.dtype.itemsize != words.dtype.itemsize or pos.ndim != 1 or pos.shape != new.shape:
-            raise CodecError(f"changes of {spec.name}: positions and words do not match the tensor")
-        if pos.shape[0] and (int(pos.min()) < 0 or int(pos.max()) >= words.shape[0]):
-            raise CodecError(f"changes of {spec.name}: a position falls outside the tensor")
-        parts[t] = (pos, new.view(words.dtype))
-    sums = state.updated_sums(parts)
-    fp = fold_root(state.table_hash, sums)
-    if fp != manifest.target_fingerprint:
-        raise FingerprintMismatch(manifest.target_fingerprint, fp)
-    state.apply_parts([(t, p, v) for t, (p, v) in parts.items()], sums, 2)
-    return state
-
-
 class Node:
     """One peer. Build with ``await Node.create(config)`` (or ``async with``); stop with :meth:`close`."""
 
@@ -424,8 +389,9 @@ class Node:
 
         def work() -> tuple[ModelState, str]:
             if changes is not None:
+                adopted = Applier.adopting(self.state, manifest, changes)
                 with self.state_lock:
-                    return _apply_changes(self.state, manifest, changes), manifest.target_fingerprint
+                    return adopted.state, adopted.commit()
             ap = applier or Applier.onto(self.state, manifest)
             if chunks is not None:
                 ap.add_chunks(enumerate(chunks), 2)
