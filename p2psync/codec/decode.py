@@ -331,15 +331,14 @@ class Applier:
             # Nothing else may write the state meanwhile; if something did, this is not the base.
             raise WrongBase(str(self.base), state.fingerprint, self.base_version)
         if self._adopted is not None:
-            parts, sums = self._adopted
-            if sums is None:
-                sums = state.updated_sums(parts)
-            fp = fold_root(state.table_hash, sums)
+            adopted, given = self._adopted
+            after = given if given is not None else state.updated_sums(adopted)
+            fp = fold_root(state.table_hash, after)
             if fp != self.target:
                 raise FingerprintMismatch(self.target, fp)
-            state.apply_parts([(t, p, v) for t, (p, v) in parts.items()], sums, self.threads)
+            state.apply_parts([(t, p, v) for t, (p, v) in adopted.items()], after, self.threads)
             if self.keep_changes:
-                self.changes = parts
+                self.changes = adopted
             self._adopted = None
         elif self.kind == "delta":
             # The sum changes were computed from the base words while decoding, and nothing can
