@@ -143,6 +143,8 @@ class Applier:
         self.base = base_fingerprint
         self.base_version = base_version
         self._adopted: tuple[dict[int, tuple[np.ndarray, np.ndarray]], list[tuple[int, int]] | None] | None = None
+        self.adopted = False
+        """Whether this applier took already decoded changes (:meth:`adopt`) instead of chunks."""
         self._lock = threading.Lock()
         self._done: set[int] = set()
         # tensor index -> list of (start, stop, positions, new words, sum change a, b) or, for a
@@ -228,6 +230,7 @@ class Applier:
         if sums is not None and len(sums) != len(specs):
             raise CodecError(f"{len(sums)} fingerprint sums given, table has {len(specs)} tensors")
         self._adopted = (parts, None if sums is None else list(sums))
+        self.adopted = True
 
     @property
     def missing(self) -> list[int]:

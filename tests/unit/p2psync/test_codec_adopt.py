@@ -38,6 +38,7 @@ def test_adopted_changes_land_bit_exact(with_sums: bool):
     base, new, m, changes = _delta()
     sums = new.tensor_sums() if with_sums else None
     ap = Applier.adopting(base, m, changes, sums)
+    assert ap.adopted
     assert ap.commit() == m.target_fingerprint == new.fingerprint
     assert _same(base, new)
     assert base.audit() == new.fingerprint
