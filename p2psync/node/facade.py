@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -200,7 +201,7 @@ class Node:
         return self.replica.loaded
 
     @property
-    def state_lock(self) -> Any:
+    def state_lock(self) -> threading.Lock:
         """Held while the node writes ``state`` in place: a reader that holds it sees one version's words."""
         return self.replica.state_lock
 

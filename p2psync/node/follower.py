@@ -131,13 +131,12 @@ class Follower:
             self.log.info("planned parent: %s (%s); candidates %s", parent_id, url, parents.candidates)
             self.parent_changed.set()  # the watcher re-picks (the same parent: it just reconnects)
 
-
     def _settled(self) -> bool:
         """Codec warm, weights held and caught up with the parent: the node reads its stream at
         once, so padding sent now opens the stream's TCP windows (see :meth:`_watch`)."""
-        cat = self.upstream_cat
-        return self.replica.warm.is_set() and self.replica.version is not None and (cat is None or cat.head is None
-                                                                  or cat.head <= self.replica.version)
+        cat, version = self.upstream_cat, self.replica.version
+        return self.replica.warm.is_set() and version is not None and (cat is None or cat.head is None
+                                                                       or cat.head <= version)
 
     def _pad_stream_if_settled(self) -> None:
         if self._stream_unpadded and self._settled():
