@@ -466,15 +466,7 @@ class ArtifactFile:
 
 def applier_for(state: ModelState, manifest: Manifest) -> Applier:
     """An :class:`Applier` for ``manifest`` (checks tensor table and base first)."""
-    return Applier(
-        state,
-        kind=manifest.kind,
-        specs=list(manifest.tensors),
-        n_chunks=len(manifest.chunks),
-        target_fingerprint=manifest.target_fingerprint,
-        base_fingerprint=manifest.base_fingerprint,
-        base_version=manifest.base_version,
-    )
+    return Applier.for_manifest(state, manifest)
 
 
 def apply_file(state: ModelState, art: ArtifactFile, threads: int = 2) -> str:

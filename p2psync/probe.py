@@ -46,7 +46,7 @@ from p2psync.config import ProbeSettings
 from p2psync.errors import CodecError, PeerUnreachable
 
 if TYPE_CHECKING:
-    from p2psync.node import Node
+    from p2psync.host import Host
 
 logger = logging.getLogger(__name__)
 
@@ -297,9 +297,9 @@ class ProbeClient:
 class ProbeService:
     """The probe endpoints of one node, limited by its ``[probe]`` settings. Contract: see the module doc."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.settings: ProbeSettings = node.config.probe
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.settings: ProbeSettings = host.config.probe
         self._pool = b""
         self._streams = 0
         self._measuring = asyncio.Lock()
@@ -312,7 +312,7 @@ class ProbeService:
 
     async def start(self) -> None:
         self._pool = os.urandom(POOL_BYTES)
-        self._client = await ProbeClient.create(self.node.config.token(), connections=2 * self.settings.max_targets,
+        self._client = await ProbeClient.create(self.host.config.token(), connections=2 * self.settings.max_targets,
                                                 settings=self.settings)
 
     async def stop(self) -> None:
@@ -321,7 +321,7 @@ class ProbeService:
             self._client = None
 
     async def rpc_ping(self, request: web.Request) -> web.Response:
-        cfg = self.node.config
+        cfg = self.host.config
         return web.json_response({"format": PROBE_FORMAT, "node": cfg.id, "region": cfg.region, "role": cfg.role})
 
     async def rpc_blob(self, request: web.Request) -> web.StreamResponse:
@@ -344,7 +344,7 @@ class ProbeService:
             resp.content_length = n
             await resp.prepare(request)
             pool, off, left = memoryview(self._pool), 0, n
-            idle = self.node.config.limits.idle_timeout
+            idle = self.host.config.limits.idle_timeout
             try:
                 while left:
                     k = min(_PIECE, left, len(pool) - off)
@@ -356,7 +356,7 @@ class ProbeService:
             except (ConnectionResetError, TimeoutError):
                 if request.transport is not None:
                     request.transport.close()
-            self.node.metrics.inc("p2psync_probe_bytes_out_total", n - left)
+            self.host.metrics.inc("p2psync_probe_bytes_out_total", n - left)
             return resp
         finally:
             self._streams -= 1
@@ -379,8 +379,8 @@ class ProbeService:
             for t in req.targets:
                 r = await client.measure_target(t, req.bytes, req.rtt_samples)
                 if r.error:
-                    logger.warning("probe %s -> %s failed: %s", t, self.node.config.id, r.error)
+                    logger.warning("probe %s -> %s failed: %s", t, self.host.config.id, r.error)
                 results.append(r)
-        cfg = self.node.config
+        cfg = self.host.config
         return web.json_response(MeasureReply(cfg.id, cfg.region, cfg.role, tuple(results)).to_json())
 

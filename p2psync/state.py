@@ -26,8 +26,8 @@ import numpy as np
 import xxhash
 
 from p2psync import dtypes
-from p2psync.codec import kernels
-from p2psync.codec.workers import run_ordered
+from p2psync import wordops
+from p2psync.workers import run_ordered
 from p2psync.errors import TensorTableMismatch
 
 if TYPE_CHECKING:
@@ -97,9 +97,9 @@ def hash_words(words: np.ndarray, seed: np.uint64, pool: ThreadPoolExecutor | No
     n = words.shape[0]
     ranges = [(s, min(n, s + _HASH_RANGE)) for s in range(0, n, _HASH_RANGE)] or [(0, 0)]
     if pool is None or len(ranges) == 1:
-        parts = [kernels.hash_range(words, s, e, seed) for s, e in ranges]
+        parts = [wordops.hash_range(words, s, e, seed) for s, e in ranges]
     else:
-        parts = list(pool.map(lambda r: kernels.hash_range(words, r[0], r[1], seed), ranges))
+        parts = list(pool.map(lambda r: wordops.hash_range(words, r[0], r[1], seed), ranges))
     a = sum(int(p[0]) for p in parts) & 0xFFFFFFFFFFFFFFFF
     b = sum(int(p[1]) for p in parts) & 0xFFFFFFFFFFFFFFFF
     return a, b
@@ -168,7 +168,7 @@ class ModelState:
 
         def part(j: int) -> tuple[int, int]:
             k, s, e = ranges[j]
-            return kernels.hash_range(words[k], s, e, seeds[k])
+            return wordops.hash_range(words[k], s, e, seeds[k])
 
         order = sorted(range(len(ranges)), key=lambda j: ranges[j][1] - ranges[j][2])
         parts, _, error = run_ordered(len(ranges), order, part, max(1, threads))
@@ -207,8 +207,8 @@ class ModelState:
             spec = self.specs[i]
             seed = tensor_seed(spec.name)
             old = self._words[spec.name][pos]
-            oa, ob = kernels.hash_sparse(pos, old, seed)
-            na, nb = kernels.hash_sparse(pos, new, seed)
+            oa, ob = wordops.hash_sparse(pos, old, seed)
+            na, nb = wordops.hash_sparse(pos, new, seed)
             a, b = sums[i]
             sums[i] = ((a - int(oa) + int(na)) & 0xFFFFFFFFFFFFFFFF, (b - int(ob) + int(nb)) & 0xFFFFFFFFFFFFFFFF)
         return sums
@@ -238,7 +238,7 @@ class ModelState:
             pos = np.asarray(pos)
             new = np.asarray(new)
             if pos.dtype == np.int64 and new.dtype == words.dtype and pos.shape == new.shape and pos.ndim == 1 \
-                    and (in_range or kernels.in_range(pos, words.shape[0])):
+                    and (in_range or wordops.in_range(pos, words.shape[0])):
                 jobs.append((words, pos, new))
             else:
                 words[pos] = new
@@ -247,9 +247,9 @@ class ModelState:
         # the scatter is long (about a nanosecond per change).
         if threads <= 1 or len(jobs) <= 1 or sum(j[1].shape[0] for j in jobs) < _THREADED_CHANGES:
             for words, pos, new in jobs:
-                kernels.scatter(words, pos, new)
+                wordops.scatter(words, pos, new)
         else:
-            _, _, error = run_ordered(len(jobs), range(len(jobs)), lambda k: kernels.scatter(*jobs[k]),
+            _, _, error = run_ordered(len(jobs), range(len(jobs)), lambda k: wordops.scatter(*jobs[k]),
                                       min(threads, len(jobs)))
             if error is not None:
                 raise error

@@ -105,7 +105,7 @@ async def run(args: argparse.Namespace) -> list[dict]:
                    "payload_bytes": arts[v][0].payload_bytes}
             rows.append(row)
             print(json.dumps(row), flush=True)
-        await fol._settle()
+        await fol.settle()
         rebuilt = sorted(a.manifest.target_version for a in fol.store.artifacts.values()
                          if a.manifest.kind == "snapshot" and a.complete and a.manifest.target_version > 0)
         rows.append({"relay_rebuilt_snapshots": rebuilt,

@@ -69,7 +69,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -82,9 +81,9 @@ import torch
 
 from p2psync import dtypes
 from p2psync.artifact import Manifest, build_manifest
-from p2psync.codec import kernels
-from p2psync.codec.encode import CodecOptions, EncodedArtifact, _ranges, _sparse_job, pack_chunks
-from p2psync.codec.segment import SegmentStats, encode_raw_segment
+from p2psync import wordops
+from p2psync.codec.encode import CodecOptions, EncodedArtifact, element_ranges, encode_sparse_range, pack_chunks
+from p2psync.codec.segment import SegmentStats, encode_raw_segment, shift_segment
 from p2psync.errors import ConfigError, P2PSyncError
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
 from trainer.pieces import Piece, published_table
@@ -92,8 +91,6 @@ from trainer.pieces import Piece, published_table
 logger = logging.getLogger(__name__)
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
-# Segment header (p2psync.codec.segment): u8 kind, u32 tensor, u64 start, u64 stop.
-_SEG_HEAD = struct.Struct("<BIQQ")
 _HASH_BLOCK = 1 << 22
 
 
@@ -143,28 +140,20 @@ def _add(a: tuple[int, int], b: tuple[int, int], sign: int = 1) -> tuple[int, in
 
 
 def _sums_at(positions: np.ndarray, words: np.ndarray, seed: np.uint64) -> tuple[int, int]:
-    a, b = kernels.hash_sparse(positions, words, seed)
+    a, b = wordops.hash_sparse(positions, words, seed)
     return int(a), int(b)
 
 
 def _piece_sums(words: np.ndarray, offset: int, seed: np.uint64) -> tuple[int, int]:
     """Fingerprint sums of a piece's words at their global positions."""
     if offset == 0:
-        a, b = kernels.hash_range(words, 0, words.shape[0], seed)
+        a, b = wordops.hash_range(words, 0, words.shape[0], seed)
         return int(a), int(b)
     total = (0, 0)
     for s in range(0, words.shape[0], _HASH_BLOCK):
         e = min(words.shape[0], s + _HASH_BLOCK)
         total = _add(total, _sums_at(np.arange(offset + s, offset + e, dtype=np.int64), words[s:e], seed))
     return total
-
-
-def _shift(segment: bytes, offset: int) -> bytes:
-    """The same segment for a range ``offset`` elements further into its tensor."""
-    if offset == 0:
-        return segment
-    kind, tensor, start, stop = _SEG_HEAD.unpack_from(segment)
-    return _SEG_HEAD.pack(kind, tensor, start + offset, stop + offset) + segment[_SEG_HEAD.size:]
 
 
 @dataclass
@@ -317,9 +306,9 @@ class Publisher:
                 seed = tensor_seed(piece.spec.name)
                 sums[piece.index] = _add(sums.get(piece.index, (0, 0)), _piece_sums(words, piece.offset, seed))
                 width = dtypes.from_code(piece.spec.dtype).width
-                for s, e in _ranges(piece.numel, self.opts.raw_elements(width)):
+                for s, e in element_ranges(piece.numel, self.opts.raw_elements(width)):
                     seg, st = encode_raw_segment(piece.index, s, words[s:e], self._snapshot_level)
-                    segments.append(_shift(seg, piece.offset))
+                    segments.append(shift_segment(seg, piece.offset))
                     stats.add(st)
         part = _Part(list(pack_chunks(segments, self.opts.chunk_size)), sums, {}, stats)
         extract_s = time.perf_counter() - t0
@@ -454,8 +443,8 @@ class Publisher:
                     continue
                 pos = np.concatenate(pos_parts).astype(np.int64, copy=False)
                 vals = np.concatenate(val_parts)
-                jobs = [self._pool.submit(_sparse_job, piece.index, piece.spec, old, pos, vals, s, e, self.opts)
-                        for s, e in _ranges(piece.numel, self.opts.segment_elements)]
+                jobs = [self._pool.submit(encode_sparse_range, piece.index, piece.spec, old, pos, vals, s, e, self.opts)
+                        for s, e in element_ranges(piece.numel, self.opts.segment_elements)]
                 out.append((k, piece, pos, vals, jobs))
         return out, time.perf_counter() - t0
 
@@ -472,7 +461,7 @@ class Publisher:
                     new[a:b] = dtypes.words_of(self._read(piece, a, b).contiguous())
                 width = dtypes.from_code(piece.spec.dtype).width
                 jobs = [self._pool.submit(encode_raw_segment, piece.index, s, new[s:e], self._snapshot_level)
-                        for s, e in _ranges(piece.numel, self.opts.raw_elements(width))]
+                        for s, e in element_ranges(piece.numel, self.opts.raw_elements(width))]
                 out.append((k, piece, new, jobs))
         return out, time.perf_counter() - t0
 
@@ -495,7 +484,7 @@ class Publisher:
                 for k, piece, pos, vals, jobs in changes:
                     for job in jobs:
                         r = job.result()
-                        segments.extend(_shift(s, piece.offset) for s in r.segments)
+                        segments.extend(shift_segment(s, piece.offset) for s in r.segments)
                         stats.add(r.stats)
                     words = self._words[k]
                     seed = tensor_seed(piece.spec.name)
@@ -548,7 +537,7 @@ class Publisher:
                 for k, piece, new, jobs in pieces:
                     for job in jobs:
                         seg, st = job.result()
-                        segments.append(_shift(seg, piece.offset))
+                        segments.append(shift_segment(seg, piece.offset))
                         stats.add(st)
                     seed = tensor_seed(piece.spec.name)
                     sums[piece.index] = _add(sums.get(piece.index, (0, 0)), _piece_sums(new, piece.offset, seed))

@@ -1,16 +1,21 @@
-"""Decoding chunks and applying them to a state, all-or-nothing.
+"""Decoding chunks and applying them to a state, all-or-nothing: the one apply-and-verify path.
 
 :class:`Applier` takes chunks in any order (from any thread), decodes each as
 it arrives, and writes nothing until :meth:`Applier.commit`, which checks that
 every chunk is there, computes the resulting fingerprint from the changed
 words alone, compares it with the target the manifest promises, and only then
 writes. So a delta either lands whole and bit-exact, or not at all.
+
+A delta whose changes were already decoded (by the node in the same process)
+or extracted (by the publisher) takes the same path without chunks:
+:meth:`Applier.adopting` checks the changes against the tensor table, the base
+and, at :meth:`Applier.commit`, the target fingerprint, exactly as decoded ones.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import cast
 
 import numpy as np
@@ -29,7 +34,7 @@ from p2psync.codec.segment import (
     unpack_payload,
 )
 from p2psync.codec.wire import Reader
-from p2psync.codec.workers import run_ordered
+from p2psync.workers import run_ordered
 from p2psync.errors import (
     CodecError,
     FingerprintMismatch,
@@ -135,6 +140,11 @@ class Applier:
         self.kind = kind
         self.n_chunks = n_chunks
         self.target = target_fingerprint
+        self.base = base_fingerprint
+        self.base_version = base_version
+        self._adopted: tuple[dict[int, tuple[np.ndarray, np.ndarray]], list[tuple[int, int]] | None] | None = None
+        self.adopted = False
+        """Whether this applier took already decoded changes (:meth:`adopt`) instead of chunks."""
         self._lock = threading.Lock()
         self._done: set[int] = set()
         # tensor index -> list of (start, stop, positions, new words, sum change a, b) or, for a
@@ -175,11 +185,62 @@ class Applier:
             state = ModelState.empty_like(list(manifest.tensors))
         return cls.for_manifest(state, manifest, scratch=fresh)
 
+    @classmethod
+    def adopting(cls, state: ModelState | None, manifest, changes: Mapping[int, tuple[np.ndarray, np.ndarray]],
+                 sums: list[tuple[int, int]] | None = None) -> Applier:
+        """An applier of the delta ``manifest`` onto ``state`` from its changes, already decoded or
+        extracted, instead of its chunks (see :meth:`adopt`). Checks the tensor table and the base
+        now; :meth:`commit` checks the target fingerprint before it writes anything."""
+        if state is None:
+            raise WrongBase(str(manifest.base_fingerprint), "no weights", manifest.base_version)
+        if manifest.kind != "delta":
+            raise CodecError(f"decoded changes belong to a delta, not a {manifest.kind}")
+        ap = cls.for_manifest(state, manifest)
+        ap.adopt(changes, sums)
+        return ap
+
+    def adopt(self, changes: Mapping[int, tuple[np.ndarray, np.ndarray]],
+              sums: list[tuple[int, int]] | None = None) -> None:
+        """Take a delta's changes (tensor index -> (positions, new words)) in place of its chunks.
+
+        ``sums``: the per-tensor fingerprint sums after the changes when they are known (the node
+        that decoded them keeps them: :meth:`p2psync.node.Node.decoded`); they hold for any state
+        whose fingerprint is the delta's base. Without them they are computed from the base words
+        at the changed positions. Either way :meth:`commit` folds them and compares with the
+        target before writing. Every tensor index, position and word width is checked here
+        (:class:`~p2psync.errors.CodecError`, nothing written)."""
+        if self.kind != "delta":
+            raise CodecError(f"decoded changes belong to a delta, not a {self.kind}")
+        if self._done or self._adopted is not None:
+            raise CodecError("changes given twice, or beside chunks")
+        specs = self.state.specs
+        parts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for t, (pos, new) in changes.items():
+            if not (isinstance(t, int) and 0 <= t < len(specs)):
+                raise CodecError(f"changes name tensor #{t}, table has {len(specs)}")
+            spec = specs[t]
+            words = self.state.words(spec.name)
+            pos = np.ascontiguousarray(pos, dtype=np.int64)
+            new = np.ascontiguousarray(new)
+            if new.dtype.itemsize != words.dtype.itemsize or pos.ndim != 1 or pos.shape != new.shape:
+                raise CodecError(f"changes of {spec.name}: positions and words do not match the tensor")
+            if pos.shape[0] and (int(pos.min()) < 0 or int(pos.max()) >= words.shape[0]):
+                raise CodecError(f"changes of {spec.name}: a position falls outside the tensor")
+            parts[t] = (pos, new.view(words.dtype))
+        if sums is not None and len(sums) != len(specs):
+            raise CodecError(f"{len(sums)} fingerprint sums given, table has {len(specs)} tensors")
+        self._adopted = (parts, None if sums is None else list(sums))
+        self.adopted = True
+
     @property
     def missing(self) -> list[int]:
+        if self._adopted is not None:
+            return []
         return [i for i in range(self.n_chunks) if i not in self._done]
 
     def _check_index(self, index: int) -> None:
+        if self._adopted is not None:
+            raise CodecError("chunks given beside adopted changes")
         if not 0 <= index < self.n_chunks:
             raise CodecError(f"chunk index {index} out of range (artifact has {self.n_chunks})")
         with self._lock:
@@ -223,7 +284,7 @@ class Applier:
         """Decode many chunks on ``threads`` threads, segment by segment (so that one big chunk
         also uses every thread).
 
-        The calling thread and ``threads - 1`` helpers (:func:`~p2psync.codec.workers.run_ordered`)
+        The calling thread and ``threads - 1`` helpers (:func:`~p2psync.workers.run_ordered`)
         take the segments longest first (by element range, which the decode time follows: it
         reads every base word of the range), so that a big segment in the last chunk (e.g. an
         untied output embedding) does not run alone at the end. Results and errors do not depend
@@ -269,7 +330,20 @@ class Applier:
         if self.missing:
             raise CodecError(f"{len(self.missing)} of {self.n_chunks} chunks missing (first: {self.missing[0]})")
         state = self.state
-        if self.kind == "delta":
+        if self.kind == "delta" and state.fingerprint != self.base:
+            # Nothing else may write the state meanwhile; if something did, this is not the base.
+            raise WrongBase(str(self.base), state.fingerprint, self.base_version)
+        if self._adopted is not None:
+            adopted, given = self._adopted
+            after = given if given is not None else state.updated_sums(adopted)
+            fp = fold_root(state.table_hash, after)
+            if fp != self.target:
+                raise FingerprintMismatch(self.target, fp)
+            state.apply_parts([(t, p, v) for t, (p, v) in adopted.items()], after, self.threads)
+            if self.keep_changes:
+                self.changes = adopted
+            self._adopted = None
+        elif self.kind == "delta":
             # The sum changes were computed from the base words while decoding, and nothing can
             # write to the state in between (it is the applier's until commit).
             ordered = {t: self._ordered(t) for t in self._parts}

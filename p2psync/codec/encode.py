@@ -22,7 +22,7 @@ from p2psync import dtypes
 from p2psync.codec import context, kernels, segencode
 from p2psync.codec.segment import MAX_BUCKETS, SegmentStats, encode_raw_segment
 from p2psync.codec.sparse import encode_changes
-from p2psync.codec.workers import in_order
+from p2psync.workers import in_order
 from p2psync.errors import ConfigError
 from p2psync.state import ModelState, TensorSpec, check_table, fold_root, tensor_seed
 
@@ -117,14 +117,17 @@ def _chunk(segs: list[bytes | bytearray]) -> bytes:
 
 # --- delta jobs --------------------------------------------------------------------------
 @dataclass
-class _JobResult:
+class SegmentBatch:
+    """The segments of one element range of one tensor, in range order."""
+
     tensor: int
     segments: list[bytes | bytearray]
     stats: SegmentStats
     hash_delta: tuple[int, int]
+    """What the changes add to the tensor's fingerprint sums."""
 
 
-def _add_segment(out: _JobResult, encoded: tuple[bytes, SegmentStats, tuple[int, int]]) -> None:
+def _add_segment(out: SegmentBatch, encoded: tuple[bytes, SegmentStats, tuple[int, int]]) -> None:
     seg, st, (da, db) = encoded
     out.segments.append(seg)
     out.stats.add(st)
@@ -181,7 +184,7 @@ def _scan_job(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.ndarray, s
     d = dtypes.from_code(spec.dtype)
     cap = opts.max_changes(d.width)
     seed = tensor_seed(spec.name)
-    out = _JobResult(tensor, [], SegmentStats(), (0, 0))
+    out = SegmentBatch(tensor, [], SegmentStats(), (0, 0))
     # Thresholds first (from a sample), so that one pass finds the changes and ranks them; then
     # one compiled call per segment finds, ranks and codes its changes (``segencode``).
     thr = _thresholds(d, old, new, s, e, opts.context_buckets)
@@ -206,7 +209,7 @@ def _scan_job_reference(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.
     bufs = _take_buffers(cap + 64, d.word, d.width)
     pos_b, old_b, new_b, bkt_b, rank_b = bufs[:5]
     seed = tensor_seed(spec.name)
-    out = _JobResult(tensor, [], SegmentStats(), (0, 0))
+    out = SegmentBatch(tensor, [], SegmentStats(), (0, 0))
     thr = context.job_thresholds(d, old, new, s, e, opts.context_buckets)
     consts = context.consts_for(d, thr)
     at = s
@@ -228,13 +231,16 @@ def _scan_job_reference(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.
     return out
 
 
-def _sparse_job(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.ndarray, vals: np.ndarray, s: int, e: int,
-                opts: CodecOptions):
-    """Same segments as :func:`_scan_job`, from positions found elsewhere (e.g. on a GPU)."""
+def encode_sparse_range(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.ndarray, vals: np.ndarray, s: int,
+                        e: int, opts: CodecOptions) -> SegmentBatch:
+    """The delta segments of elements ``[s, e)`` of tensor #``tensor`` from changes found
+    elsewhere (e.g. on a GPU): ``pos`` sorted changed positions of the whole tensor, ``vals``
+    their new words, ``old`` the base words. Same bytes as :func:`encode_delta` gives for that
+    range; ranges from :func:`element_ranges` with ``opts.segment_elements``. Thread-safe."""
     d = dtypes.from_code(spec.dtype)
     cap = opts.max_changes(d.width)
     seed = tensor_seed(spec.name)
-    out = _JobResult(tensor, [], SegmentStats(), (0, 0))
+    out = SegmentBatch(tensor, [], SegmentStats(), (0, 0))
     lo, hi = np.searchsorted(pos, [s, e])
     if lo == hi:
         return out
@@ -250,11 +256,13 @@ def _sparse_job(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.ndarray,
     return out
 
 
-def _ranges(n: int, step: int) -> list[tuple[int, int]]:
+def element_ranges(n: int, step: int) -> list[tuple[int, int]]:
+    """``[0, n)`` cut into ranges of ``step`` elements (the last one shorter): the ranges a tensor
+    is encoded in (``opts.segment_elements`` for a delta, ``opts.raw_elements(width)`` raw)."""
     return [(s, min(n, s + step)) for s in range(0, n, step)]
 
 
-def _run(jobs: list[tuple], opts: CodecOptions, ahead: int = 4) -> Iterator[_JobResult]:
+def _run(jobs: list[tuple], opts: CodecOptions, ahead: int = 4) -> Iterator[SegmentBatch]:
     """The jobs' results in job order; ``jobs``: ``(function, arguments, elements)``.
 
     With several threads the calling thread runs jobs too (``workers.in_order``: no pool per call,
@@ -272,7 +280,7 @@ def _run(jobs: list[tuple], opts: CodecOptions, ahead: int = 4) -> Iterator[_Job
     yield from in_order(lambda k: jobs[k][0](*jobs[k][1]), sizes, opts.threads, window)
 
 
-def _collect(kind: str, base: ModelState, results: Iterator[_JobResult], opts: CodecOptions,
+def _collect(kind: str, base: ModelState, results: Iterator[SegmentBatch], opts: CodecOptions,
              sink: Callable[[int, bytes], None] | None = None) -> EncodedArtifact:
     sums = base.tensor_sums(opts.threads)
     base_fp = fold_root(base.table_hash, sums)
@@ -308,7 +316,7 @@ def encode_delta(base: ModelState, new: ModelState, opts: CodecOptions | None = 
     jobs = []
     for i, spec in enumerate(base.specs):
         old_w, new_w = base.words(spec.name), new.words(spec.name)
-        for s, e in _ranges(spec.numel, opts.segment_elements):
+        for s, e in element_ranges(spec.numel, opts.segment_elements):
             jobs.append((_scan_job, (i, spec, old_w, new_w, s, e, opts), e - s))
     return _collect("delta", base, _run(jobs, opts), opts)
 
@@ -333,8 +341,8 @@ def encode_delta_sparse(
         vals = np.asarray(vals).view(dtypes.from_code(spec.dtype).word)
         if pos.shape[0] == 0:
             continue
-        for s, e in _ranges(spec.numel, opts.segment_elements):
-            jobs.append((_sparse_job, (i, spec, base.words(spec.name), pos, vals, s, e, opts), e - s))
+        for s, e in element_ranges(spec.numel, opts.segment_elements):
+            jobs.append((encode_sparse_range, (i, spec, base.words(spec.name), pos, vals, s, e, opts), e - s))
     return _collect("delta", base, _run(jobs, opts), opts)
 
 
@@ -349,14 +357,14 @@ def encode_snapshot(state: ModelState, opts: CodecOptions | None = None,
     """
     opts = opts or CodecOptions()
 
-    def job(i: int, spec: TensorSpec, s: int, e: int) -> _JobResult:
+    def job(i: int, spec: TensorSpec, s: int, e: int) -> SegmentBatch:
         seg, st = encode_raw_segment(i, s, state.words(spec.name)[s:e], opts.zstd_level)
-        return _JobResult(i, [seg], st, (0, 0))
+        return SegmentBatch(i, [seg], st, (0, 0))
 
     jobs = []
     for i, spec in enumerate(state.specs):
         step = opts.raw_elements(dtypes.from_code(spec.dtype).width)
-        for s, e in _ranges(spec.numel, step):
+        for s, e in element_ranges(spec.numel, step):
             jobs.append((job, (i, spec, s, e), e - s))
     # Streamed to a sink: at most threads + 1 segments in flight (each a copy of up to a chunk).
     art = _collect("snapshot", state, _run(jobs, opts, 1 if sink is not None else 4), opts, sink)

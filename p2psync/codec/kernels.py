@@ -36,117 +36,26 @@ from p2psync.codec.simd import (
     ne_mask_tail,
     popcount64,
     prefetch_ahead,
-    prefetch_l2,
     prefetch_read,
     select64,
 )
+from p2psync.wordops import (  # the element hashes and the scatter the model state uses
+    _GOLD,
+    _S32,
+    _U64,
+    _mix64,
+    change_lanes,
+    hash_change,
+    hash_range,
+    hash_sparse,
+    in_range,
+    scatter,
+)
 
-_U64 = np.uint64
 _ONE = np.uint64(1)
-_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
-_MIX2 = np.uint64(0x94D049BB133111EB)
-_GOLD = np.uint64(0x9E3779B97F4A7C15)
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
-_S32 = np.uint64(32)
 SAMPLE_BLOCKS = 256
 """Exponent histograms for choosing thresholds look at about this many blocks of 64 per segment."""
 
-
-# --- fingerprint element hashes ------------------------------------------------------------
-@njit(nogil=True, cache=True, inline="always")
-def _mix64(z):
-    z = (z ^ (z >> _S30)) * _MIX1
-    z = (z ^ (z >> _S27)) * _MIX2
-    return z ^ (z >> _S31)
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _lanes(pos, w, s):
-    m = _mix64(_U64(pos) * _GOLD + s)
-    return _mix64(w + m), _mix64((w ^ _GOLD) + ((m << _S32) | (m >> _S32)))
-
-
-@njit(nogil=True, cache=True)
-def hash_range(words, start, end, seed):
-    """Two 64-bit lanes of sum over i in [start, end) of h(i, words[i]) (wrapping)."""
-    a = _U64(0)
-    b = _U64(0)
-    s = _U64(seed)
-    for i in range(start, end):
-        x, y = _lanes(i, _U64(words[i]), s)
-        a += x
-        b += y
-    return a, b
-
-
-@njit(nogil=True, cache=True)
-def hash_sparse(positions, values, seed):
-    """Same lanes as :func:`hash_range` over the listed positions only."""
-    a = _U64(0)
-    b = _U64(0)
-    s = _U64(seed)
-    for j in range(positions.shape[0]):
-        x, y = _lanes(positions[j], _U64(values[j]), s)
-        a += x
-        b += y
-    return a, b
-
-
-@njit(nogil=True, cache=True, inline="always")
-def change_lanes(pos, wo, wn, s):
-    """What replacing the word ``wo`` at ``pos`` by ``wn`` adds to the two lanes (one position mix)."""
-    m = _mix64(_U64(pos) * _GOLD + s)
-    r = (m << _S32) | (m >> _S32)
-    return _mix64(wn + m) - _mix64(wo + m), _mix64((wn ^ _GOLD) + r) - _mix64((wo ^ _GOLD) + r)
-
-
-@njit(nogil=True, cache=True)
-def hash_change(positions, old_values, new_values, seed):
-    """Lanes of the new words minus lanes of the old words at ``positions``: what replacing
-    them adds to a tensor's fingerprint sums (one pass, one position mix per change)."""
-    a = _U64(0)
-    b = _U64(0)
-    s = _U64(seed)
-    for j in range(positions.shape[0]):
-        da, db = change_lanes(positions[j], _U64(old_values[j]), _U64(new_values[j]), s)
-        a += da
-        b += db
-    return a, b
-
-
-SCATTER_AHEAD = 32
-"""How many changes ahead :func:`scatter` prefetches the line it will write."""
-
-
-@njit(nogil=True, cache=True)
-def scatter(words, positions, values):
-    """``words[positions] = values`` (positions already validated), ~10x numpy's fancy assignment.
-
-    Each write misses the cache (at RL densities about one change per line), so the line
-    :data:`SCATTER_AHEAD` changes ahead is prefetched into L2 for reading: on the benchmark VM
-    that keeps the most misses in flight (12.5-13.3 ms for the lr 1e-6 delta's 1.44 M changes,
-    one thread; L1 and L3 read hints at 32-128 changes ahead and write hints at 16-64 are
-    slower; docs/CODEC.md, "Speed")."""
-    n = positions.shape[0]
-    for j in range(n):
-        if j + SCATTER_AHEAD < n:
-            prefetch_l2(words, positions[j + SCATTER_AHEAD])
-        words[positions[j]] = values[j]
-
-
-@njit(nogil=True, cache=True)
-def in_range(positions, n):
-    """Whether every position is in ``[0, n)`` (a min/max reduction: it vectorises)."""
-    if positions.shape[0] == 0:
-        return True
-    lo = positions[0]
-    hi = positions[0]
-    for j in range(positions.shape[0]):
-        lo = min(lo, positions[j])
-        hi = max(hi, positions[j])
-    return lo >= 0 and hi < n
 
 
 # --- per-change preparation (encoder) -----------------------------------------------------

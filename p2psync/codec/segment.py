@@ -61,6 +61,15 @@ def encode_header(kind: int, tensor: int, start: int, stop: int) -> bytes:
 
 
 # --- residuals ---------------------------------------------------------------------------
+def shift_segment(segment: bytes, offset: int) -> bytes:
+    """The same segment for a range ``offset`` elements further into its tensor (a tensor
+    encoded in pieces: each piece's segments are made at offset 0, then shifted)."""
+    if offset == 0:
+        return segment
+    kind, tensor, start, stop = _HEAD.unpack_from(segment)
+    return _HEAD.pack(kind, tensor, start + offset, stop + offset) + segment[_HEAD.size:]
+
+
 def zigzag(delta_u: np.ndarray) -> np.ndarray:
     """Map a wrapping unsigned difference to small unsigned numbers (0, -1, 1, -2 ...)."""
     bits = delta_u.dtype.itemsize * 8

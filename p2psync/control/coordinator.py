@@ -65,7 +65,8 @@ from p2psync.transport.client import cancel_quietly
 from p2psync.transport.messages import API
 
 if TYPE_CHECKING:
-    from p2psync.node import Node
+    from p2psync.control.gossip_service import GossipService
+    from p2psync.host import Host
 
 logger = logging.getLogger(__name__)
 
@@ -169,11 +170,15 @@ class _Waiter:
 
 
 class Coordinator:
-    """Leases, scheduling and results on the trainer node (``node.coordinator``)."""
+    """Leases, scheduling and results on the trainer node (``node.coordinator``).
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        cfg = node.config.control
+    ``gossip``: the node's gossip service when gossip is on (the live plan, the lease table's
+    publication and the members' figures ride on it)."""
+
+    def __init__(self, host: Host, gossip: GossipService | None = None) -> None:
+        self.host = host
+        self.gossip = gossip
+        cfg = host.config.control
         self.table = LeaseTable(cfg.lease_ttl)
         self.scheduler = Scheduler(max_staleness=cfg.max_staleness)
         self._results: asyncio.Queue[Result] = asyncio.Queue()
@@ -187,7 +192,6 @@ class Coordinator:
         self._tasks: list[asyncio.Task] = []
         self._kick = asyncio.Event()
         self._stopped = False
-        node.coordinator = self
 
     # --- service ---------------------------------------------------------------------------------
     def routes(self) -> list[web.RouteDef]:
@@ -201,14 +205,14 @@ class Coordinator:
 
     async def start(self) -> None:
         self._feed_probe_figures()
-        t = asyncio.create_task(self._timer(), name=f"{self.node.config.id}:lease-timer")
+        t = asyncio.create_task(self._timer(), name=f"{self.host.config.id}:lease-timer")
         t.add_done_callback(self._task_done)
         self._tasks.append(t)
 
     def _feed_probe_figures(self) -> None:
         """Give the live planner (gossip starts first) the probe run named by ``probe.measurements``."""
-        path = self.node.config.probe.measurements
-        planner = getattr(self.node.gossip, "planner", None)
+        path = self.host.config.probe.measurements
+        planner = getattr(self.gossip, "planner", None)
         if not path or planner is None:
             return
         from topology.model import NetworkModel
@@ -218,12 +222,12 @@ class Coordinator:
         except OSError as exc:
             raise ConfigError("probe.measurements", f"cannot read {path}: {exc.strerror}") from None
         planner.use_measurements(measured)
-        self.node.log.info("live plan uses probe figures from %s (%d nodes, %d pairs)", path, len(measured),
+        self.host.log.info("live plan uses probe figures from %s (%d nodes, %d pairs)", path, len(measured),
                            len(measured.measurements()))
 
     def _task_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
-            self.node.log.error("coordinator task crashed: %r", task.exception(), exc_info=task.exception())
+            self.host.log.error("coordinator task crashed: %r", task.exception(), exc_info=task.exception())
 
     async def stop(self) -> None:
         self._stopped = True
@@ -259,7 +263,7 @@ class Coordinator:
 
     # --- scheduling ----------------------------------------------------------------------------
     def _head(self) -> int:
-        return self.node.version if self.node.version is not None else 0
+        return self.host.version if self.host.version is not None else 0
 
     def _member_info(self, node_id: str) -> tuple[str, float | None, int | None]:
         """(node class, reported throughput or None, newest reported version or None).
@@ -269,7 +273,7 @@ class Coordinator:
         default, several training steps of a small model), so a node that took a new
         version since would look stale and get no work in between."""
         said = self._said_version.get(node_id)
-        g = self.node.gossip.gossip if self.node.gossip is not None else None
+        g = self.gossip.gossip if self.gossip is not None else None
         if g is None:
             return "reserved", None, None if said is None else said[1]
         e = g.members.get(node_id)
@@ -348,7 +352,7 @@ class Coordinator:
             now = time.time()
             expired = self.table.expire(now)
             for wid in expired:
-                self.node.log.info("lease on %s expired; back to the queue", wid)
+                self.host.log.info("lease on %s expired; back to the queue", wid)
             self._dirty_holders.update(self._published_holders - set(self.table.holders()))
             self._reconcile_leases()
             self._dispatch()
@@ -365,7 +369,7 @@ class Coordinator:
     def _reconcile_leases(self) -> None:
         """Mark holders whose gossiped ``leases/<node>`` entry names other work than the table (an
         old entry a straggler brought back after its tombstone was removed): republished next."""
-        g = self.node.gossip.gossip if self.node.gossip is not None else None
+        g = self.gossip.gossip if self.gossip is not None else None
         if g is None:
             return
         holders = self.table.holders()
@@ -378,7 +382,7 @@ class Coordinator:
     def _publish_leases(self, now: float) -> None:
         """``leases/<node>`` entries for holders whose lease set changed; an empty list (a tombstone
         every node drops after a while) for a node that holds nothing any more."""
-        g = self.node.gossip.gossip if self.node.gossip is not None else None
+        g = self.gossip.gossip if self.gossip is not None else None
         if g is None or g.coord.sign is None or not self._dirty_holders:
             self._dirty_holders.clear()
             return
@@ -396,7 +400,7 @@ class Coordinator:
     async def _body(self, request: web.Request) -> dict[str, Any]:
         # Read here, not with request.read(): control bodies may exceed the node's general body limit
         # (the transport guard already refused a Content-Length over control.max_body_bytes).
-        limit = self.node.config.control.max_body_bytes
+        limit = self.host.config.control.max_body_bytes
         n = request.content_length
         if request.body_exists and n is None:
             raise BadRequest("Content-Length required")
@@ -555,7 +559,7 @@ class Coordinator:
                 old = self._tps.get(node)
                 self._tps[node] = rate if old is None else 0.7 * old + 0.3 * rate
             self._results.put_nowait(Result(wid, node, item.payload, responses, len(holders) > 1))
-            self.node.log.info("work %s completed by %s (%s)", wid, node, c.reason)
+            self.host.log.info("work %s completed by %s (%s)", wid, node, c.reason)
         self._kick.set()
         return {"accepted": c.accepted, "reason": c.reason}
 
@@ -572,7 +576,7 @@ class Coordinator:
         async def release_all(body: dict[str, Any]) -> dict[str, Any]:
             out = self.table.release_all(time.time(), body["node"])
             if out:
-                self.node.log.info("%s handed back %d leases: %s", body["node"], len(out), out)
+                self.host.log.info("%s handed back %d leases: %s", body["node"], len(out), out)
             self._dirty_holders.add(body["node"])
             self._kick.set()
             return {"released": out}

@@ -43,7 +43,7 @@ from p2psync.transport.messages import API
 
 if TYPE_CHECKING:
     from p2psync.control.live_plan import LivePlanner
-    from p2psync.node import Node
+    from p2psync.host import Host
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +58,11 @@ def _valid_url(url: str) -> bool:
 
 
 class GossipService:
-    """Gossip for one node; ``node.gossip`` points at it."""
+    """Gossip for one node (built and handed to the parts that need it by :mod:`p2psync.services`)."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.settings = node.config.gossip
+    def __init__(self, host: Host) -> None:
+        self.host = host
+        self.settings = host.config.gossip
         self.gossip: GossipNode | None = None
         self.planner: LivePlanner | None = None
         self._session: aiohttp.ClientSession | None = None
@@ -74,7 +74,6 @@ class GossipService:
         self._bw = (0.0, 0.0)  # (time, bytes_in) at the last bandwidth sample
         self.bandwidth = 0.0
         self.dropped = 0
-        node.gossip = self
 
     # --- lifecycle -----------------------------------------------------------------------------
     def routes(self) -> list[web.RouteDef]:
@@ -82,31 +81,31 @@ class GossipService:
 
     async def rpc_cluster(self, request: web.Request) -> web.Response:
         """``GET /v1/cluster``: :meth:`p2psync.node.Node.cluster` as JSON."""
-        return web.json_response({"format": 1, "nodes": self.node.cluster()})
+        return web.json_response({"format": 1, "nodes": self.host.cluster()})
 
     async def start(self) -> None:
-        node, s = self.node, self.settings
-        cfg = node.config
+        host, s = self.host, self.settings
+        cfg = host.config
         coordinator = s.coordinator or (cfg.id if cfg.role == "trainer" else None)
-        me = MemberEntry(id=cfg.id, address=node.address, role=cfg.role, region=cfg.region,
+        me = MemberEntry(id=cfg.id, address=host.address, role=cfg.role, region=cfg.region,
                          node_class=s.node_class)
         gcfg = GossipConfig(interval=s.interval, fanout=s.fanout, report_interval=s.report_interval,
                             detector=DetectorConfig(suspect_after=s.suspect_after, dead_after=s.dead_after,
                                                     tombstone_ttl=s.tombstone_ttl))
-        sign = signer(node.private_key) if cfg.role == "trainer" and node.private_key is not None else None
+        sign = signer(host.private_key) if cfg.role == "trainer" and host.private_key is not None else None
         now = time.time()
         self.gossip = GossipNode(me, seeds=tuple(u.rstrip("/") for u in s.seeds), coordinator=coordinator,
                                  config=gcfg, seed=hash((cfg.id, now)) & 0xFFFFFFFF, now=now,
-                                 verify=verifier(node.public_key), sign=sign)
+                                 verify=verifier(host.public_key), sign=sign)
         if cfg.role == "trainer":
             if sign is None:
-                node.log.warning("gossip: no trainer_private_key, so the plan and leases cannot be signed "
+                host.log.warning("gossip: no trainer_private_key, so the plan and leases cannot be signed "
                                  "and no node would accept them; the live plan is off")
             else:
                 from p2psync.control.live_plan import LivePlanner
 
                 self.planner = LivePlanner(cfg.id)
-        headers = {"Authorization": f"Bearer {cfg.token()}", FROM_HEADER: node.address,
+        headers = {"Authorization": f"Bearer {cfg.token()}", FROM_HEADER: host.address,
                    "Content-Type": "application/json"}
         self._session = aiohttp.ClientSession(
             headers=headers, timeout=aiohttp.ClientTimeout(total=s.send_timeout),
@@ -116,13 +115,13 @@ class GossipService:
             self._spawn(self._react(), "gossip-plan")
 
     def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.create_task(coro, name=f"{self.node.config.id}:{name}")
+        task = asyncio.create_task(coro, name=f"{self.host.config.id}:{name}")
         task.add_done_callback(self._task_done)
         self._tasks.append(task)
 
     def _task_done(self, task: asyncio.Task) -> None:
         if not task.cancelled() and task.exception() is not None:
-            self.node.log.error("gossip task %s crashed: %r", task.get_name(), task.exception(),
+            self.host.log.error("gossip task %s crashed: %r", task.get_name(), task.exception(),
                                 exc_info=task.exception())
 
     async def stop(self) -> None:
@@ -145,7 +144,7 @@ class GossipService:
             if len(self._in_flight) >= _MAX_IN_FLIGHT:
                 self.dropped += 1
                 continue
-            t = asyncio.create_task(self._post(addr, msg), name=f"{self.node.config.id}:gossip-post")
+            t = asyncio.create_task(self._post(addr, msg), name=f"{self.host.config.id}:gossip-post")
             self._in_flight.add(t)
             t.add_done_callback(self._in_flight.discard)
 
@@ -185,15 +184,15 @@ class GossipService:
             await asyncio.sleep(max(0.01, min(g.next_wakeup() - time.time(), g.config.interval)))
 
     def _update_self(self, now: float) -> None:
-        node, g = self.node, self.gossip
+        host, g = self.host, self.gossip
         assert g is not None
-        total = node.metrics.total("p2psync_bytes_in_total")
+        total = host.metrics.total("p2psync_bytes_in_total")
         t0, b0 = self._bw
         if t0 and total > b0 and now > t0:
             rate = (total - b0) / (now - t0)
             self.bandwidth = rate if not self.bandwidth else 0.7 * self.bandwidth + 0.3 * rate
         self._bw = (now, total)
-        versions = () if node.version is None else (node.version,)
+        versions = () if host.version is None else (host.version,)
         g.update_self(now, versions=versions, bandwidth=self.bandwidth or None)
 
     def update_self(self, *, throughput: float | None = None, bandwidth: float | None = None) -> None:
@@ -203,7 +202,7 @@ class GossipService:
 
     async def _react(self) -> None:
         """Coordinator: publish head and re-plan; everyone: follow the planned parent."""
-        delay = self.node.config.control.replan_delay
+        delay = self.host.config.control.replan_delay
         while True:
             await self._changed.wait()
             self._changed.clear()
@@ -215,7 +214,7 @@ class GossipService:
                 self._follow_plan()
 
     def _publish_head(self) -> None:
-        v = self.node.version
+        v = self.host.version
         g = self.gossip
         if v is not None and v != self._head_published and g is not None and g.coord.sign is not None:
             g.publish("head", {"version": v}, time.time())
@@ -236,7 +235,7 @@ class GossipService:
         if new is None:
             return
         g.publish("plan", {"epoch": new.epoch, "root": new.root, "parents": dict(new.parents)}, time.time())
-        self.node.log.info("plan epoch %d: %d nodes, %s", new.epoch, len(new.nodes),
+        self.host.log.info("plan epoch %d: %d nodes, %s", new.epoch, len(new.nodes),
                            {c: p for c, p in sorted(new.parents.items())} if len(new.parents) <= 16 else "...")
 
     def _follow_plan(self) -> None:
@@ -245,7 +244,7 @@ class GossipService:
         e = g.coord.get("plan")
         if e is None:
             return
-        parent_id = g.coord.parent_of(self.node.config.id)
+        parent_id = g.coord.parent_of(self.host.config.id)
         url = None
         if parent_id is not None:
             m = g.members.get(parent_id)
@@ -255,7 +254,7 @@ class GossipService:
         if self._plan_applied == (e.version, url):
             return
         self._plan_applied = (e.version, url)
-        self.node.set_planned_parent(url, parent_id)
+        self.host.set_planned_parent(url, parent_id)
 
     # --- views ---------------------------------------------------------------------------------
     def coordinator_address(self) -> str | None:
@@ -274,12 +273,12 @@ class GossipService:
             return []
         plan = g.coord.plan
         parents = plan[2] if plan else {}
-        me = self.node.config.id
+        me = self.host.config.id
         out = []
         for e in sorted(g.members.entries.values(), key=lambda e: e.id):
             rep = g.report_of(e.id)
             if e.id == me:
-                version = self.node.version
+                version = self.host.version
             elif rep is not None and rep.versions:
                 version = rep.versions[-1]
             else:

@@ -40,7 +40,8 @@ from p2psync.errors import LeaseExpired, P2PSyncError, PeerUnreachable, UnknownW
 from p2psync.transport.client import cancel_quietly
 
 if TYPE_CHECKING:
-    from p2psync.node import Node
+    from p2psync.control.gossip_service import GossipService
+    from p2psync.host import Host
 
 logger = logging.getLogger(__name__)
 
@@ -58,25 +59,28 @@ class _Held:
 
 
 class WorkClient:
-    """Leases on rollout work for one rollout node (``node.work``)."""
+    """Leases on rollout work for one rollout node (``node.work``).
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.settings = node.config.control
+    ``gossip``: the node's gossip service when gossip is on (finds the coordinator; carries this
+    node's measured throughput)."""
+
+    def __init__(self, host: Host, gossip: GossipService | None = None) -> None:
+        self.host = host
+        self.gossip = gossip
+        self.settings = host.config.control
         self.ttl = 30.0
         self._held: dict[tuple[str, int], _Held] = {}
         self._session: aiohttp.ClientSession | None = None
         self._renewer: asyncio.Task | None = None
         self._tokens_window: list[tuple[float, int]] = []
         self.throughput = 0.0
-        node.work = self
 
     # --- service ---------------------------------------------------------------------------------
     def routes(self) -> list:
         return []
 
     async def start(self) -> None:
-        cfg = self.node.config
+        cfg = self.host.config
         self._session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {cfg.token()}",
                                                        "Content-Type": "application/json"})
         self._renewer = asyncio.create_task(self._renew_loop(), name=f"{cfg.id}:lease-renewal")
@@ -87,7 +91,7 @@ class WorkClient:
             try:
                 await self.release_all()
             except P2PSyncError as exc:
-                self.node.log.warning("could not hand back %d leases on stop: %s", len(self._held), exc)
+                self.host.log.warning("could not hand back %d leases on stop: %s", len(self._held), exc)
         await cancel_quietly(self._renewer)
         if self._session is not None:
             await self._session.close()
@@ -96,7 +100,7 @@ class WorkClient:
     def coordinator_url(self) -> str | None:
         if self.settings.coordinator_url:
             return self.settings.coordinator_url.rstrip("/")
-        g = self.node.gossip
+        g = self.gossip
         return g.coordinator_address() if g is not None else None
 
     async def _call(self, verb: str, body: dict[str, Any], extra_time: float = 0.0) -> tuple[int, dict[str, Any]]:
@@ -106,7 +110,7 @@ class WorkClient:
         if url is None:
             raise PeerUnreachable("coordinator", "address not known yet (no control.coordinator_url, not in gossip)")
         assert self._session is not None
-        body = {"node": self.node.config.id, **body}
+        body = {"node": self.host.config.id, **body}
         timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout + extra_time)
         try:
             async with self._session.post(f"{url}{CONTROL}/{verb}", data=json.dumps(body), timeout=timeout) as resp:
@@ -135,7 +139,7 @@ class WorkClient:
         try:
             status, data = await self._call("lease", body, extra_time=wait)
         except PeerUnreachable as exc:
-            self.node.log.info("no lease: %s", exc)
+            self.host.log.info("no lease: %s", exc)
             await asyncio.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
             return []
         self.ttl = float(data.get("ttl", self.ttl))
@@ -208,7 +212,7 @@ class WorkClient:
                                                              f"{len(answers or [])} answers for {len(part)}")
                 except (PeerUnreachable, P2PSyncError) as exc:
                     # Kept locally; the next report (or the renewal) carries on from the acknowledged part.
-                    self.node.log.warning("progress of %d responses not delivered: %s", len(part), exc)
+                    self.host.log.warning("progress of %d responses not delivered: %s", len(part), exc)
                     continue
                 now = time.monotonic()
                 for (i, h, response, reason), ans in zip(part, answers):
@@ -262,7 +266,7 @@ class WorkClient:
                 status, data = await self._call("progress", body)
             except PeerUnreachable as exc:
                 # Kept locally; the next report (or the renewal) carries on from the acknowledged part.
-                self.node.log.warning("progress on %s not delivered: %s", h.grant.work_id, exc)
+                self.host.log.warning("progress on %s not delivered: %s", h.grant.work_id, exc)
                 return
             if status == 200:
                 h.acked[response] = int(data["have"])
@@ -286,7 +290,8 @@ class WorkClient:
         span = now - w[0][0]
         if span >= 1.0:
             self.throughput = sum(n for _, n in w[1:]) / span
-            self.node.update_self(throughput=self.throughput)
+            if self.gossip is not None:
+                self.gossip.update_self(throughput=self.throughput)
 
     async def complete(self, grant: Grant, responses: dict[int, ResponseResult]) -> bool:
         """Final responses; True if accepted, False if a duplicate. Raises
@@ -301,7 +306,7 @@ class WorkClient:
             except PeerUnreachable as exc:
                 if attempt == 5:
                     raise
-                self.node.log.warning("result of %s not delivered (%s); retrying", grant.work_id, exc)
+                self.host.log.warning("result of %s not delivered (%s); retrying", grant.work_id, exc)
                 await asyncio.sleep(delay)
                 delay = min(4.0, delay * 2)
         self._held.pop(self._key(grant), None)
@@ -318,7 +323,7 @@ class WorkClient:
         try:
             await self._call("release", {"work_id": grant.work_id, "lease_id": grant.lease_id})
         except PeerUnreachable as exc:
-            self.node.log.warning("release of %s not delivered (its lease will expire): %s", grant.work_id, exc)
+            self.host.log.warning("release of %s not delivered (its lease will expire): %s", grant.work_id, exc)
 
     async def release_all(self) -> None:
         """Preemption: hand back every grant at once."""
@@ -328,9 +333,9 @@ class WorkClient:
             return
         try:
             _, data = await self._call("release_all", {})
-            self.node.log.info("handed back %d leases: %s", held, data.get("released"))
+            self.host.log.info("handed back %d leases: %s", held, data.get("released"))
         except PeerUnreachable as exc:
-            self.node.log.warning("release_all not delivered (the leases will expire): %s", exc)
+            self.host.log.warning("release_all not delivered (the leases will expire): %s", exc)
 
     @property
     def held(self) -> list[Grant]:
@@ -349,10 +354,10 @@ class WorkClient:
                 try:
                     status, _ = await self._call("renew", {"work_id": h.grant.work_id, "lease_id": h.grant.lease_id})
                 except PeerUnreachable as exc:
-                    self.node.log.warning("renewal of %s failed: %s", h.grant.work_id, exc)
+                    self.host.log.warning("renewal of %s failed: %s", h.grant.work_id, exc)
                     continue
                 if status == 200:
                     h.renewed_at = now
                 elif key in self._held:
-                    self.node.log.warning("lease on %s lost (HTTP %d)", h.grant.work_id, status)
+                    self.host.log.warning("lease on %s lost (HTTP %d)", h.grant.work_id, status)
                     h.lost = True

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from p2psync.testbed import netns
+import p2psync.testbed.netns as netns
 from p2psync.testbed.config import Machine, TestbedConfig
 from p2psync.testbed.errors import TestbedError
 

@@ -74,7 +74,7 @@ from p2psync.transport.messages import API, Catalogue, valid_artifact_id
 
 if TYPE_CHECKING:
     from p2psync.transport.client import PeerClient
-    from p2psync.transport.server import Server
+    from p2psync.transport.view import Responder
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def chunk_prefix(aid: str, index: int, size: int) -> bytes:
 
 
 # --- server side --------------------------------------------------------------------------------
-async def serve_stream(server: Server, request: web.Request) -> web.StreamResponse:
+async def serve_stream(server: Responder, request: web.Request) -> web.StreamResponse:
     """``GET /v1/stream``: catalogues as they change, and new small deltas pushed whole."""
     view, limits = server.view, server.limits
     try:
@@ -149,7 +149,7 @@ async def serve_stream(server: Server, request: web.Request) -> web.StreamRespon
         await resp.prepare(request)
         while not heads.closed:
             if heads.seq == seq:
-                await server._write(resp, _header(KEEPALIVE, 0))
+                await server.write(resp, _header(KEEPALIVE, 0))
             else:
                 seq = heads.seq
                 cat = view.catalogue()
@@ -161,10 +161,10 @@ async def serve_stream(server: Server, request: web.Request) -> web.StreamRespon
                     art = view.store.artifacts.get(a.id)
                     if art is not None:
                         body = art.manifest.to_bytes()
-                        await server._write(resp, _header(MANIFEST, len(body)) + body)
+                        await server.write(resp, _header(MANIFEST, len(body)) + body)
                         pushing.append(art.manifest)
                 text = cat.dumps().encode()
-                await server._write(resp, _header(CATALOGUE, len(text)) + text)
+                await server.write(resp, _header(CATALOGUE, len(text)) + text)
                 if warm:
                     await _pad(server, resp, warm)
                     warm = 0
@@ -176,22 +176,22 @@ async def serve_stream(server: Server, request: web.Request) -> web.StreamRespon
     except ConnectionResetError:
         pass  # the child went away
     except TimeoutError:
-        server._cut(request)
+        server.cut(request)
     return resp
 
 
-async def _pad(server: Server, resp: web.StreamResponse, total: int) -> None:
+async def _pad(server: Responder, resp: web.StreamResponse, total: int) -> None:
     """``total`` bytes of padding frames: open the stream's TCP windows (module doc)."""
     sent = 0
     while sent < total:
         n = min(MAX_PADDING_FRAME, total - sent)
-        await server._write(resp, _header(PADDING, n))
-        await server._write(resp, memoryview(_PADDING)[:n])
+        await server.write(resp, _header(PADDING, n))
+        await server.write(resp, memoryview(_PADDING)[:n])
         sent += n
     server.view.metrics.inc("p2psync_stream_padding_bytes_total", sent)
 
 
-async def _push_chunks(server: Server, resp: web.StreamResponse, manifest: Manifest) -> None:
+async def _push_chunks(server: Responder, resp: web.StreamResponse, manifest: Manifest) -> None:
     """Every chunk of ``manifest`` in order, each as soon as this node verified it (cut-through);
     stops early (the child pulls the rest) if this node's own fetch is abandoned or stalls."""
     view, limits = server.view, server.limits
@@ -218,9 +218,9 @@ async def _push_chunks(server: Server, resp: web.StreamResponse, manifest: Manif
             buf[len(buf) // 2] ^= 0xFF
             data = bytes(buf)
         body = memoryview(data)
-        await server._write(resp, chunk_prefix(aid, i, len(body)))
+        await server.write(resp, chunk_prefix(aid, i, len(body)))
         for off in range(0, len(body), _WRITE_PIECE):
-            await server._write(resp, body[off:off + _WRITE_PIECE])
+            await server.write(resp, body[off:off + _WRITE_PIECE])
         view.metrics.inc("p2psync_bytes_out_total", len(body))
         view.metrics.inc("p2psync_chunks_out_total")
         view.metrics.inc("p2psync_chunks_pushed_total")

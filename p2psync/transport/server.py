@@ -28,17 +28,14 @@ import json
 import logging
 import re
 import socket
-from typing import Protocol
-
 from aiohttp import web, web_protocol, web_server
 from aiohttp.http_exceptions import LineTooLong
 
-from p2psync.config import NodeConfig
 from p2psync.errors import IntegrityError
-from p2psync.store import VersionStore
-from p2psync.transport.board import Board
-from p2psync.transport.messages import API, NODE_HEADER, Catalogue, valid_artifact_id
+from p2psync.transport.messages import API, NODE_HEADER, valid_artifact_id
 from p2psync.transport.metrics import Metrics
+from p2psync.transport.push import serve_stream
+from p2psync.transport.view import HeadSignal, NodeView
 
 CONTROL_PREFIX = f"{API}/control/"
 
@@ -46,53 +43,6 @@ logger = logging.getLogger(__name__)
 
 _WRITE_PIECE = 256 << 10
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
-
-
-class HeadSignal:
-    """A sequence number bumped whenever the catalogue changes, that event streams wait on."""
-
-    def __init__(self) -> None:
-        self.seq = 0
-        self.closed = False
-        self._event = asyncio.Event()
-
-    def bump(self) -> None:
-        self.seq += 1
-        ev, self._event = self._event, asyncio.Event()
-        ev.set()
-
-    def close(self) -> None:
-        self.closed = True
-        self.bump()
-
-    async def wait(self, seq: int, timeout: float) -> None:
-        if self.seq != seq:
-            return
-        try:
-            async with asyncio.timeout(timeout):
-                await self._event.wait()
-        except TimeoutError:
-            pass
-
-
-class NodeView(Protocol):
-    """What the server needs from a node."""
-
-    config: NodeConfig
-    store: VersionStore
-    board: Board
-    metrics: Metrics
-    heads: HeadSignal
-
-    def catalogue(self) -> Catalogue: ...
-
-    def status(self) -> dict: ...
-
-    def note_child(self, node_id: str, address: str) -> None: ...
-
-    def extra_routes(self) -> list[web.RouteDef]:
-        """Routes of the node's services (:mod:`p2psync.services`), behind the same guard."""
-        ...
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -170,18 +120,16 @@ class Server:
                     payload = f"event: head\ndata: {self.view.catalogue().dumps()}\n\n"
                 else:
                     payload = ": keepalive\n\n"
-                await self._write(resp, payload.encode())
+                await self.write(resp, payload.encode())
                 await heads.wait(seq, self.limits.sse_keepalive)
         except ConnectionResetError:
             pass  # the child went away; nothing else to do for it
         except TimeoutError:
-            self._cut(request)
+            self.cut(request)
         return resp
 
     async def rpc_stream(self, request: web.Request) -> web.StreamResponse:
         """Catalogues plus new small deltas pushed whole (:mod:`p2psync.transport.push`)."""
-        from p2psync.transport.push import serve_stream
-
         return await serve_stream(self, request)
 
     async def rpc_snapshots(self, request: web.Request) -> web.Response:
@@ -269,12 +217,12 @@ class Server:
         try:
             await resp.prepare(request)
             for off in range(0, len(body), _WRITE_PIECE):
-                await self._write(resp, body[off:off + _WRITE_PIECE])
+                await self.write(resp, body[off:off + _WRITE_PIECE])
             await resp.write_eof()
         except ConnectionResetError:
             return resp  # the child went away; it resumes elsewhere with Range
         except TimeoutError:
-            self._cut(request)  # it stopped reading; it may resume elsewhere with Range
+            self.cut(request)  # it stopped reading; it may resume elsewhere with Range
             return resp
         self.view.metrics.inc("p2psync_bytes_out_total", len(body))
         self.view.metrics.inc("p2psync_chunks_out_total")
@@ -296,14 +244,14 @@ class Server:
             raise web.HTTPRequestRangeNotSatisfiable(headers={"Content-Range": f"bytes */{size}"})
         return start, stop
 
-    def _cut(self, request: web.Request) -> None:
+    def cut(self, request: web.Request) -> None:
         """Drop a client that stopped reading (closing, not finishing, the response: finishing
         it would wait on that client again)."""
         self.view.metrics.inc("p2psync_slow_clients_cut_total")
         if request.transport is not None:
             request.transport.abort()
 
-    async def _write(self, resp: web.StreamResponse, data: bytes | memoryview) -> None:
+    async def write(self, resp: web.StreamResponse, data: bytes | memoryview) -> None:
         # A client that does not read for idle_timeout is dropped; others are unaffected.
         async with asyncio.timeout(self.limits.idle_timeout):
             await resp.write(data)

@@ -33,7 +33,7 @@ from aiohttp import web
 from p2psync.ui.state import build_state
 
 if TYPE_CHECKING:
-    from p2psync.node import Node
+    from p2psync.host import Host
 
 logger = logging.getLogger(__name__)
 
@@ -61,8 +61,8 @@ def _asset(name: str) -> bytes:
 class UiService:
     """The live page. Contract: see the module doc; read-only (no route changes any state but the cookie)."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(self, host: Host) -> None:
+        self.host = host
         self._session: aiohttp.ClientSession | None = None
         self._state: dict[str, Any] | None = None
         self._at = 0.0
@@ -75,7 +75,7 @@ class UiService:
 
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
-            headers={"Authorization": f"Bearer {self.node.config.token()}"},
+            headers={"Authorization": f"Bearer {self.host.config.token()}"},
             connector=aiohttp.TCPConnector(limit=_PARALLEL, enable_cleanup_closed=True))
 
     async def stop(self) -> None:
@@ -116,7 +116,7 @@ class UiService:
         if self._state is not None and loop.time() - self._at < REFRESH_S:
             return self._state
         if self._refresh is None or self._refresh.done():
-            self._refresh = asyncio.create_task(self._build(), name=f"{self.node.config.id}:ui-refresh")
+            self._refresh = asyncio.create_task(self._build(), name=f"{self.host.config.id}:ui-refresh")
         # shield: a page that disconnects must not cancel the refresh other pages wait on.
         state = await asyncio.shield(self._refresh)
         self._state, self._at = state, loop.time()
@@ -128,7 +128,7 @@ class UiService:
         Children the trainer has seen pulling from it that the view does not list are added by id
         (their advertised addresses are unknown, so their status is not fetched).
         """
-        node = self.node
+        node = self.host
         cfg = node.config
         me = {"id": cfg.id, "role": cfg.role, "region": cfg.region, "address": node.address,
               "version": node.version, "status": "alive", "parent": None}
@@ -151,8 +151,8 @@ class UiService:
 
     async def _build(self) -> dict[str, Any]:
         members, source = await self.members()
-        me = self.node.config.id
-        statuses: dict[str, dict[str, Any]] = {me: self.node.status()}
+        me = self.host.config.id
+        statuses: dict[str, dict[str, Any]] = {me: self.host.status()}
         errors: dict[str, str] = {}
         gate = asyncio.Semaphore(_PARALLEL)
 

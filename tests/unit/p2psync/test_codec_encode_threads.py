@@ -19,7 +19,7 @@ from p2psync.codec.encode import (
     encode_delta_sparse,
     encode_snapshot,
 )
-from p2psync.codec.workers import in_order
+from p2psync.workers import in_order
 from tests.unit.p2psync.helpers import special_words, state_from_words
 
 WORDS = {"BF16": np.uint16, "F16": np.uint16, "F32": np.uint32, "U8": np.uint8, "F8_E4M3": np.uint8}

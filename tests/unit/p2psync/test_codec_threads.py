@@ -189,7 +189,7 @@ def test_apply_parts_in_range_writes_what_the_checked_path_writes(threads):
 
 @pytest.mark.parametrize("threads", [1, 2, 4])
 def test_run_ordered_reports_the_first_failure_by_index_whatever_the_order(threads):
-    from p2psync.codec.workers import run_ordered
+    from p2psync.workers import run_ordered
 
     ran = set()
 

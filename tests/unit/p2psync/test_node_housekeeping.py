@@ -42,14 +42,14 @@ def test_next_version_is_announced_while_the_snapshot_is_signed_and_applied_afte
 
     async def go():
         tr = await Node.create(cfg)
-        real_sign = tr._sign_snapshot
+        real_sign = tr.origin.sign_snapshot
 
         def held_sign(model_id):
             inside.set()
             assert gate.wait(20)
             return real_sign(model_id)
 
-        tr._sign_snapshot = held_sign
+        tr.origin.sign_snapshot = held_sign
         try:
             await tr.publish(*arts[0])
             # Version 1's snapshot is due: publish returns with the trainer at version 1 while
@@ -79,7 +79,7 @@ def test_next_version_is_announced_while_the_snapshot_is_signed_and_applied_afte
             # The snapshot holds version 1's bits, not version 2's.
             assert snap.manifest.target_fingerprint == arts[1][0].target_fingerprint
             snap.manifest.verify(tr.public_key)
-            await tr._settle()
+            await tr.settle()
         finally:
             gate.set()
             await tr.close()
@@ -101,11 +101,11 @@ def test_a_failed_snapshot_is_logged_and_the_versions_go_on(tmp_path, caplog):
         def broken(model_id):
             raise OSError(28, "No space left on device")
 
-        tr._sign_snapshot = broken
+        tr.origin.sign_snapshot = broken
         try:
             for m, chunks in arts:
                 await asyncio.wait_for(tr.publish(m, chunks), 20)
-            await tr._settle()
+            await tr.settle()
             assert tr.version == 3 and _same(tr.state, states[3])
             assert tr.fingerprint == arts[3][0].target_fingerprint
             assert all(_snapshot(tr, v) is None for v in (1, 2, 3))
@@ -127,14 +127,14 @@ def test_close_waits_for_a_snapshot_in_progress(tmp_path):
 
     async def go():
         tr = await Node.create(cfg)
-        real_sign = tr._sign_snapshot
+        real_sign = tr.origin.sign_snapshot
 
         def slow_sign(model_id):
             inside.set()
             threading.Event().wait(0.5)
             return real_sign(model_id)
 
-        tr._sign_snapshot = slow_sign
+        tr.origin.sign_snapshot = slow_sign
         await tr.publish(*arts[0])
         await tr.publish(*arts[1])
         assert await asyncio.to_thread(inside.wait, 20)
@@ -162,7 +162,7 @@ def test_a_relay_waits_for_a_snapshot_still_being_signed_and_rebuilds_it(tmp_pat
 
     async def go():
         tr = await Node.create(cfg)
-        real_sign = tr._sign_snapshot
+        real_sign = tr.origin.sign_snapshot
 
         def held_sign(model_id):
             if tr.version == 1:
@@ -170,7 +170,7 @@ def test_a_relay_waits_for_a_snapshot_still_being_signed_and_rebuilds_it(tmp_pat
                 assert gate.wait(30)
             return real_sign(model_id)
 
-        tr._sign_snapshot = held_sign
+        tr.origin.sign_snapshot = held_sign
         relay = await Node.create(_relay_cfg(tmp_path, common, tr))
         kid = await Node.create(config.load(overrides={**common, "id": "kid", "role": "rollout",
                                                        "data_dir": str(tmp_path / "kid"),
@@ -195,7 +195,7 @@ def test_a_relay_waits_for_a_snapshot_still_being_signed_and_rebuilds_it(tmp_pat
             assert snap.manifest.target_fingerprint == arts[1][0].target_fingerprint
             snap.manifest.verify(relay.public_key)
             # Version 2's snapshot (due too) follows the same way once the trainer signed it.
-            await relay._settle()
+            await relay.settle()
             assert _snapshot(relay, 2) is not None and not relay.catalogue().snapshots_pending
             assert relay.metrics.total("p2psync_snapshots_materialised_total") == 2
         finally:
@@ -215,7 +215,7 @@ def test_a_relay_gives_up_on_a_snapshot_the_trainer_failed_to_sign(tmp_path):
 
     async def go():
         tr = await Node.create(cfg)
-        real_sign = tr._sign_snapshot
+        real_sign = tr.origin.sign_snapshot
 
         def failing_sign(model_id):
             if tr.version == 1:
@@ -224,7 +224,7 @@ def test_a_relay_gives_up_on_a_snapshot_the_trainer_failed_to_sign(tmp_path):
                 raise OSError(28, "No space left on device")
             return real_sign(model_id)
 
-        tr._sign_snapshot = failing_sign
+        tr.origin.sign_snapshot = failing_sign
         relay = await Node.create(_relay_cfg(tmp_path, common, tr))
         try:
             await tr.publish(*arts[0])
@@ -242,7 +242,7 @@ def test_a_relay_gives_up_on_a_snapshot_the_trainer_failed_to_sign(tmp_path):
             # before store.snapshot_wait) and goes on, keeping no snapshot of version 1.
             await asyncio.wait_for(relay.wait_version(2), 10)
             assert _same(relay.state, states[2])
-            await relay._settle()
+            await relay.settle()
             assert _snapshot(relay, 1) is None and not relay.catalogue().snapshots_pending
             await tr.publish(*arts[3])
             await asyncio.wait_for(relay.wait_version(3), 10)

@@ -75,13 +75,13 @@ def test_children_fetch_an_artifact_while_the_trainer_still_applies_it(tmp_path)
             await tr.publish(*arts[0])
             await asyncio.wait_for(fol.wait_version(0), 20)
             release = asyncio.Event()
-            real_commit = tr._commit
+            real_commit = tr.replica.commit
 
             async def held_commit(*a, **kw):
                 await release.wait()
                 await real_commit(*a, **kw)
 
-            tr._commit = held_commit
+            tr.replica.commit = held_commit
             pub = asyncio.create_task(tr.publish(*arts[1]))
             await asyncio.wait_for(fol.wait_version(1), 20)
             assert tr.version == 0 and not pub.done()  # the trainer has not applied it yet
@@ -248,7 +248,7 @@ def test_decode_threads_run_below_the_node_and_pass_it_on_to_threads_they_start(
         tr = await Node.create(tr_cfg)
         try:
             mine = nice()
-            pool = tr._decode_pool
+            pool = tr.replica.decode_pool
             inner = pool.submit(lambda: (nice(), ThreadPoolExecutor(1).submit(nice).result())).result()
             assert inner == (min(19, mine + tr.config.limits.decode_nice),) * 2
             assert nice() == mine
@@ -273,7 +273,7 @@ def test_checkpoints_never_write_at_once_and_the_saved_state_loads(tmp_path):
         try:
             import torch
 
-            tr.state, tr.version = ModelState({"w": torch.arange(1000, dtype=torch.float32)}), 4
+            tr.replica.state, tr.replica.version = ModelState({"w": torch.arange(1000, dtype=torch.float32)}), 4
             inside, most = [0], [0]
             real = tr.store.save_state
 
@@ -287,13 +287,13 @@ def test_checkpoints_never_write_at_once_and_the_saved_state_loads(tmp_path):
                     inside[0] -= 1
 
             tr.store.save_state = slow_save
-            ts = [threading.Thread(target=tr._checkpoint) for _ in range(2)]
+            ts = [threading.Thread(target=tr.replica.checkpoint) for _ in range(2)]
             for t in ts:
                 t.start()
             for t in ts:
                 t.join()
             assert most[0] == 1
-            assert tr._checkpointed == 4
+            assert tr.replica.checkpointed == 4
             loaded = tr.store.load_state()
             assert loaded is not None and loaded[1] == 4
             assert loaded[0].fingerprint == tr.state.fingerprint

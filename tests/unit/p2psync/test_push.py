@@ -169,7 +169,7 @@ def test_a_parent_pushing_corrupt_chunks_is_avoided_and_nothing_wrong_is_applied
             await asyncio.wait_for(bad.wait_version(0), 30)
             before = leaf.metrics.total("p2psync_bad_chunks_total")
             await asyncio.sleep(1.2)  # the bad relay is no longer avoided: the leaf follows it again
-            leaf._parent_changed.set()
+            leaf.follower.parent_changed.set()
             for _ in range(50):
                 if leaf.status()["parent"] == bad.address:
                     break

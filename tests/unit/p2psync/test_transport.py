@@ -22,7 +22,8 @@ from p2psync.transport.fetch import Upstream, fetch_chunks
 from p2psync.transport.messages import Catalogue
 from p2psync.transport.metrics import Metrics
 from p2psync.transport.parents import ParentSet
-from p2psync.transport.server import HeadSignal, Server
+from p2psync.transport.server import Server
+from p2psync.transport.view import HeadSignal
 
 TOKEN = "unit-test-token-42"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

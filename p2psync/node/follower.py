@@ -1,0 +1,438 @@
+"""A node following its parent: parent choice, fetching, push, cut-through, snapshot rebuilds.
+
+Relays and rollout nodes learn new heads from their parent's stream
+(``/v1/stream``, or ``/v1/events`` from a parent without it), plan the cheapest
+catch-up (:func:`p2psync.store.plan_catchup`), fetch with several streams, verify
+every chunk, and hand it to the :class:`~p2psync.node.replica.Replica` to apply
+all-or-nothing. Children hear of an artifact before this node decodes it and may
+fetch each chunk the moment it is verified here (cut-through). Deltas up to
+``limits.push_bytes`` arrive pushed on that stream instead
+(:mod:`p2psync.transport.push`): verified the same way, pulled as before whatever
+did not arrive.
+
+Snapshots for joiners. Relays cannot sign, so the trainer signs the snapshots a
+relay serves. Every ``store.snapshot_interval`` versions the trainer encodes its
+weights as a *raw* snapshot (``zstd_level=0``, ``store.snapshot_chunk_size``) and
+signs its manifest, beside the next version's announcement and transfer
+(:class:`~p2psync.node.origin.Origin`). Raw segments are a pure function of the
+weights, the tensor table and the chunk size, so any node holding version v
+bit-exactly can rebuild the very same chunks from its own state without
+downloading them: a follower that applied v and sees a signed snapshot manifest
+for v upstream fetches only that manifest (a few KiB of hashes), re-encodes,
+verifies every rebuilt chunk against the signed hashes, and only then stores and
+serves it. A relay can therefore offer a joiner a recent snapshot without the
+trainer sending one over the WAN, and a rebuilt chunk that does not match is
+never served. (Compressed snapshots would tie the bytes to one zstd build; raw
+ones do not. A joiner still takes whichever is fewer bytes: that raw snapshot
+plus deltas, or any older, compressed snapshot plus a longer delta chain.)
+
+Contract: every manifest this node stores verified against the trainer's key,
+every chunk against its manifest, before it is stored, served or decoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING, Any
+
+from p2psync.codec.decode import Applier
+from p2psync.errors import ChunkHashMismatch, CodecError, P2PSyncError, PeerUnreachable
+from p2psync.store import ArtifactInfo, VersionStore, plan_catchup
+from p2psync.transport.client import PeerClient, cancel_quietly
+from p2psync.transport.fetch import Pipeline, Upstream, fetch_chunks
+from p2psync.transport.messages import Catalogue
+from p2psync.transport.parents import ParentSet
+from p2psync.transport.push import CatalogueFrame, ChunkFrame, ManifestFrame, Pushes, PushUnsupported, read_stream
+from p2psync.transport.view import HeadSignal
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    from p2psync.config import NodeConfig
+    from p2psync.logs import NodeAdapter
+    from p2psync.node.replica import Replica
+    from p2psync.node.tasks import Spawn
+    from p2psync.transport.board import Board
+    from p2psync.transport.metrics import Metrics
+
+
+async def _nothing() -> None:
+    return None
+
+
+class Follower:
+    """Keeps a relay or rollout node caught up with its parent (see the module doc).
+
+    Build with ``await Follower.create(...)``; :meth:`start` spawns its tasks; :meth:`close`
+    after they were cancelled."""
+
+    def __init__(self, config: NodeConfig, log: NodeAdapter, store: VersionStore, board: Board, metrics: Metrics,
+                 heads: HeadSignal, public_key: Ed25519PublicKey, replica: Replica, stop: asyncio.Event,
+                 spawn: Spawn, client: PeerClient) -> None:
+        self.config = config
+        self.log = log
+        self.store = store
+        self.board = board
+        self.metrics = metrics
+        self.heads = heads
+        self.public_key = public_key
+        self.replica = replica
+        self._stop = stop
+        self._spawn = spawn
+        self.client = client
+        self.parent_changed = asyncio.Event()
+        lim = config.limits
+        self.upstream = Upstream(client, ParentSet(list(config.parents), lim.retry_after, lim.avoid_seconds),
+                                 metrics, self.parent_changed.set, log)
+        self.upstream_cat: Catalogue | None = None
+        """The parent's latest catalogue."""
+        self._upstream_seen = HeadSignal()  # bumped for every catalogue the parent sends
+        self._wake = asyncio.Event()
+        self._pushes = Pushes()
+        self._no_push: set[str] = set()
+        self._stream_unpadded = False  # the open push stream asked for no padding (see _watch)
+        self._rebuilt: set[int] = set()  # versions whose signed snapshot we rebuilt (or are rebuilding)
+
+    @classmethod
+    async def create(cls, config: NodeConfig, log: NodeAdapter, store: VersionStore, board: Board,
+                     metrics: Metrics, heads: HeadSignal, public_key: Ed25519PublicKey, replica: Replica,
+                     stop: asyncio.Event, spawn: Spawn) -> Follower:
+        lim = config.limits
+        client = await PeerClient.create(config.token(), config.id, stall_timeout=lim.stall_timeout,
+                                         sse_keepalive=lim.sse_keepalive, parallel_streams=lim.parallel_streams)
+        return cls(config, log, store, board, metrics, heads, public_key, replica, stop, spawn, client)
+
+    def start(self) -> None:
+        self._spawn(self._watch_upstream(), "upstream")
+        self._spawn(self._follow(), "follow")
+        self._spawn(self._pad_once_warm(), "pad-when-warm")
+
+    def halt(self) -> None:
+        """The node is stopping: a rebuild waiting for a snapshot manifest gives up."""
+        self._upstream_seen.close()
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def _pad_once_warm(self) -> None:
+        await self.replica.warm.wait()
+        self._pad_stream_if_settled()
+
+    def _after_apply(self, first: Any = None, snapshot_of: int | None = None) -> None:
+        self.replica.after_apply(first, snapshot_of)
+        self._pad_stream_if_settled()
+
+    def set_planned_parent(self, url: str | None, parent_id: str | None = None) -> None:
+        """Follow the live plan: ``url`` becomes the first candidate parent, the configured ones
+        follow. The switch happens at once if the current parent changes; chunks held are kept."""
+        parents = self.upstream.parents
+        if parents.plan(url):
+            self.log.info("planned parent: %s (%s); candidates %s", parent_id, url, parents.candidates)
+            self.parent_changed.set()  # the watcher re-picks (the same parent: it just reconnects)
+
+    def _settled(self) -> bool:
+        """Codec warm, weights held and caught up with the parent: the node reads its stream at
+        once, so padding sent now opens the stream's TCP windows (see :meth:`_watch`)."""
+        cat, version = self.upstream_cat, self.replica.version
+        return self.replica.warm.is_set() and version is not None and (cat is None or cat.head is None
+                                                                       or cat.head <= version)
+
+    def _pad_stream_if_settled(self) -> None:
+        if self._stream_unpadded and self._settled():
+            self._stream_unpadded = False
+            self.log.info("settled: re-opening the push stream to be padded")
+            self.parent_changed.set()  # the watcher re-opens its stream to the same parent
+
+    async def _watch_upstream(self) -> None:
+        """Keep an event stream open to the current parent; move when the parent changes."""
+        up = self.upstream
+        while True:
+            url = await up.pick()
+            self.parent_changed.clear()
+            watch = asyncio.create_task(self._watch(url), name=f"{self.config.id}:watch:{url}")
+            moved = asyncio.create_task(self.parent_changed.wait(), name=f"{self.config.id}:moved")
+            try:
+                await asyncio.wait({watch, moved}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                moved.cancel()  # at once: if we are being cancelled, the next await re-raises
+                await cancel_quietly(watch)
+                await cancel_quietly(moved)
+            if watch.done() and not watch.cancelled() and isinstance(watch.exception(), PeerUnreachable):
+                up.failed(url, watch.exception())  # type: ignore[arg-type]
+
+    async def _watch(self, url: str) -> None:
+        lim = self.config.limits
+        if lim.push_bytes > 0 and url not in self._no_push:
+            # Padding opens the stream's TCP windows only if this node reads it at once: a node still
+            # starting (compiling its codec, loading or catching up: seconds of CPU, and the link busy
+            # with its snapshot) read it slowly on the WAN testbed, and the windows stayed small. Such
+            # a node opens its stream unpadded and re-opens it padded once settled.
+            warm = lim.stream_warmup_bytes if self._settled() else 0
+            self._stream_unpadded = lim.stream_warmup_bytes > 0 and not warm
+            try:
+                async for frame in read_stream(self.client, url, lim.push_bytes, self._pushed_chunk_size, warm):
+                    self.upstream.ok(url)
+                    await self._on_frame(url, frame)
+                return
+            except PushUnsupported:
+                self._stream_unpadded = False
+                self._no_push.add(url)
+                self.log.info("parent %s cannot push; following its event stream instead", url)
+        async for cat in self.client.call_events(url):
+            self.upstream.ok(url)
+            self._note_upstream(cat)
+
+    def _pushed_chunk_size(self, aid: str, index: int) -> int | None:
+        m = self._pushes.manifest(aid)
+        return m.chunks[index].size if m is not None and 0 <= index < len(m.chunks) else None
+
+    async def _on_frame(self, url: str, frame: CatalogueFrame | ManifestFrame | ChunkFrame) -> None:
+        """A frame the parent pushed: verified exactly like pulled data before anything is kept."""
+        if isinstance(frame, CatalogueFrame):
+            self._note_upstream(frame.catalogue)
+            return
+        if isinstance(frame, ManifestFrame):
+            m = frame.manifest
+            try:
+                m.verify(self.public_key)
+                if m.kind != "delta" or m.payload_bytes > self.config.limits.push_bytes:
+                    raise CodecError(f"a {m.kind} of {m.payload_bytes} bytes was not asked for")
+            except P2PSyncError as exc:
+                self.upstream.corrupt(url, f"a pushed manifest that does not verify ({exc})")
+                raise PeerUnreachable(url, "pushed a bad manifest") from None
+            if m.artifact_id not in self.store.artifacts:
+                await asyncio.to_thread(self.store.add_manifest, m)
+            self._pushes.expect(m)
+            return
+        aid, i = frame.artifact_id, frame.index
+        if aid not in self.store.artifacts or self.store.has_chunk(aid, i):
+            return  # pruned meanwhile, or already held
+        try:
+            await asyncio.to_thread(self.store.put_chunk, aid, i, frame.data)
+        except ChunkHashMismatch as exc:
+            self.upstream.corrupt(url, f"corrupt pushed chunk {i} of {aid} ({exc.actual} != {exc.expected})")
+            raise PeerUnreachable(url, "pushed a corrupt chunk") from None
+        self.metrics.inc("p2psync_bytes_in_total", len(frame.data))
+        self.metrics.inc("p2psync_chunks_in_total")
+        self.metrics.inc("p2psync_chunks_pushed_in_total")
+        self.board.arrived(aid, i)
+        self._pushes.arrived()
+
+    def _note_upstream(self, cat: Catalogue) -> None:
+        self.upstream_cat = cat
+        self._upstream_seen.bump()
+        self.metrics.set("p2psync_head", -1 if cat.head is None else cat.head)
+        self._wake.set()
+
+    async def _follow(self) -> None:
+        """Catch up to the parent's head whenever it moves.
+
+        Also rebuilds the trainer-signed snapshot of the version held when the parent announces
+        its manifest only after we applied that version (the trainer signs it just after it
+        publishes the delta), once per version.
+        """
+        await self.replica.loaded.wait()
+        lim = self.config.limits
+        while True:
+            cat = self.upstream_cat
+            version = self.replica.version
+            if (cat is not None and self.config.materialise and version is not None
+                    and version not in self._rebuilt and _snapshot_named(cat, version)):
+                self._rebuilt.add(version)
+                self._after_apply(self._materialise(version), version)  # beside the next catch-up
+                continue
+            if cat is None or cat.head is None or (version is not None and cat.head <= version):
+                self._wake.clear()
+                try:
+                    async with asyncio.timeout(lim.poll_interval):
+                        await self._wake.wait()
+                except TimeoutError:
+                    await self._poll()
+                continue
+            try:
+                await self._catch_up(cat)
+            except P2PSyncError as exc:
+                self.log.warning("catch-up to version %s interrupted: %s", cat.head, exc)
+                self.upstream_cat = None
+                await self._poll()
+                await asyncio.sleep(lim.retry_after)
+
+    async def _poll(self) -> None:
+        url = await self.upstream.pick()
+        try:
+            self._note_upstream(await self.client.call_head(url))
+        except PeerUnreachable as exc:
+            self.upstream.failed(url, exc)
+
+    async def _catch_up(self, cat: Catalogue) -> None:
+        assert cat.head is not None
+        plan = plan_catchup(self.replica.version, cat.head, cat.artifacts)
+        self.log.info("catching up %s -> %d via %s", self.replica.version, cat.head, [a.id for a in plan])
+        for info in plan:
+            await self._fetch_apply(info)
+            latest = self.upstream_cat or cat  # it may list a snapshot signed while we fetched
+            first = None
+            version = self.replica.version
+            if self.config.materialise and version is not None and _snapshot_named(latest, version):
+                self._rebuilt.add(version)
+                first = self._materialise(version)
+            self._after_apply(first, version if first is not None else None)
+
+    async def _fetch_apply(self, info: ArtifactInfo) -> None:
+        aid = info.id
+        art = self.store.artifacts.get(aid)
+        if art is None:
+            m = await self.upstream.manifest(aid, lambda m: m.verify(self.public_key))
+            art = self.store.add_manifest(m)
+        manifest = art.manifest
+        t0 = time.perf_counter()
+        # Children hear of it first (cut-through: they fetch, or are pushed, each chunk the moment
+        # it is verified here), before this node spends anything on its own decode and apply.
+        self.board.begin(aid, len(manifest.chunks))
+        self.heads.bump()
+        try:
+            await self._receive_apply(art, t0)
+        finally:
+            self.board.end(aid)
+            self.heads.bump()
+
+    async def _receive_apply(self, art: Any, t0: float) -> None:
+        manifest = art.manifest
+        aid = manifest.artifact_id
+        applier = await asyncio.to_thread(Applier.onto, self.replica.state, manifest)
+        # Chunks decode in worker threads while later ones download (bounded, so memory is too).
+        decode = Pipeline(applier.add_chunk, self.config.limits.parallel_streams + 2, self.replica.decode_pool)
+        submitted: set[int] = set()
+
+        async def submit(i: int, data: bytes | memoryview) -> None:
+            if i not in submitted:
+                submitted.add(i)
+                await decode.submit(i, data)
+
+        async def submit_held() -> None:
+            # Kept from an interrupted fetch or an earlier run, or pushed by the parent.
+            while extra := sorted(set(art.held) - submitted):
+                for i in extra:
+                    data = self.store.cached_chunk(aid, i)
+                    await submit(i, data if data is not None else
+                                 await asyncio.to_thread(self.store.read_chunk, aid, i))
+
+        await submit_held()
+        pushed = len(submitted)
+        if self._pushes.manifest(aid) is not None:
+            # forward_first: a pushed delta arrives in one burst; hold it all before decoding, so
+            # that receiving (and forwarding to children) does not share the CPU with its decode.
+            await self._take_pushed(art, _nothing if self.config.limits.forward_first else submit_held)
+            pushed = len(set(art.held) | submitted)
+
+        def held() -> None:
+            self.heads.bump()  # held complete (listed so) while it decodes and applies
+            self.log.info("holds %s: %d chunks (%d held or pushed) %.3f s after its manifest", aid,
+                          len(manifest.chunks), pushed, time.perf_counter() - t0)
+
+        # All here already (pushed, forward_first): say so before the decode, whose bounded queue
+        # makes submitting them wait for the first chunks' decode.
+        early = len(art.held) >= len(manifest.chunks)
+        if early:
+            held()
+        await submit_held()  # no await between its last look and fetch_chunks' look at the store
+        await fetch_chunks(self.upstream, self.store, self.board, manifest,
+                           self.config.limits.parallel_streams, submit)
+        if not early:
+            held()
+        await decode.drain()
+        await self.replica.commit(manifest, applier=applier)
+
+    async def _take_pushed(self, art: Any, submit_held: Any) -> None:
+        """Decode pushed chunks as they arrive, until all are here or the push stalls for
+        ``limits.stall_timeout`` (then the rest is pulled)."""
+        n = len(art.manifest.chunks)
+        while True:
+            await submit_held()
+            if len(art.held) >= n:
+                break
+            if not await self._pushes.wait(self.config.limits.stall_timeout):
+                self.log.warning("push of %s stalled at %d of %d chunks; pulling the rest",
+                                 art.manifest.artifact_id, len(art.held), n)
+                break
+
+    async def _materialise(self, version: int) -> None:
+        """Rebuild the trainer-signed raw snapshot of ``version`` from our weights (see module doc).
+
+        If the parent lists it as pending (the trainer is still signing it, or the parent still
+        rebuilding it), first waits until the parent lists the manifest: this runs as the
+        version's housekeeping, so the next commit waits with it (the weights must still be
+        ``version``'s), while the next artifact is already received and forwarded. Gives up,
+        keeping nothing, when the parent stops listing it as pending without a manifest or after
+        ``store.snapshot_wait`` seconds.
+        """
+        if self.store.find("snapshot", version, complete=True) is not None:
+            return
+        if not await self._snapshot_signed(version):
+            return
+        url = await self.upstream.pick()
+        try:
+            m = await self.client.call_version_manifest(url, version, "snapshot")
+            m.verify(self.public_key)
+        except P2PSyncError as exc:
+            self.log.warning("no snapshot manifest for version %d from %s: %s", version, url, exc)
+            return
+        if m.target_fingerprint != self.replica.fingerprint:
+            self.log.warning("snapshot manifest for version %d names another fingerprint; ignored", version)
+            return
+
+        def rebuild() -> bool:
+            # Chunk by chunk, each verified against the signed manifest as it is stored: a few
+            # chunks of memory whatever the model's size. A difference removes what was stored.
+            from p2psync.artifact import snapshot_chunks_to
+            from p2psync.codec.encode import CodecOptions
+
+            assert self.replica.state is not None
+            self.store.add_manifest(m)
+            try:
+                snapshot_chunks_to(self.replica.state, m, CodecOptions(chunk_size=m.chunk_size, zstd_level=0),
+                                   lambda i, c: self.store.put_chunk(m.artifact_id, i, c), verify=False)
+            except BaseException as exc:
+                self.store.remove(m.artifact_id)
+                if isinstance(exc, P2PSyncError):
+                    return False
+                raise
+            return True
+
+        if await asyncio.to_thread(rebuild):
+            self.metrics.inc("p2psync_snapshots_materialised_total")
+            self.log.info("materialised signed snapshot %s from local weights", m.artifact_id)
+            self.heads.bump()
+        else:
+            self.log.warning("rebuilt snapshot of version %d does not match the signed manifest; not serving it",
+                             version)
+
+    async def _snapshot_signed(self, version: int) -> bool:
+        """Wait until the parent lists the signed snapshot manifest of ``version`` (see :meth:`_materialise`)."""
+        lim = self.config.limits
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.store.snapshot_wait
+        while True:
+            seq = self._upstream_seen.seq
+            cat = self.upstream_cat
+            if self._stop.is_set():
+                return False
+            if cat is not None and version in cat.snapshot_manifests:
+                return True
+            if cat is not None and version not in cat.snapshots_pending:
+                self.log.warning("parent no longer makes the snapshot of version %d; not rebuilding it", version)
+                return False
+            left = deadline - loop.time()
+            if left <= 0:
+                self.log.warning("no signed snapshot of version %d after %.0f s; not rebuilding it", version,
+                                 self.config.store.snapshot_wait)
+                return False
+            await self._upstream_seen.wait(seq, min(left, lim.poll_interval))
+            if self._upstream_seen.seq == seq:
+                await self._poll()  # nothing heard: the push stream may be down
+
+
+def _snapshot_named(cat: Catalogue, version: int) -> bool:
+    """``cat`` lists a signed snapshot manifest of ``version``, or one being made."""
+    return version in cat.snapshot_manifests or version in cat.snapshots_pending
