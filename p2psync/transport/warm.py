@@ -2,7 +2,7 @@
 
 The first decode in a process pays for ``import torch`` and for numba loading its
 cached kernels: 2-3 s on the project VM, measured in the gap between a node's last
-chunk and its commit (``docs/benchmarks/transport.md``). :func:`warm_up_process`
+chunk and its commit (docs/BENCHMARKS.md, "Data plane"). :func:`warm_up_process`
 does that work once, in the background, as soon as a node starts, then
 collects and freezes the garbage collector's view of everything imported so far
 (:func:`gc.freeze`): the hundreds of thousands of long-lived objects of torch
