@@ -175,7 +175,9 @@ class ModelState:
         if error is not None:
             raise error
         sums = [[0, 0] for _ in self.specs]
-        for (k, _, _), (a, b) in zip(ranges, parts):
+        for (k, _, _), got in zip(ranges, parts):
+            assert got is not None  # no error: every item ran
+            a, b = got
             sums[k][0] += int(a)
             sums[k][1] += int(b)
         return [(a & 0xFFFFFFFFFFFFFFFF, b & 0xFFFFFFFFFFFFFFFF) for a, b in sums]

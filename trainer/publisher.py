@@ -290,7 +290,7 @@ class Publisher:
         self._setup_distributed()
         t0 = time.perf_counter()
         self._specs, self._pieces = published_table(self.model, self.dtype, self.dtype_overrides)
-        segments: list[bytes] = []
+        segments: list[bytes | bytearray] = []
         sums: dict[int, tuple[int, int]] = {}
         stats = SegmentStats()
         with torch.no_grad():
@@ -318,8 +318,8 @@ class Publisher:
             assert parts is not None
             full = [(0, 0)] * len(self._specs)
             for p in parts:
-                for i, s in p.sums.items():
-                    full[i] = _add(full[i], s)
+                for i, part_sums in p.sums.items():
+                    full[i] = _add(full[i], part_sums)
             self._full_sums = full
             fp = fold_root(table_hash(self._specs), full)
             node = self.node
@@ -476,7 +476,7 @@ class Publisher:
             try:
                 changes, extract_s = p.extracted.result()
                 t_enc = time.perf_counter()
-                segments: list[bytes] = []
+                segments: list[bytes | bytearray] = []
                 deltas: dict[int, tuple[int, int]] = {}
                 changed: dict[int, int] = {}
                 stats = SegmentStats()
@@ -531,7 +531,7 @@ class Publisher:
             try:
                 pieces, extract_s = p.extracted.result()
                 t_enc = time.perf_counter()
-                segments: list[bytes] = []
+                segments: list[bytes | bytearray] = []
                 sums: dict[int, tuple[int, int]] = {}
                 stats = SegmentStats()
                 for k, piece, new, jobs in pieces:

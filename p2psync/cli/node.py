@@ -31,7 +31,7 @@ def _is_override(arg: str) -> bool:
 class _NodeParser(argparse.ArgumentParser):
     """Collects ``--a.b=value`` / ``--a.b value`` overrides that argparse cannot declare up front."""
 
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+    def parse_known_args(self, args=None, namespace=None):
         args = list(sys.argv[1:] if args is None else args)
         rest, overrides = [], []
         i = 0

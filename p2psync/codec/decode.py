@@ -67,6 +67,7 @@ def chunk_stats(chunk: bytes | memoryview) -> SegmentStats:
     for seg in split_chunk(chunk):
         p = parse_segment(seg)
         st.header += 4
+        assert p.stats is not None  # parse_segment always measures
         st.add(p.stats)
     return st
 
@@ -183,6 +184,7 @@ class Applier:
         fresh = state is None or (manifest.kind == "snapshot" and list(manifest.tensors) != state.specs)
         if fresh:
             state = ModelState.empty_like(list(manifest.tensors))
+        assert state is not None
         return cls.for_manifest(state, manifest, scratch=fresh)
 
     @classmethod
@@ -259,7 +261,7 @@ class Applier:
             pos, vals, (a, b) = _decode_delta(p, spec, self.state.words(spec.name), self._arena)
             return p.tensor, (p.start, p.stop, pos, vals, a, b)
         if p.kind == KIND_RAW and self.kind == "snapshot":
-            assert self._staged is not None
+            assert self._staged is not None and p.res is not None
             n = p.stop - p.start
             words = self._staged.words(spec.name)
             _unplanes_into(unpack_payload(p.res_codec, p.res, n * d.width), words[p.start:p.stop])

@@ -61,7 +61,7 @@ def encode_header(kind: int, tensor: int, start: int, stop: int) -> bytes:
 
 
 # --- residuals ---------------------------------------------------------------------------
-def shift_segment(segment: bytes, offset: int) -> bytes:
+def shift_segment(segment: bytes | bytearray, offset: int) -> bytes | bytearray:
     """The same segment for a range ``offset`` elements further into its tensor (a tensor
     encoded in pieces: each piece's segments are made at offset 0, then shifted)."""
     if offset == 0:

@@ -254,7 +254,7 @@ class Coordinator:
         while True:
             r = await self._results.get()
             if r is None:
-                self._results.put_nowait(None)  # type: ignore[arg-type]  # for any other reader
+                self._results.put_nowait(None)  # for any other reader
                 return
             yield r
 
@@ -321,7 +321,7 @@ class Coordinator:
             return
         now = time.time()
         placements = self.scheduler.assign(now, self.table.queued(), self._views(now), self._head())
-        want = {}
+        want: dict[str, int] = {}
         for w in self._waiters:
             want[w.node] = want.get(w.node, 0) + w.max_items
         granted: dict[str, list[dict[str, Any]]] = {}
@@ -583,7 +583,7 @@ class Coordinator:
         return await self._handle(request, release_all)
 
     async def rpc_status(self, request: web.Request) -> web.Response:
-        c = self.table.counts()
+        c: dict[str, Any] = dict(self.table.counts())
         c["pending"] = self.table.pending()
         c["requeued"] = self.table.requeued
         c["waiting"] = len(self._waiters)

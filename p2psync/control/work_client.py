@@ -246,7 +246,7 @@ class WorkClient:
             body = {"work_id": h.grant.work_id, "lease_id": h.grant.lease_id, "response": response,
                     "offset": start, "tokens": h.tokens[response][start:], "logprobs": h.logprobs[response][start:],
                     "versions": h.versions[response][start:], "finish_reason": reason}
-            n = 200 + 48 * len(body["tokens"])  # JSON of a token, its log-prob and version: < 48 bytes
+            n = 200 + 48 * (len(h.tokens[response]) - start)  # JSON of a token, its log-prob and version: < 48 bytes
             if part and (size + n > limit or len(part) >= MAX_REPORTS):
                 yield part, bodies
                 part, bodies, size = [], [], 0

@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -149,7 +149,7 @@ class Replica:
         self.heads.bump()
         self.log.info("weights loaded: version %s fingerprint %s", self.version, self.fingerprint)
 
-    async def commit(self, manifest: Manifest, chunks: list[bytes] | None = None, applier: Any = None,
+    async def commit(self, manifest: Manifest, chunks: Sequence[bytes | memoryview] | None = None, applier: Any = None,
                      changes: dict[int, tuple[Any, Any]] | None = None) -> None:
         """Apply ``manifest`` all-or-nothing (from ``chunks``, an ``applier`` already fed, or the
         delta's ``changes`` as its publisher extracted them: see :meth:`p2psync.node.origin.Origin.publish`).

@@ -38,7 +38,7 @@ class ChunkBuffer:
     def __init__(self, size: int) -> None:
         # Uninitialised (every byte is written before it is read): zero-filling a fresh buffer
         # per chunk costs as much as the copy into it.
-        self.buf = memoryview(np.empty(size, dtype=np.uint8)).cast("B")
+        self.buf = memoryview(np.empty(size, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
         self.got = 0
 
     @property
@@ -192,5 +192,6 @@ async def cancel_quietly(task: asyncio.Task | None) -> None:
     try:
         await task
     except asyncio.CancelledError:
-        if asyncio.current_task() is not None and asyncio.current_task().cancelling():
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
             raise

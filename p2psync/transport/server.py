@@ -295,6 +295,7 @@ async def serve(view: NodeView, sock: socket.socket) -> web.AppRunner:
     server = runner.server
     assert type(server) is web_server.Server, type(server)
     server.__class__ = _Connections  # same object and layout, different protocol factory
+    assert isinstance(server, _Connections)
     server.metrics = view.metrics
     await web.SockSite(runner, sock).start()
     return runner
