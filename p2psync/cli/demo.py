@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true",
                    help="small and fast (for tests): a 0.5M-parameter model from scratch at lr 1e-2, 4 steps, "
                         "one rollout node per region; options given explicitly still win")
-    p.add_argument("--steps", type=int, default=None, help="RL optimizer steps (default 20; --quick 4)")
+    p.add_argument("--steps", type=int, default=None, help="RL optimizer steps (default 60; --quick 4)")
     p.add_argument("--regions", type=int, default=2, help="emulated regions (default 2)")
     p.add_argument("--rollouts-per-region", type=int, default=None,
                    help="rollout nodes per region (default 2; --quick 1)")
@@ -37,7 +37,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--task", default=None, help="reward task (see trainer.tasks; default add_small)")
     p.add_argument("--group-size", type=int, default=None, help="responses per prompt (default 8)")
     p.add_argument("--groups-per-step", type=int, default=None, help="prompt groups per optimizer step")
-    p.add_argument("--lr", type=float, default=None, help="RL learning rate (default 1e-6; --quick 1e-2)")
+    p.add_argument("--lr", type=float, default=None, help="RL learning rate (default 7.5e-5; --quick 1e-2)")
+    p.add_argument("--adam-eps", type=float, default=None,
+                   help="AdamW epsilon (default 1e-3: the step follows the gradient's size; --quick 1e-8)")
+    p.add_argument("--reward", choices=("shaped", "exact"), default=None,
+                   help="exact: 1 for the exact answer, else 0 (default); shaped: partial credit (--quick)")
     p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
     p.add_argument("--warm-start-steps", type=int, default=None,
                    help="supervised steps on the task before version 0 (default 40; --quick 0)")

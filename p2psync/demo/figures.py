@@ -24,6 +24,12 @@ def _save(fig: Any, path: Path) -> Path:
     return path
 
 
+def _integer_x(ax: Any) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def reward_png(steps: list[dict], path: Path) -> Path:
     fig = _figure()
     ax = fig.add_subplot()
@@ -31,11 +37,13 @@ def reward_png(steps: list[dict], path: Path) -> Path:
     mean = [s.get("reward_mean", math.nan) for s in steps]
     acc = [s.get("accuracy", math.nan) for s in steps]
     ax.plot(xs, mean, marker="o", ms=3, label="mean reward of the step's groups")
-    ax.plot(xs, acc, marker=".", ms=3, ls=":", color="tab:green", label="share of exact answers")
+    if any(abs(a - m) > 1e-9 for a, m in zip(acc, mean) if a == a and m == m):  # shaped reward: both differ
+        ax.plot(xs, acc, marker=".", ms=3, ls=":", color="tab:green", label="share of exact answers")
     if len(mean) >= 3:
         k = 3
         smooth = [sum(mean[max(0, i - k + 1): i + 1]) / len(mean[max(0, i - k + 1): i + 1]) for i in range(len(mean))]
         ax.plot(xs, smooth, color="tab:blue", lw=2.2, alpha=0.5, label="reward, mean of 3 steps")
+    _integer_x(ax)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reward")
     ax.set_ylim(0, 1.02)
@@ -55,6 +63,10 @@ def payload_png(steps: list[dict], path: Path) -> Path:
     if full:
         ax.axhline(full / 1e6, color="tab:red", ls="--", label=f"full bf16 weights ({full / 1e6:.1f} MB)")
     ax.set_yscale("log")
+    shipped = [s.get("payload_bytes", 0) for s in steps if s.get("payload_bytes")]
+    if shipped and full:
+        ax.set_ylim(min(shipped) / 1e6 / 4, full / 1e6 * 3)
+    _integer_x(ax)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("MB per step (log scale)")
     ax.set_title("bytes shipped per step: delta vs full weights")
@@ -86,6 +98,7 @@ def dissemination_png(timings: dict[str, Any], path: Path) -> Path:
                     ys.append(d["engine"])
         if xs:
             ax.scatter(xs, ys, s=9, marker="x", color=colours[r], alpha=0.6, label=f"{r}: an engine serves it")
+    _integer_x(ax)
     ax.set_xlabel("version (delta)")
     ax.set_ylabel("seconds after the announcement")
     ax.set_title("dissemination per region (node timestamps, not polling)")

@@ -18,13 +18,14 @@ from p2psync.demo.summary import headline, median, summarize
 
 
 SHOWCASE: dict[str, Any] = {
-    "steps": 20, "preset_e2e": "demo", "task": "add_small", "lr": 1e-6, "temperature": 0.5,
-    "group_size": 8, "groups_per_step": 8, "warm_start_steps": 40, "warm_start_noise": 0.5,
+    "steps": 60, "preset_e2e": "demo", "task": "add_small", "lr": 7.5e-5, "adam_eps": 1e-3, "reward": "exact",
+    "temperature": 1.0, "group_size": 8, "groups_per_step": 8, "warm_start_steps": 40, "warm_start_noise": 0.5,
     "rollouts_per_region": 2,
 }
 """The default run: the sparse RL regime (see the README's "What the demo shows")."""
 QUICK: dict[str, Any] = {
-    "steps": 4, "preset_e2e": "mini", "task": "add_small", "lr": 1e-2, "temperature": 1.0,
+    "steps": 4, "preset_e2e": "mini", "task": "add_small", "lr": 1e-2, "adam_eps": 1e-8, "reward": "shaped",
+    "temperature": 1.0,
     "group_size": 8, "groups_per_step": 4, "warm_start_steps": 0, "warm_start_noise": 0.0,
     "rollouts_per_region": 1,
 }
@@ -44,7 +45,7 @@ def regime(args: argparse.Namespace) -> dict[str, Any]:
     """What the run trains, for the report."""
     apply_profile(args)
     return {"model": args.model_path or f"preset {args.preset_e2e}", "task": args.task, "lr": args.lr,
-            "temperature": args.temperature, "group_size": args.group_size,
+            "adam_eps": args.adam_eps, "reward": args.reward, "temperature": args.temperature, "group_size": args.group_size,
             "groups_per_step": args.groups_per_step, "warm_start_steps": args.warm_start_steps,
             "warm_start_noise": args.warm_start_noise, "max_staleness": args.max_staleness,
             "regions": args.regions, "relays_per_region": args.relays_per_region,
@@ -57,7 +58,8 @@ def _trainer_options(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                             "metrics_path": str(out / "metrics.jsonl"), "sync": not args.no_sync,
                             "versions_path": str(out / "versions.jsonl"), "preset": args.preset_e2e,
                             "threads": 1, "done_path": str(out / "trainer.done.json"),
-                            "temperature": args.temperature, "warm_start_steps": args.warm_start_steps,
+                            "temperature": args.temperature, "adam_eps": args.adam_eps, "reward": args.reward,
+                            "warm_start_steps": args.warm_start_steps,
                             "warm_start_noise": args.warm_start_noise,
                             # the rollout nodes only wait for version 0 meanwhile: both cores
                             "warm_start_threads": 2}

@@ -52,7 +52,10 @@ def tree(snap: dict[str, Any]) -> dict[str, Any]:
     and which nodes enter each region from outside it (in the plan and in use)."""
     t = snap.get("timings", {})
     roles, regions = t.get("roles", {}), t.get("regions", {})
-    plan = snap["plans"][-1][1] if snap.get("plans") else {}
+    # The newest of the plans that placed the most nodes: the rollout nodes leave first when the
+    # demo stops, and the coordinator re-plans without them.
+    plans = [p for _, p in snap.get("plans", [])]
+    plan = max(reversed(plans), key=len) if plans else {}
     used: dict[str, dict[str, int]] = t.get("parents_used", {})
     changes = t.get("parent_changes", [])
     nodes: dict[str, Any] = {}
