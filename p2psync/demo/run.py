@@ -20,13 +20,13 @@ from p2psync.demo.summary import headline, median, summarize
 SHOWCASE: dict[str, Any] = {
     "steps": 60, "preset_e2e": "demo", "task": "add_small", "lr": 7.5e-5, "adam_eps": 1e-3, "reward": "exact",
     "temperature": 1.0, "group_size": 8, "groups_per_step": 8, "warm_start_steps": 40, "warm_start_noise": 0.5,
-    "rollouts_per_region": 2,
+    "warm_start_batch": 16, "rollouts_per_region": 2,
 }
 """The default run: the sparse RL regime (see the README's "What the demo shows")."""
 QUICK: dict[str, Any] = {
     "steps": 4, "preset_e2e": "mini", "task": "add_small", "lr": 1e-2, "adam_eps": 1e-8, "reward": "shaped",
     "temperature": 1.0,
-    "group_size": 8, "groups_per_step": 4, "warm_start_steps": 0, "warm_start_noise": 0.0,
+    "group_size": 8, "groups_per_step": 4, "warm_start_steps": 0, "warm_start_noise": 0.0, "warm_start_batch": 16,
     "rollouts_per_region": 1,
 }
 """``--quick``: a 0.5M-parameter model from scratch at a high learning rate, a few steps (tests)."""
@@ -47,7 +47,8 @@ def regime(args: argparse.Namespace) -> dict[str, Any]:
     return {"model": args.model_path or f"preset {args.preset_e2e}", "task": args.task, "lr": args.lr,
             "adam_eps": args.adam_eps, "reward": args.reward, "temperature": args.temperature, "group_size": args.group_size,
             "groups_per_step": args.groups_per_step, "warm_start_steps": args.warm_start_steps,
-            "warm_start_noise": args.warm_start_noise, "max_staleness": args.max_staleness,
+            "warm_start_noise": args.warm_start_noise, "warm_start_batch": args.warm_start_batch,
+            "max_staleness": args.max_staleness,
             "regions": args.regions, "relays_per_region": args.relays_per_region,
             "rollouts_per_region": args.rollouts_per_region, "seed": args.seed}
 
@@ -60,7 +61,7 @@ def _trainer_options(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                             "threads": 1, "done_path": str(out / "trainer.done.json"),
                             "temperature": args.temperature, "adam_eps": args.adam_eps, "reward": args.reward,
                             "warm_start_steps": args.warm_start_steps,
-                            "warm_start_noise": args.warm_start_noise,
+                            "warm_start_noise": args.warm_start_noise, "warm_start_batch": args.warm_start_batch,
                             # the rollout nodes only wait for version 0 meanwhile: both cores
                             "warm_start_threads": 2}
     first = getattr(args, "publish_first", "auto")

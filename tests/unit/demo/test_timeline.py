@@ -97,3 +97,28 @@ def test_summary_keeps_the_keys_other_programs_read() -> None:
     assert s["median_region_s"] == {"r1": pytest.approx(0.4)}
     bad = summarize(snap, problems=["1 fingerprint mismatches"], wall_s=12.0, regime={})
     assert bad["ok"] is False and bad["verdict"] == "FAILED: 1 fingerprint mismatches"
+
+
+def test_the_dashboard_shows_the_reports_headline() -> None:
+    from rich.console import Console
+
+    from p2psync.demo import dashboard
+    from p2psync.demo.monitor import NodeView
+    from p2psync.demo.summary import headline
+
+    tl = _tl()
+    aid = "delta-0-1-00112233aabbccdd"
+    _feed(tl, "trainer", 0.0, f"published {aid}")
+    for n, d in (("relay", 0.1), ("a1", 0.2), ("a2", 0.4)):
+        _feed(tl, n, d, f"holds {aid}: 1 chunks (0 held or pushed) 0.0 s after its manifest")
+    snap = _snap(tl, {"relay": "trainer", "a1": "relay", "a2": "relay"})
+    snap["steps"] = [{"step": 1, "reward_mean": 0.25, "changed_fraction": 0.02, "payload_bytes": 400_000,
+                      "full_bytes": 38_000_000}]
+    snap["nodes"] = {n: NodeView(n, r, REGIONS[n], 1, "ab" * 16, None, True) for n, r in ROLES.items()}
+    s = summarize(snap, problems=[], wall_s=65.0, regime={})
+    con = Console(record=True, width=200)
+    con.print(dashboard.render(snap, s, 60, "nodes"))
+    text = con.export_text()
+    for label, value in headline(s, 60, running=True):
+        assert label in text and value in text
+    assert "1 of 60 GRPO steps" in text and "95x smaller" in text and "region r1" in text
