@@ -175,8 +175,9 @@ def headline(summary: dict[str, Any], total_steps: int | None = None, running: b
     ent = t["entries_used"]
     if ent:
         desc = ", ".join(f"{reg} via {' + '.join(ns)}" for reg, ns in ent.items())
+        once = all(len(ns) == 1 for ns in ent.values())
         diff = [n for n, v in t["nodes"].items() if v["differs"]]
-        rows.append(("tree", f"regions entered {desc}; "
+        rows.append(("tree", ("each region entered once from outside: " if once else "regions entered ") + f"{desc}; "
                      + ("every node pulled from its planned parent" if not diff
                         else f"{len(diff)} nodes pulled from a parent the plan did not name ({', '.join(diff)})")))
     rows.append(("fingerprints checked", f"{summary['fingerprints_checked']}, "

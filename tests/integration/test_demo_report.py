@@ -55,7 +55,7 @@ def test_the_report_opens_with_the_headline_then_the_pictures(tmp_path):
             assert "(95x smaller)" in head["payload, all steps"]
             assert head["region r0"].startswith("held 0.048 s median, 0.048 s max; engines serving 0.138 s median")
             assert head["region r1"].startswith("held 0.160 s median")
-            assert "regions entered r1 via r1-relay1 + r1-rollout2" in head["tree"]
+            assert "regions entered r1 via r1-relay1 + r1-rollout2" in head["tree"]  # the detour enters r1 too
             assert "1 nodes pulled from a parent the plan did not name (r1-rollout2)" in head["tree"]
             assert head["fingerprints checked"].endswith(", 0 mismatches")
             assert head["wall time"] == "3 min 21.0 s"
