@@ -26,7 +26,7 @@ def render(snap: dict[str, Any], summary: dict[str, Any], total_steps: int, titl
     head.add_column(style="bold")
     head.add_column()
     for label, value in headline(summary, total_steps, running=running):
-        style = None
+        style = ""
         if label.startswith("verdict"):
             style = "green" if not summary["mismatches"] and (running or summary["ok"]) else "red bold"
         head.add_row(label, Text(value, style=style))

@@ -7,10 +7,11 @@ and the run's outcome; the live dashboard calls them on the run so far.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 
-def median(xs: list[float | None]) -> float | None:
+def median(xs: Sequence[float | None]) -> float | None:
     ys = sorted(x for x in xs if x is not None)
     if not ys:
         return None
