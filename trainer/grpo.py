@@ -17,6 +17,12 @@ payload_bytes, full_bytes, encode_s, publish_s, step_s, fingerprint, time`` plus
 loss statistics. ``versions_path`` (optional): one line per published version
 (``version, fingerprint, time``), version 0 included.
 
+Warm start (``warm_start_steps > 0``): before version 0 is published, that many
+supervised steps on the task's answers and, weighted ``warm_start_noise``, its near
+misses (:meth:`trainer.tasks.Task.near_miss`), with their own AdamW; version 0 is
+the warmed model, so every rollout node starts from it. A ``{"event": "warm_start",
+...}`` line goes to ``metrics_path``.
+
 ``sync: false`` publishes version 0 only: rollouts keep generating with it (the
 staleness bound is then not enforced), to measure step time without weight sync.
 ``sync: "full"`` publishes every version as a full snapshot of the weights (the
@@ -28,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import random
 import threading
 import time
@@ -66,6 +73,11 @@ class GRPOOptions:
     max_staleness: int = 1
     """k: a sample generated with weights more than k versions older than the step's is dropped."""
     temperature: float = 1.0
+    reward: str = "shaped"
+    """``"shaped"``: the task's reward (partial credit for near answers); ``"exact"``: 1 for the exact
+    answer followed by the stop symbol, else 0 (a verifiable reward, as RL on reasoning uses)."""
+    adam_eps: float = 1e-8
+    """AdamW's epsilon (RL recipes such as PPO's often take 1e-5)."""
     clip_low: float = 0.2
     clip_high: float = 0.28
     beta: float = 0.0
@@ -89,6 +101,16 @@ class GRPOOptions:
     """Announce each version before the next step's training starts (None: when ``max_staleness <= 1``).
     At k <= 1 the next-but-one batch waits for this version on the rollout nodes, while the next
     step's training is not on that path; running both at once only slows the announcement."""
+    warm_start_steps: int = 0
+    """Supervised steps on the task before version 0 is published (0: RL from the initial weights)."""
+    warm_start_lr: float = 1e-3
+    warm_start_batch: int = 32
+    """Demonstrations per warm-start step."""
+    warm_start_noise: float = 0.0
+    """Weight of each problem's near miss (:meth:`trainer.tasks.Task.near_miss`) in the warm start;
+    the answer has ``1 - warm_start_noise``. 0.5: the warmed policy hesitates between the two."""
+    warm_start_threads: int = 0
+    """torch threads for the warm start (0: as ``threads``); nothing else runs on the cores meanwhile."""
     metrics_path: str | None = None
     versions_path: str | None = None
 
@@ -100,6 +122,17 @@ class GRPOOptions:
             raise ConfigError("max_staleness" if self.max_staleness < 0 else "threads", "must be >= 0")
         if not self.lr > 0:
             raise ConfigError("lr", "must be > 0")
+        if self.warm_start_steps < 0 or self.warm_start_threads < 0 or self.warm_start_batch < 1:
+            raise ConfigError("warm_start_steps" if self.warm_start_steps < 0 else "warm_start_threads"
+                              if self.warm_start_threads < 0 else "warm_start_batch", "out of range")
+        if not self.warm_start_lr > 0:
+            raise ConfigError("warm_start_lr", "must be > 0")
+        if not 0.0 <= self.warm_start_noise < 1.0:
+            raise ConfigError("warm_start_noise", f"must be in [0, 1), got {self.warm_start_noise!r}")
+        if self.reward not in ("shaped", "exact"):
+            raise ConfigError("reward", f"must be 'shaped' or 'exact', got {self.reward!r}")
+        if not self.adam_eps > 0:
+            raise ConfigError("adam_eps", "must be > 0")
         if self.aggregate not in ("token", "sequence"):
             raise ConfigError("aggregate", f"must be 'token' or 'sequence', got {self.aggregate!r}")
         if self.rollouts not in ("node", "local"):
@@ -148,7 +181,8 @@ class GRPOTrainer:
         self.model = model
         self.opts = opts
         self.tok = tokenizer
-        self.opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.99), weight_decay=0.0)
+        self.opt = torch.optim.AdamW(model.parameters(), lr=opts.lr, betas=(0.9, 0.99), eps=opts.adam_eps,
+                                     weight_decay=0.0)
         self.ref: torch.nn.Module | None = None
         if opts.beta > 0:
             import copy
@@ -192,6 +226,63 @@ class GRPOTrainer:
         r = torch.tensor(rewards)
         return StepStats(float(r.mean()), float(r.std()) if r.numel() > 1 else 0.0, float((r >= 1.0).float().mean()),
                          stats, time.perf_counter() - t0, staleness)
+
+
+@dataclass
+class WarmStart:
+    steps: int
+    loss_first: float
+    loss_last: float
+    seconds: float
+
+
+def warm_start(model: torch.nn.Module, task: Task, tok: CharTokenizer, opts: GRPOOptions) -> WarmStart:
+    """Supervised steps on ``task``'s demonstrations (cross-entropy on the response and its stop symbol)."""
+    t0 = time.perf_counter()
+    before = torch.get_num_threads()
+    if opts.warm_start_threads:  # set in the thread that computes (OpenMP's setting is per thread)
+        torch.set_num_threads(opts.warm_start_threads)
+    try:
+        return _warm_steps(model, task, tok, opts, t0)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _warm_steps(model: torch.nn.Module, task: Task, tok: CharTokenizer, opts: GRPOOptions, t0: float) -> WarmStart:
+    rng = random.Random(opts.seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=opts.warm_start_lr, betas=(0.9, 0.99), weight_decay=0.0)
+    model.train()
+    losses = []
+    noise = opts.warm_start_noise
+    for _ in range(opts.warm_start_steps):
+        # Each problem with its answer (weight 1 - noise) and, when noise > 0, its near miss
+        # (weight noise): the imitated mix is exact in every batch, not a sampled one.
+        rows: list[tuple[list[int], list[int], float]] = []
+        for _ in range(opts.warm_start_batch):
+            problem = task.sample(rng)
+            prompt = tok.encode(problem.prompt)
+            rows.append((prompt, tok.encode(problem.answer, bos=False) + [tok.eos_id], 1.0 - noise))
+            if noise > 0:
+                rows.append((prompt, tok.encode(task.near_miss(problem), bos=False) + [tok.eos_id], noise))
+        width = max(len(p) + len(r) for p, r, _ in rows)
+        ids = torch.full((len(rows), width), tok.pad_id, dtype=torch.long)
+        targets = torch.zeros((len(rows), width), dtype=torch.long)
+        weight = torch.zeros((len(rows), width))
+        attn = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, (p, r, w) in enumerate(rows):
+            ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+            attn[i, : len(p) + len(r)] = 1
+            targets[i, len(p) - 1: len(p) - 1 + len(r)] = torch.tensor(r)  # logits at t predict token t + 1
+            weight[i, len(p) - 1: len(p) - 1 + len(r)] = w
+        logp = torch.log_softmax(model(input_ids=ids, attention_mask=attn).logits.float(), dim=-1)
+        nll = -logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        loss = (nll * weight).sum() / weight.sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss.detach()))
+    return WarmStart(len(losses), losses[0] if losses else math.nan, losses[-1] if losses else math.nan,
+                     time.perf_counter() - t0)
 
 
 class _Lines:
@@ -241,6 +332,11 @@ class GRPORun:
             torch.set_num_threads(opts.threads)
         self.model = await asyncio.to_thread(build_model, opts.preset, opts.model_path, opts.seed)
         self.tok = CharTokenizer(self.model.config.vocab_size)
+        if opts.warm_start_steps:
+            warm = await asyncio.to_thread(warm_start, self.model, self.task, self.tok, opts)
+            logger.info("warm start: %d supervised steps, loss %.3f -> %.3f, %.1f s", warm.steps, warm.loss_first,
+                        warm.loss_last, warm.seconds)
+            self.metrics.write({"event": "warm_start", **vars(warm)})
         self.trainer = GRPOTrainer(self.model, opts, self.tok)
         await node.loaded.wait()
         model_id = opts.model_path or f"preset:{opts.preset}"
@@ -305,7 +401,8 @@ class GRPORun:
         rewards = []
         for r in res.responses:
             text, ended = self.tok.decode(r.tokens)
-            rewards.append(self.task.reward(problem, text, ended))
+            reward = self.task.reward(problem, text, ended)
+            rewards.append(float(reward >= 1.0) if self.opts.reward == "exact" else reward)
         return Group(res.work_id, problem, prompt_ids, res, rewards, self.opts.temperature)
 
     def _stale(self, res: Result, version: int) -> bool:

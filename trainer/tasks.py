@@ -13,6 +13,13 @@ answers: learns in a few dozen steps), ``sub`` and ``copy``. Rewards are in
 [0, 1]: 1 for the exact answer followed by the stop symbol, with shaping so a
 random model gets a signal from its first samples: up to 0.5 for how close the
 leading number is, plus 0.1 for a response that is only a number and a stop.
+
+Near misses. :meth:`Task.near_miss` is one fixed wrong response per problem
+(the number off by one, the copy with its last digit off by one). A
+supervised warm start that imitates the answer and the near miss in equal
+measure (:func:`trainer.grpo.warm_start`) gives a policy that hesitates
+between the two on every prompt: the setting where a small, consistent
+change of the weights shows in the reward.
 """
 
 from __future__ import annotations
@@ -100,6 +107,10 @@ class Task:
     def reward(self, problem: Problem, text: str, ended: bool) -> float:
         raise NotImplementedError
 
+    def near_miss(self, problem: Problem) -> str:
+        """A wrong response close to the answer (the same one every time for a problem)."""
+        return str(int(problem.answer) + 1)
+
 
 class Addition(Task):
     def __init__(self, high: int = 9, name: str = "add") -> None:
@@ -141,6 +152,9 @@ class Copy(Task):
             return 1.0
         hits = sum(a == b for a, b in zip(text, problem.answer))
         return 0.2 * hits + (0.1 if ended else 0.0)
+
+    def near_miss(self, problem: Problem) -> str:
+        return problem.answer[:-1] + str((int(problem.answer[-1]) + 1) % 10)
 
 
 TASKS = {"add": lambda: Addition(9, "add"), "add_small": lambda: Addition(4, "add_small"),

@@ -16,7 +16,13 @@ PRESETS: dict[str, dict] = {
     # ~0.6M parameters: unit tests.
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=16),
-    # ~15M parameters: the demo, finishes in seconds per step on 2 cores.
+    # ~0.5M parameters, head_dim 32 (a size vLLM's CPU attention takes): ``p2psync demo --quick``.
+    "mini": dict(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32),
+    # ~19M parameters, 38 MB in bf16, head_dim 64: ``p2psync demo``, the sparse RL regime at lr 1e-6.
+    "demo": dict(vocab_size=512, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                 num_attention_heads=8, num_key_value_heads=4, head_dim=64),
+    # ~15M parameters: codec and rollout benchmarks.
     "small": dict(vocab_size=8192, hidden_size=384, intermediate_size=1024, num_hidden_layers=6,
                   num_attention_heads=6, num_key_value_heads=2, head_dim=64),
     # ~101M parameters: the codec benchmark.

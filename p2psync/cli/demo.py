@@ -1,13 +1,15 @@
 """``p2psync demo``: a GRPO run on one machine with a trainer, relays and rollout nodes as local processes.
 
-The trainer process runs the reference GRPO trainer and publishes every step
-as a signed delta; relays (one per region by default) forward it; rollout
-nodes apply it to their engines and generate the next rollouts, which stream
-back to the trainer under leases. A live dashboard shows the run; at the end a
-report (PNG figures and an HTML page) is written under ``--out``. Exits
-non-zero if any node or rollout engine ever held a fingerprint different from
-the trainer's for the same version, if a node did not reach the last version,
-or if a process failed.
+The trainer process warms a 19M-parameter Qwen3-shaped model up on the task
+(version 0, shipped as a snapshot), then runs GRPO at an RL learning rate and
+publishes every step as a signed sparse delta; the coordinator plans a tree
+that enters each region once, through its relay; rollout nodes apply each
+delta to their engines and generate the next rollouts, which stream back to
+the trainer under leases. A live dashboard shows the run; at the end a report
+(an HTML page with its figures, and ``summary.json``) is written under
+``--out``. Exits non-zero if any node or rollout engine ever held a fingerprint
+different from the trainer's for the same version, if a node did not reach the
+last version, or if a process failed. ``--quick``: a tiny model, a few steps.
 
 ``p2psync demo --codec`` runs the earlier single-process codec demonstration.
 """
@@ -20,17 +22,31 @@ import argparse
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="end-to-end GRPO run: trainer, relays and rollout nodes as local processes",
                        description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps (default 30)")
+    p.add_argument("--quick", action="store_true",
+                   help="small and fast (for tests): a 0.5M-parameter model from scratch at lr 1e-2, 4 steps, "
+                        "one rollout node per region; options given explicitly still win")
+    p.add_argument("--steps", type=int, default=None, help="RL optimizer steps (default 60; --quick 4)")
     p.add_argument("--regions", type=int, default=2, help="emulated regions (default 2)")
-    p.add_argument("--rollouts-per-region", type=int, default=2, help="rollout nodes per region (default 2)")
+    p.add_argument("--rollouts-per-region", type=int, default=None,
+                   help="rollout nodes per region (default 2; --quick 1)")
     p.add_argument("--relays-per-region", type=int, default=1, help="relays per region (default 1)")
-    p.add_argument("--model-path", help="local Hugging Face model folder instead of the built-in tiny config")
-    p.add_argument("--model-preset", dest="preset_e2e", default="tiny",
-                   help="random-init model preset of trainer.workload (default tiny: learns within minutes here)")
-    p.add_argument("--task", default=None, help="reward task (see trainer.tasks; default: the trainer's)")
-    p.add_argument("--group-size", type=int, default=None, help="responses per prompt")
+    p.add_argument("--model-path", help="local Hugging Face model folder instead of a built-in preset")
+    p.add_argument("--model-preset", dest="preset_e2e", default=None,
+                   help="random-init model preset of trainer.workload (default demo: 19M parameters, 38 MB in "
+                        "bf16; --quick: mini)")
+    p.add_argument("--task", default=None, help="reward task (see trainer.tasks; default add_small)")
+    p.add_argument("--group-size", type=int, default=None, help="responses per prompt (default 8)")
     p.add_argument("--groups-per-step", type=int, default=None, help="prompt groups per optimizer step")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the trainer's)")
+    p.add_argument("--lr", type=float, default=None, help="RL learning rate (default 7.5e-5; --quick 1e-2)")
+    p.add_argument("--adam-eps", type=float, default=None,
+                   help="AdamW epsilon (default 1e-3: the step follows the gradient's size; --quick 1e-8)")
+    p.add_argument("--reward", choices=("shaped", "exact"), default=None,
+                   help="exact: 1 for the exact answer, else 0 (default); shaped: partial credit (--quick)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
+    p.add_argument("--warm-start-steps", type=int, default=None,
+                   help="supervised steps on the task before version 0 (default 40; --quick 0)")
+    p.add_argument("--warm-start-noise", type=float, default=None,
+                   help="share of warm-start demonstrations that are wrong (default 0.5; --quick 0)")
     p.add_argument("--max-staleness", type=int, default=1, help="versions a rollout may lag (default 1)")
     p.add_argument("--switch", choices=("step", "batch"), default="step",
                    help="when a rollout node takes a new version: between decode steps (default: fresher tokens; "
@@ -60,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
 
         if args.lr is None:
             args.lr = 1e-6
+        if args.steps is None:
+            args.steps = 30
         return run_codec(args)
     from p2psync.demo.run import run_demo
 

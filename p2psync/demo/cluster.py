@@ -6,7 +6,8 @@ Layout (``regions`` regions, region 0 also holds the trainer)::
                           +--> relay r1-relay --> rollout r1-1, ...
 
 Each process is a ``p2psync node`` on ``127.0.0.1`` port 0; its address is
-read from its first stdout line. Configured parents are the static fallback
+read from its first stdout line. Nodes log JSON lines (``--log-json``) to
+``logs/<name>.log``: the demo reads its timings from them. Configured parents are the static fallback
 (rollouts: their region's relay, then the trainer; relays: the trainer); when
 the control plane is live the coordinator's plan takes over. The trainer runs
 the training job (``--job``), every rollout node the rollout worker.
@@ -41,6 +42,8 @@ class Proc:
     url: str
     log: Path
     data_dir: Path
+    parents: list[str] = field(default_factory=list)
+    """Configured parents (URLs), in order: the first is the node's parent until a plan or a failure moves it."""
 
     @property
     def alive(self) -> bool:
@@ -60,6 +63,8 @@ class ClusterSpec:
     """Chunk size of trainer-signed snapshots (the publisher picks its delta chunk size)."""
     extra_args: list[str] = field(default_factory=list)
     """Extra ``--section.field=value`` overrides for every node."""
+    log_json: bool = True
+    """Nodes log JSON lines with their own timestamps (:mod:`p2psync.demo.timeline` reads them)."""
 
     def region_name(self, r: int) -> str:
         return f"r{r}"
@@ -84,7 +89,8 @@ class LocalCluster:
     # ------------------------------------------------------------------ processes
     def _args(self, name: str, role: str, region: str, parents: list[str], seeds: list[str]) -> list[str]:
         data_dir = self.root / "nodes" / name
-        args = ["node", "--role", role, "--id", name, f"--region={region}", "--listen.host=127.0.0.1",
+        args = ["--log-json"] if self.spec.log_json else []
+        args += ["node", "--role", role, "--id", name, f"--region={region}", "--listen.host=127.0.0.1",
                 "--listen.port=0", f"--data_dir={data_dir}",
                 f"--cluster_token_file={self.root / 'cluster.token'}",
                 f"--trainer_public_key={self.keydir / 'trainer.pub'}",
@@ -129,7 +135,7 @@ class LocalCluster:
             popen.wait()
             tail = log.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"node {name} did not start (first line {line!r}); log tail:\n{tail}")
-        proc = Proc(name, role, region, popen, line, log, self.root / "nodes" / name)
+        proc = Proc(name, role, region, popen, line, log, self.root / "nodes" / name, list(parents))
         self.procs.append(proc)
         return proc
 
@@ -166,6 +172,24 @@ class LocalCluster:
             if p.popen.stdout:
                 p.popen.stdout.close()
         return codes
+
+    def wait_planned(self, names: list[str], timeout: float = 30.0) -> bool:
+        """Wait until the coordinator's plan (the trainer's ``/v1/cluster``) gives every node in ``names``
+        a parent; False if it did not within ``timeout``."""
+        trainer = next((p for p in self.procs if p.role == "trainer"), None)
+        if trainer is None or not names:
+            return True
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                nodes = self.get_json(trainer.url + "/v1/cluster").get("nodes", [])
+            except (OSError, urllib.error.URLError, ValueError):
+                nodes = []
+            planned = {n.get("id") for n in nodes if isinstance(n, dict) and n.get("parent")}
+            if set(names) <= planned:
+                return True
+            time.sleep(0.2)
+        return False
 
     # ------------------------------------------------------------------ HTTP
     def get_json(self, url: str, timeout: float = 2.0) -> dict:

@@ -1,4 +1,8 @@
-"""The live terminal view of ``p2psync demo`` (rich), and a plain-text fallback for logs and CI."""
+"""The live terminal view of ``p2psync demo`` (rich), and a plain-text fallback for logs and CI.
+
+The header is the report's headline table (:func:`p2psync.demo.summary.headline`) on the
+run so far; below it, one row per node.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +12,24 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from p2psync.demo.summary import headline
+
 
 def _mb(n: float) -> str:
     return f"{n / 1e6:.2f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
 
 
-def render(snap: dict[str, Any], total_steps: int, region_times: dict[int, dict[str, float]], title: str) -> Group:
-    steps = snap["steps"]
-    last = steps[-1] if steps else {}
-    head = Table.grid(padding=(0, 3))
-    head.add_row(
-        Text(f"step {last.get('step', 0)}/{total_steps}", style="bold"),
-        Text(f"reward {last.get('reward_mean', float('nan')):.3f}" if last else "reward -"),
-        Text(f"changed {100 * last.get('changed_fraction', 0.0):.2f} %" if last else "changed -"),
-        Text(f"payload {_mb(last.get('payload_bytes', 0))} of {_mb(last.get('full_bytes', 0))}"
-             + (f" ({last['full_bytes'] / max(1, last['payload_bytes']):.0f}x smaller)"
-                if last.get("payload_bytes") else "") if last else "payload -"),
-        Text(f"fingerprints checked {snap['checked']}, mismatches {len(snap['mismatches'])}",
-             style="red bold" if snap["mismatches"] else "green"),
-    )
+def render(snap: dict[str, Any], summary: dict[str, Any], total_steps: int, title: str,
+           running: bool = True) -> Group:
+    head = Table(show_header=False, title="p2psync demo" + (" (running)" if running else ""), title_justify="left",
+                 expand=False)
+    head.add_column(style="bold")
+    head.add_column()
+    for label, value in headline(summary, total_steps, running=running):
+        style = ""
+        if label.startswith("verdict"):
+            style = "green" if not summary["mismatches"] and (running or summary["ok"]) else "red bold"
+        head.add_row(label, Text(value, style=style))
     nodes = Table(title=title, title_justify="left", expand=False)
     for col in ("node", "role", "region", "version", "engine", "parent", "in", "out"):
         nodes.add_column(col, justify="right" if col in ("version", "engine", "in", "out") else "left")
@@ -37,14 +40,7 @@ def render(snap: dict[str, Any], total_steps: int, region_times: dict[int, dict[
                       "-" if v.engine_version is None else str(v.engine_version),
                       v.parent or "-", _mb(v.bytes_in), _mb(v.bytes_out),
                       style=None if v.reachable else "dim")
-    diss = Table(title="dissemination: trainer -> last node of each region (s)", title_justify="left")
-    regions = sorted({r for t in region_times.values() for r in t})
-    diss.add_column("version", justify="right")
-    for r in regions:
-        diss.add_column(r, justify="right")
-    for ver in sorted(region_times)[-5:]:
-        diss.add_row(str(ver), *[f"{region_times[ver].get(r, float('nan')):.2f}" for r in regions])
-    return Group(head, nodes, diss)
+    return Group(head, nodes)
 
 
 def plain_line(snap: dict[str, Any], total_steps: int) -> str | None:

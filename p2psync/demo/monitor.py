@@ -1,14 +1,18 @@
-"""Watch a running :class:`~p2psync.demo.cluster.LocalCluster`: versions, fingerprints, timings, rewards.
+"""Watch a running :class:`~p2psync.demo.cluster.LocalCluster`: versions, fingerprints, timings, rewards, plan.
 
 Sources:
 
-- every node's ``/v1/status`` polled in parallel threads (version, fingerprint,
-  parent): the time a node is first seen at version v is its arrival time,
-  good to the poll interval;
+- every node's JSON log file (:class:`~p2psync.demo.timeline.Timeline`): when
+  the trainer announced each version and when each node held it, applied it and
+  its engine served it, stamped by the nodes themselves; the parents they
+  pulled from; the fingerprint of every version every node applied;
+- every node's ``/v1/status``, polled (version, fingerprint, parent, bytes):
+  the live table of the dashboard, and one more fingerprint source;
+- the trainer's ``/v1/cluster``, polled: the coordinator's current plan;
 - the training job's metrics file (one JSON line per step, with the version it
-  published and that version's fingerprint);
+  published and that version's fingerprint) and versions file;
 - each rollout worker's events file (one JSON line per version switch with the
-  engine's own fingerprint, and per generated batch).
+  engine's own fingerprint, recomputed from its weights, and per batch).
 
 The invariant checked: for every (node, version) seen, the fingerprint equals
 the trainer's for that version. A mismatch is recorded, never overwritten.
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from p2psync.demo.cluster import LocalCluster, Proc
+from p2psync.demo.timeline import Timeline
 
 
 @dataclass
@@ -85,15 +90,17 @@ class Monitor:
     cluster: LocalCluster
     metrics_path: Path
     events_paths: dict[str, Path]
-    interval: float = 0.1
+    interval: float = 0.5
     versions_path: Path | None = None
     """The trainer's (version, fingerprint) lines, version 0 included."""
     nodes: dict[str, NodeView] = field(default_factory=dict)
     steps: list[dict] = field(default_factory=list)
+    warm_start: dict | None = None
     expected: dict[int, str] = field(default_factory=dict)
     """Trainer fingerprint per version."""
-    arrivals: dict[int, dict[str, float]] = field(default_factory=dict)
-    """version -> node -> first time seen holding it."""
+    timeline: Timeline = field(default_factory=lambda: Timeline({}, {}))
+    plans: list[tuple[float, dict[str, str]]] = field(default_factory=list)
+    """Each distinct plan the coordinator published (time first seen, child -> parent)."""
     observed: list[tuple[str, int, str, str]] = field(default_factory=list)
     """(node, version, fingerprint, source) as seen, checked once the trainer's is known."""
     mismatches: list[Mismatch] = field(default_factory=list)
@@ -107,6 +114,7 @@ class Monitor:
         self._metrics = _Tail(self.metrics_path)
         self._versions = _Tail(self.versions_path) if self.versions_path else None
         self._events = {n: _Tail(p) for n, p in self.events_paths.items()}
+        self._logs: dict[str, _Tail] = {}
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="monitor")
         self._thread = threading.Thread(target=self._run, name="monitor", daemon=True)
         self._url_to_name: dict[str, str] = {}
@@ -142,8 +150,25 @@ class Monitor:
         for p in procs:
             self._url_to_name[p.url.rstrip("/")] = p.name
         statuses = list(self._pool.map(lambda p: (p, self.cluster.status(p, timeout=1.0)), procs))
+        trainer = next((p for p in procs if p.role == "trainer"), None)
+        plan = self._plan_of(trainer) if trainer is not None else None
         now = time.time()
         with self._lock:
+            tl = self.timeline
+            for p in procs:
+                tl.roles[p.name], tl.regions[p.name] = p.role, p.region
+                tl.url_names[p.url.rstrip("/")] = p.name
+                if p.parents:
+                    tl.configured[p.name] = tl.name_of(p.parents[0])
+                tail = self._logs.setdefault(p.name, _Tail(p.log))
+                for rec in tail.read():
+                    tl.feed(p.name, rec)
+            for name, version, fp in tl.fingerprints:
+                if tl.roles.get(name) != "trainer":
+                    self._observe(name, version, fp, "node")
+            tl.fingerprints.clear()
+            if plan and (not self.plans or self.plans[-1][1] != plan):
+                self.plans.append((now, plan))
             for p, st in statuses:
                 self._note_status(p, st, now)
             for row in self._metrics.read():
@@ -156,6 +181,15 @@ class Monitor:
                     self._note_event(name, ev)
             self._check()
 
+    def _plan_of(self, trainer: Proc) -> dict[str, str] | None:
+        """The coordinator's current plan (child -> parent), from the trainer's ``/v1/cluster``."""
+        try:
+            nodes = self.cluster.get_json(trainer.url + "/v1/cluster", timeout=1.0).get("nodes", [])
+        except (OSError, ValueError, AttributeError):
+            return None
+        plan = {str(n["id"]): str(n["parent"]) for n in nodes if isinstance(n, dict) and n.get("parent")}
+        return plan or None
+
     def _note_status(self, p: Proc, st: dict | None, now: float) -> None:
         v = self.nodes.setdefault(p.name, NodeView(p.name, p.role, p.region))
         v.reachable = st is not None
@@ -165,12 +199,13 @@ class Monitor:
         v.bytes_in, v.bytes_out = int(st.get("bytes_in") or 0), int(st.get("bytes_out") or 0)
         parent = st.get("parent")
         v.parent = self._url_to_name.get(str(parent).rstrip("/"), parent) if parent else None
-        if v.version is not None:
-            self.arrivals.setdefault(v.version, {}).setdefault(p.name, now)
-            if v.fingerprint:
-                self._observe(p.name, v.version, v.fingerprint, "node")
+        if v.version is not None and v.fingerprint:
+            self._observe(p.name, v.version, v.fingerprint, "node")
 
     def _note_step(self, row: dict) -> None:
+        if row.get("event") == "warm_start":
+            self.warm_start = row
+            return
         if "version" in row and row.get("fingerprint"):
             self.expected[int(row["version"])] = str(row["fingerprint"])
         if "step" in row:
@@ -205,8 +240,10 @@ class Monitor:
             return {
                 "nodes": {k: NodeView(**vars(v)) for k, v in self.nodes.items()},
                 "steps": list(self.steps),
+                "warm_start": self.warm_start,
                 "expected": dict(self.expected),
-                "arrivals": {k: dict(v) for k, v in self.arrivals.items()},
+                "timings": self._timings(),
+                "plans": list(self.plans),
                 "mismatches": list(self.mismatches),
                 "checked": self.checked,
                 "unchecked": len(self.observed),
@@ -214,19 +251,15 @@ class Monitor:
                 "batches": list(self.batches),
             }
 
-    def region_times(self, version: int) -> dict[str, float]:
-        """Seconds from the trainer holding ``version`` to the last node of each region holding it."""
-        with self._lock:
-            arr = self.arrivals.get(version, {})
-            roots = [t for n, t in arr.items() if self.nodes.get(n) and self.nodes[n].role == "trainer"]
-            if not roots:
-                return {}
-            t0 = roots[0]
-            out: dict[str, float] = {}
-            for n, view in self.nodes.items():
-                if view.role == "trainer":
-                    continue
-                if n not in arr:
-                    return {}  # not everywhere yet
-                out[view.region] = max(out.get(view.region, 0.0), arr[n] - t0)
-            return out
+    def _timings(self) -> dict[str, Any]:
+        """What the nodes' logs say so far (see :func:`p2psync.demo.timeline.Timeline`), as plain data."""
+        tl = self.timeline
+        return {
+            "deltas": tl.deltas(),
+            "delays": {v: tl.delays(v) for v in tl.announced},
+            "region_held": {v: r for v in tl.deltas() if (r := tl.region_delays(v, "held"))},
+            "region_engine": {v: r for v in tl.deltas() if (r := tl.region_delays(v, "engine"))},
+            "parents_used": {n: dict(c) for n, c in tl.parents_used().items()},
+            "parent_changes": [vars(c) for c in tl.parent_changes],
+            "roles": dict(tl.roles), "regions": dict(tl.regions), "configured": dict(tl.configured),
+        }

@@ -14,13 +14,56 @@ from typing import Any
 
 from p2psync.demo.cluster import ClusterSpec, LocalCluster
 from p2psync.demo.monitor import Monitor
+from p2psync.demo.summary import headline, median, summarize
+
+
+SHOWCASE: dict[str, Any] = {
+    "steps": 60, "preset_e2e": "demo", "task": "add_small", "lr": 7.5e-5, "adam_eps": 1e-3, "reward": "exact",
+    "temperature": 1.0, "group_size": 8, "groups_per_step": 8, "warm_start_steps": 40, "warm_start_noise": 0.5,
+    "warm_start_batch": 16, "rollouts_per_region": 2,
+}
+"""The default run: the sparse RL regime (see the README's "What the demo shows")."""
+QUICK: dict[str, Any] = {
+    "steps": 4, "preset_e2e": "mini", "task": "add_small", "lr": 1e-2, "adam_eps": 1e-8, "reward": "shaped",
+    "temperature": 1.0,
+    "group_size": 8, "groups_per_step": 4, "warm_start_steps": 0, "warm_start_noise": 0.0, "warm_start_batch": 16,
+    "rollouts_per_region": 1,
+}
+"""``--quick``: a 0.5M-parameter model from scratch at a high learning rate, a few steps (tests)."""
+
+
+def apply_profile(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill every option left unset on the command line from ``--quick``'s or the showcase's values."""
+    profile = QUICK if getattr(args, "quick", False) else SHOWCASE
+    for key, val in profile.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, val)
+    return args
+
+
+def regime(args: argparse.Namespace) -> dict[str, Any]:
+    """What the run trains, for the report."""
+    apply_profile(args)
+    return {"model": args.model_path or f"preset {args.preset_e2e}", "task": args.task, "lr": args.lr,
+            "adam_eps": args.adam_eps, "reward": args.reward, "temperature": args.temperature, "group_size": args.group_size,
+            "groups_per_step": args.groups_per_step, "warm_start_steps": args.warm_start_steps,
+            "warm_start_noise": args.warm_start_noise, "warm_start_batch": args.warm_start_batch,
+            "max_staleness": args.max_staleness,
+            "regions": args.regions, "relays_per_region": args.relays_per_region,
+            "rollouts_per_region": args.rollouts_per_region, "seed": args.seed}
 
 
 def _trainer_options(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    apply_profile(args)
     opts: dict[str, Any] = {"steps": args.steps, "seed": args.seed, "max_staleness": args.max_staleness,
                             "metrics_path": str(out / "metrics.jsonl"), "sync": not args.no_sync,
                             "versions_path": str(out / "versions.jsonl"), "preset": args.preset_e2e,
-                            "threads": 1, "done_path": str(out / "trainer.done.json")}
+                            "threads": 1, "done_path": str(out / "trainer.done.json"),
+                            "temperature": args.temperature, "adam_eps": args.adam_eps, "reward": args.reward,
+                            "warm_start_steps": args.warm_start_steps,
+                            "warm_start_noise": args.warm_start_noise, "warm_start_batch": args.warm_start_batch,
+                            # the rollout nodes only wait for version 0 meanwhile: both cores
+                            "warm_start_threads": 2}
     first = getattr(args, "publish_first", "auto")
     if first != "auto":
         opts["publish_first"] = first == "on"
@@ -41,6 +84,15 @@ def _rollout_options(args: argparse.Namespace, out: Path, name: str, idx: int) -
 
 
 def start_cluster(args: argparse.Namespace, out: Path) -> tuple[LocalCluster, dict[str, Path]]:
+    """Trainer, then the relays, then (once the coordinator's plan has placed the relays) the rollout nodes.
+
+    Relays first, as a deployment would start its fixed infrastructure: the coordinator then plans
+    them as the regions' entries, and the rollout nodes that join later are placed below them. (When
+    a region's relay and rollout nodes join in the same burst, the coordinator's minimal re-plan
+    places them one at a time and, all offers from the trainer being equal across the region
+    boundary, can make a rollout node the region's entry with the relay below it.)
+    """
+    apply_profile(args)
     spec = ClusterSpec(regions=args.regions, rollouts_per_region=args.rollouts_per_region,
                        relays_per_region=args.relays_per_region)
     cluster = LocalCluster(out / "cluster", spec)
@@ -50,29 +102,24 @@ def start_cluster(args: argparse.Namespace, out: Path) -> tuple[LocalCluster, di
                             job_config=_trainer_options(args, out))
     seeds = [trainer.url]
     events: dict[str, Path] = {}
+    relays: dict[str, list[str]] = {}
+    for r in range(spec.regions):
+        region = spec.region_name(r)
+        relays[region] = [cluster.start(f"{region}-relay{k + 1}", "relay", region, parents=[trainer.url],
+                                        seeds=seeds, env=env).url for k in range(spec.relays_per_region)]
+    cluster.wait_planned([p.name for p in cluster.by_role("relay")], timeout=30.0)
     idx = 0
     for r in range(spec.regions):
         region = spec.region_name(r)
-        relays = [cluster.start(f"{region}-relay{k + 1}", "relay", region, parents=[trainer.url], seeds=seeds,
-                                env=env).url for k in range(spec.relays_per_region)]
         for k in range(spec.rollouts_per_region):
             name = f"{region}-rollout{k + 1}"
             idx += 1
-            parents = [relays[k % len(relays)]] if relays else []
+            parents = [relays[region][k % len(relays[region])]] if relays[region] else []
             opts = _rollout_options(args, out, name, idx)
             events[name] = Path(opts["events_path"])
             cluster.start(name, "rollout", region, parents=[*parents, trainer.url], seeds=seeds,
                           job="p2psync.demo.jobs:rollout", job_config=opts, env=env)
     return cluster, events
-
-
-def _region_times(mon: Monitor, versions: list[int]) -> dict[int, dict[str, float]]:
-    out = {}
-    for v in versions:
-        t = mon.region_times(v)
-        if t:
-            out[v] = t
-    return out
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -81,6 +128,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from p2psync.demo import dashboard, report
 
+    apply_profile(args)
     con = Console()
     import importlib.util
 
@@ -112,6 +160,7 @@ def run_demo(args: argparse.Namespace) -> int:
     warm_up()
     if time.time() - t_warm > 5:
         con.print(f"compiled the codec kernels in {time.time() - t_warm:.0f} s (cached for later runs)")
+    about = regime(args)
     cluster, events = start_cluster(args, out)
     mon = Monitor(cluster, out / "metrics.jsonl", events, versions_path=out / "versions.jsonl")
     mon.start()
@@ -123,15 +172,15 @@ def run_demo(args: argparse.Namespace) -> int:
     live = None
     try:
         if not plain:
-            live = Live(console=con, refresh_per_second=4, transient=False)
+            live = Live(console=con, refresh_per_second=2, transient=False)
             live.start()
         deadline = t_start + args.timeout
         while time.time() < deadline:
             snap = mon.snapshot()
             versions = sorted(snap["expected"])
-            rt = _region_times(mon, versions)
             if live is not None:
-                live.update(dashboard.render(snap, args.steps, rt, "nodes"))
+                so_far = summarize(snap, problems=[], wall_s=time.time() - t_start, regime=about)
+                live.update(dashboard.render(snap, so_far, args.steps, "nodes"))
             elif snap["steps"] and snap["steps"][-1].get("step") != last_step:
                 last_step = snap["steps"][-1].get("step")
                 con.print(dashboard.plain_line(snap, args.steps), highlight=False)
@@ -148,7 +197,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 if followers and all(v.version == head for v in followers):
                     final_reached = True
                     break
-            time.sleep(0.25)
+            time.sleep(0.5)
     finally:
         if live is not None:
             live.stop()
@@ -156,11 +205,6 @@ def run_demo(args: argparse.Namespace) -> int:
         codes = cluster.stop()
         mon.stop()
     snap = mon.snapshot()
-    versions = sorted(snap["expected"])
-    rt = _region_times(mon, versions)
-    steps = snap["steps"]
-    rewards = [s.get("reward_mean") for s in steps if s.get("reward_mean") is not None]
-    k = max(1, min(3, len(rewards) // 3))
     problems = []
     if snap["mismatches"]:
         problems.append(f"{len(snap['mismatches'])} fingerprint mismatches")
@@ -178,33 +222,17 @@ def run_demo(args: argparse.Namespace) -> int:
         problems.append(f"non-zero exit codes: {bad_exit}")
     roles = {p.name: p.role for p in cluster.procs}
     switch_s = [s.get("switch_s") for s in snap["switches"] if s.get("switch_s") is not None]
-    batch_s = [b.get("batch_s") for b in snap["batches"] if b.get("batch_s") is not None]
-    summary: dict[str, Any] = {
-        "ok": not problems,
-        "verdict": "every node and engine held the trainer's bits at every version"
-        if not problems else "FAILED: " + "; ".join(problems),
-        "steps": len(steps), "versions": len(versions),
-        "fingerprints_checked": snap["checked"], "mismatches": [vars(m) for m in snap["mismatches"]],
-        "reward_first": sum(rewards[:k]) / k if rewards else None,
-        "reward_last": sum(rewards[-k:]) / k if rewards else None,
-        "payload_bytes_total": sum(s.get("payload_bytes", 0) for s in steps),
-        "full_bytes_total": sum(s.get("full_bytes", 0) for s in steps),
-        "median_step_s": _median([s.get("step_s") for s in steps if s.get("step_s") is not None]),
-        "median_train_s": _median([s.get("train_s") for s in steps if s.get("train_s") is not None]),
-        "median_wait_s": _median([s.get("wait_s") for s in steps if s.get("wait_s") is not None]),
-        "median_switch_s": _median(switch_s), "median_batch_s": _median(batch_s),
-        "median_region_s": {r: _median([t[r] for t in rt.values() if r in t])
-                            for r in sorted({r for t in rt.values() for r in t})},
-        "wall_s": round(time.time() - t_start, 1), "exit_codes": codes,
-        "cpu_s": cpu, "cpu_s_by_role": {r: round(sum(c for n, c in cpu.items() if roles.get(n) == r), 2)
-                                        for r in sorted(set(roles.values()))},
-    }
-    index = report.write(out / "report", snap, rt, summary)
+    summary = summarize(snap, problems=problems, wall_s=time.time() - t_start, regime=about, extra={
+        "median_switch_s": median(switch_s), "exit_codes": codes, "cpu_s": cpu,
+        "cpu_s_by_role": {r: round(sum(c for n, c in cpu.items() if roles.get(n) == r), 2)
+                          for r in sorted(set(roles.values()))},
+    })
+    index = report.write(out / "report", snap, summary)
     if not plain:
-        con.print(dashboard.render(snap, args.steps, rt, "final state"))
-    con.print(f"reward: first {k} steps {_fmt(summary['reward_first'])} -> last {k} steps "
-              f"{_fmt(summary['reward_last'])}; payload {summary['payload_bytes_total']:,} bytes vs "
-              f"{summary['full_bytes_total']:,} for full weights; {snap['checked']} fingerprints checked")
+        con.print(dashboard.render(snap, summary, args.steps, "final state", running=False))
+    else:
+        for label, value in headline(summary, args.steps):
+            con.print(f"{label}: {value}", highlight=False)
     con.print(f"report: {index}")
     if problems:
         con.print(f"[red]FAILED: {'; '.join(problems)}[/]")
@@ -214,15 +242,3 @@ def run_demo(args: argparse.Namespace) -> int:
         return 1
     con.print("[green]OK: every rollout node and engine held exactly the trainer's bits at every version[/]")
     return 0
-
-
-def _median(xs: list[float]) -> float | None:
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"

@@ -30,3 +30,20 @@ def test_an_unknown_publish_first_value_is_refused(capsys: pytest.CaptureFixture
         build_parser().parse_args(["demo", "--publish-first", "sometimes"])
     assert e.value.code == 2
     assert "--publish-first" in capsys.readouterr().err
+
+
+def test_the_default_is_the_showcase_and_quick_is_small(tmp_path: Path) -> None:
+    show = _opts(tmp_path)
+    assert show.preset == "demo" and show.warm_start_steps > 0 and show.lr < 1e-3
+    quick = _opts(tmp_path, "--quick")
+    assert quick.preset == "mini" and quick.warm_start_steps == 0 and quick.steps < show.steps
+    # an explicit option wins over the profile
+    assert _opts(tmp_path, "--quick", "--steps", "7", "--lr", "0.5").steps == 7
+    assert _opts(tmp_path, "--quick", "--lr", "0.5").lr == 0.5
+
+
+def test_the_demo_model_suits_vllm_cpu_attention() -> None:
+    from trainer.workload import PRESETS
+
+    for name in ("demo", "mini"):
+        assert PRESETS[name]["head_dim"] in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)

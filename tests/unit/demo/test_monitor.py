@@ -56,3 +56,27 @@ def test_a_mismatch_is_kept_even_if_the_node_later_agrees(tmp_path: Path) -> Non
     mon.poll()
     snap = mon.snapshot()
     assert len(snap["mismatches"]) == 1 and snap["checked"] == 1
+
+
+def test_a_node_log_that_applied_other_bits_is_a_mismatch(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    log = tmp_path / "n1.log"
+    node = SimpleNamespace(name="n1", role="rollout", region="r1", url="http://h:2", log=log, parents=[])
+    trainer = SimpleNamespace(name="trainer", role="trainer", region="r0", url="http://h:1",
+                              log=tmp_path / "trainer.log", parents=[])
+
+    class _Cluster(_NoCluster):
+        procs = [trainer, node]
+
+    versions = tmp_path / "v.jsonl"
+    mon = Monitor(_Cluster(), tmp_path / "m.jsonl", {}, versions_path=versions)
+    _write(versions, [{"version": 1, "fingerprint": "aa" * 16}, {"version": 2, "fingerprint": "bb" * 16}])
+    _write(log, [{"t": 1.0, "msg": "[n1@r1] applied delta-0-1-aaaaaaaaaaaaaaaa (10 bytes) -> version 1 "
+                                   "fingerprint " + "aa" * 16},
+                 {"t": 2.0, "msg": "[n1@r1] applied delta-1-2-bbbbbbbbbbbbbbbb (10 bytes) -> version 2 "
+                                   "fingerprint " + "cc" * 16}])
+    mon.poll()
+    snap = mon.snapshot()
+    assert snap["checked"] == 1
+    assert [(m.node, m.version, m.source) for m in snap["mismatches"]] == [("n1", 2, "node")]
