@@ -108,7 +108,10 @@ def replan(old: Plan, model: NetworkModel, config: PlannerConfig | None = None,
         # promoted entry is in place before its region's other orphans and the regions it fed.
         # Many (a wave of joiners): strongest first, one pass.
         if len(remaining) <= 32:
-            key, best, top = max((*choose(t), t) for t in remaining)
+            # Equal offers (a region's joiners all capped by the same link) go to the joiner
+            # with the most uplink, so a region is entered through its relay, not its last name.
+            key, best, top = max(((*choose(t), t) for t in remaining),
+                                 key=lambda c: (c[0], model.node(c[2]).uplink_bps, c[2]))
         else:
             top = remaining[0]
             key, best = choose(top)

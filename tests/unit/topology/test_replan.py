@@ -67,3 +67,20 @@ def test_few_moves_at_scale():
     victim = _busiest(p)
     q = replan(p, m.without_nodes([victim]), CFG)
     assert len(moved_nodes(p, q)) <= 0.05 * len(q.parents)
+
+
+def test_a_wave_of_joiners_enters_a_new_region_through_its_strongest_node():
+    # The trainer alone, then a region's relay and rollout nodes join at once (a cluster starting):
+    # every one of them gets the same offer from the trainer (the default cross-region rate caps it),
+    # so the tie goes to the joiner with the most uplink, the relay, whatever the names say.
+    from topology.model import NetworkModel
+
+    alone = NetworkModel([NodeSpec("trainer", "r0", "trainer", 10 * G, 10 * G)])
+    p = plan(alone, CFG)
+    grown = alone.with_nodes([NodeSpec("r1-relay1", "r1", "relay", 10 * G, 10 * G),
+                              NodeSpec("r1-rollout1", "r1", "rollout", 1 * G, 10 * G),
+                              NodeSpec("r1-rollout2", "r1", "rollout", 1 * G, 10 * G)])
+    q = replan(p, grown, CFG, rebuild_factor=None)
+    entries = [c for c, x in q.parents.items() if q.regions[c] == "r1" and q.regions[x] != "r1"]
+    assert entries == ["r1-relay1"]
+    assert q.parents["r1-rollout1"] == q.parents["r1-rollout2"] == "r1-relay1"
