@@ -223,8 +223,8 @@ class GRPOTrainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.opts.max_grad_norm)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        r = torch.tensor(rewards)
-        return StepStats(float(r.mean()), float(r.std()) if r.numel() > 1 else 0.0, float((r >= 1.0).float().mean()),
+        rt = torch.tensor(rewards)
+        return StepStats(float(rt.mean()), float(rt.std()) if rt.numel() > 1 else 0.0, float((rt >= 1.0).float().mean()),
                          stats, time.perf_counter() - t0, staleness)
 
 
@@ -319,6 +319,10 @@ class GRPORun:
         self.sink: Any = None
         self.local: Any = None
         self.pub: Any = None
+        # Built by create():
+        self.model: Any = None
+        self.tok: CharTokenizer
+        self.trainer: GRPOTrainer
         first = opts.publish_first
         self._publish_first = bool(opts.sync) and (opts.max_staleness <= 1 if first is None else first)
 

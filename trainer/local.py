@@ -128,6 +128,7 @@ class InProcessRollouts:
             while self.version != self.node.version and not await asyncio.to_thread(self._load):
                 await asyncio.sleep(0.01)
             version = self.version
+            assert version is not None  # the node holds req.min_version or newer, and so do we
             out = await asyncio.to_thread(sample, self.policy, req.prompt_ids, n, req, self._gen)
             responses = [ResponseResult(toks, lps, [version] * len(toks), reason) for toks, lps, reason in out]
             self._pending -= 1

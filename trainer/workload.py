@@ -59,7 +59,7 @@ class Workload:
         self.dtype = dtype
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99), weight_decay=0.01)
         self.gen = torch.Generator().manual_seed(seed)
-        self.vocab = model.config.vocab_size
+        self.vocab: int = model.config.vocab_size  # type: ignore[union-attr,assignment]  # a transformers model
         self.batch, self.seq = batch, seq
         self.steps = 0
 

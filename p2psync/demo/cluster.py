@@ -24,6 +24,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -113,7 +114,7 @@ class LocalCluster:
 
         return "gossip" in {f.name for f in fields(NodeConfig)}
 
-    def start(self, name: str, role: str, region: str, parents: list[str] = (), seeds: list[str] = (),
+    def start(self, name: str, role: str, region: str, parents: Sequence[str] = (), seeds: Sequence[str] = (),
               job: str | None = None, job_config: dict[str, Any] | None = None,
               env: dict[str, str] | None = None, timeout: float = 120.0) -> Proc:
         args = self._args(name, role, region, list(parents), list(seeds))
@@ -209,6 +210,7 @@ def _readline(popen: subprocess.Popen, timeout: float) -> str:
     """First stdout line of ``popen`` within ``timeout`` seconds ('' if none)."""
     import selectors
 
+    assert popen.stdout is not None  # started with stdout=PIPE
     sel = selectors.DefaultSelector()
     sel.register(popen.stdout, selectors.EVENT_READ)
     try:

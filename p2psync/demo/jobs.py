@@ -22,7 +22,7 @@ async def trainer(node: Any, options: dict[str, Any]) -> int:
     t0 = time.time()
     try:
         rc = await run(node, options)
-        outcome = {"rc": int(rc or 0), "seconds": time.time() - t0}
+        outcome: dict[str, Any] = {"rc": int(rc or 0), "seconds": time.time() - t0}
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - reported to the demo, which exits non-zero
@@ -30,7 +30,7 @@ async def trainer(node: Any, options: dict[str, Any]) -> int:
         node.log.exception("training job failed")
     done_path.write_text(json.dumps(outcome))
     await asyncio.Event().wait()  # keep serving until SIGTERM
-    return outcome["rc"]
+    return int(outcome["rc"])
 
 
 async def rollout(node: Any, options: dict[str, Any]) -> int:
