@@ -67,7 +67,16 @@ from p2psync.errors import ConfigError, FingerprintMismatch, LeaseExpired, P2PSy
 from p2psync.logs import NodeAdapter
 from p2psync.store import plan_catchup
 from rollout.engines import build_engine, check_name
-from rollout.engines.base import DecodedApplier, EngineConfig, Prepared, RolloutEngine, SeqRequest, SeqState, stream_seed
+from rollout.engines.base import (
+    DecodedApplier,
+    EngineConfig,
+    ParentInfo,
+    Prepared,
+    RolloutEngine,
+    SeqRequest,
+    SeqState,
+    stream_seed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +202,11 @@ class RolloutWorker:
         if engine is None:
             engine = await asyncio.to_thread(build_engine, opts.engine_config())
         self = cls(node, opts, engine)
+        if engine.pulls_artifacts:
+            # The engine (vLLM's p2psync backend) pulls the same verified artifacts from this node's server.
+            cfg = node.config
+            engine.attach(ParentInfo(node.address, cfg.token(), str(Path(cfg.trainer_public_key).resolve()),
+                                     f"{cfg.id}-engine"))
         keep = getattr(node, "keep_decoded", None)
         if keep is not None:
             keep(_KEEP_DECODED)

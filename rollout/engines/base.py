@@ -203,12 +203,25 @@ class DecodedApplier:
         return fp
 
 
+@dataclass(frozen=True)
+class ParentInfo:
+    """A p2psync node's HTTP server, for engines that pull verified artifacts themselves (vLLM)."""
+
+    url: str
+    token: str
+    public_key: str
+    """The trainer's Ed25519 public key: PEM text or a file path."""
+    node_id: str = "engine"
+
+
 class RolloutEngine(ABC):
     """Weights bit-equal to a published version, and generation from them (see module doc)."""
 
     name: str = "engine"
     switch_mid_generation: bool = True
     """Whether weights may change between two steps of one :class:`Generation`."""
+    pulls_artifacts: bool = False
+    """The engine fetches artifacts from a node's server itself (needs :meth:`attach` before :meth:`load`)."""
 
     version: int | None = None
 
@@ -266,6 +279,9 @@ class RolloutEngine(ABC):
         while not gen.done:
             gen.step()
         return gen.seqs
+
+    def attach(self, parent: ParentInfo, version: int | None = None) -> None:
+        """Tell an engine that pulls artifacts where from (default: nothing to do)."""  # noqa: B027 - optional hook
 
     def close(self) -> None:
         """Release engine resources (default: nothing to release)."""  # noqa: B027 - optional hook
