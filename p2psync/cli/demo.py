@@ -27,6 +27,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-path", help="local Hugging Face model folder instead of the built-in tiny config")
     p.add_argument("--model-preset", dest="preset_e2e", default="tiny",
                    help="random-init model preset of trainer.workload (default tiny: learns within minutes here)")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="rollout engine (default hf; vllm needs vLLM 0.32 and, on CPU, head_dim 64: --model-preset small)")
     p.add_argument("--task", default=None, help="reward task (see trainer.tasks; default: the trainer's)")
     p.add_argument("--group-size", type=int, default=None, help="responses per prompt")
     p.add_argument("--groups-per-step", type=int, default=None, help="prompt groups per optimizer step")

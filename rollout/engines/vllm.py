@@ -138,7 +138,13 @@ class VLLMEngine(RolloutEngine):
             # vLLM builds from a folder: write the config there and start from dummy weights
             # (the node's weights replace them before anything is generated).
             model = tempfile.mkdtemp(prefix="p2psync-vllm-")
-            config.hf_config().save_pretrained(model)
+            hf = config.hf_config()
+            if not getattr(hf, "architectures", None):
+                # vLLM picks the model class from ``architectures``; without it it guesses a pooling model.
+                from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+                hf.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf.model_type]]
+            hf.save_pretrained(model)
             extra = {"load_format": "dummy"}
         kw = llm_kwargs(config, model)
         for k, v in extra.items():

@@ -10,8 +10,9 @@ process with the loaded model. Turned on with ``weight_transfer_config=
   "public_key": ..., "version": ...}})``: the p2psync parent to pull from (any
   node's HTTP address, its cluster token), the trainer's Ed25519 public key (PEM
   text or a file path), and optionally the version of the weights vLLM loaded
-  (checked by the first delta's base fingerprint; without it the first update
-  starts from a snapshot).
+  (e.g. from the trainer's checkpoint), checked at once: every live word is
+  hashed and must give that version's signed fingerprint. Without it the first
+  update starts from a snapshot.
 - ``update_weights({"update_info": {"version": v}})``: reach version ``v``. The
   backend asks the parent for its catalogue, plans the cheapest chain of
   artifacts (:func:`p2psync.store.plan_catchup`), and for each: fetches the
@@ -43,7 +44,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from p2psync.errors import P2PSyncError
+from p2psync.errors import P2PSyncError, WrongBase
 from rollout.engines.vllm_weights import LiveWeights
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,21 @@ async def fetch_artifact(url: str, token: str, node_id: str, aid: str, public_ke
     return manifest, list(chunks)
 
 
+async def fetch_version_manifest(url: str, token: str, node_id: str, version: int, public_key: Any,
+                                 timeout: float) -> Any:
+    """The signed manifest of an artifact reaching ``version`` (a delta, else a snapshot), signature checked."""
+    from p2psync.transport.client import NotHeld, PeerClient
+
+    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1)
+    async with client:
+        try:
+            m = await client.call_version_manifest(url, version, "delta")
+        except NotHeld:
+            m = await client.call_version_manifest(url, version, "snapshot")
+    m.verify(public_key)
+    return m
+
+
 async def fetch_plan(url: str, token: str, node_id: str, current: int | None, target: int, timeout: float
                      ) -> list[Any]:
     """The artifacts to apply, in order, to go from ``current`` to ``target`` with what ``url`` holds."""
@@ -157,10 +173,23 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
 
     # --- vLLM's contract ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: P2PSyncInitInfo) -> None:
-        self.public_key = load_public_key(init_info.public_key)
-        self.info = init_info
+        """Remember the parent; with a ``version``, check now that the loaded weights are that version.
+
+        The check binds the trainer's tensor table to the model and hashes every live word (the
+        one full pass; later updates change the fingerprint from the changed words alone)."""
+        public_key = load_public_key(init_info.public_key)
         if init_info.version is not None:
+            try:
+                manifest = _run(fetch_version_manifest(init_info.url, init_info.token, init_info.node_id,
+                                                       init_info.version, public_key, init_info.timeout))
+                live = self.bind(manifest, init_info.threads)
+                if live.audit() != manifest.target_fingerprint:
+                    raise WrongBase(manifest.target_fingerprint, live.fingerprint, init_info.version)
+            except P2PSyncError as exc:
+                raise _Tagged(exc) from exc
             self.version = init_info.version
+        self.public_key = public_key
+        self.info = init_info
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: artifacts are applied in place, each all-or-nothing."""
@@ -190,10 +219,10 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
                                                    info.timeout))
             self.apply(manifest, chunks)
 
-    def bind(self, manifest: Any) -> LiveWeights:
+    def bind(self, manifest: Any, threads: int | None = None) -> LiveWeights:
         specs = list(manifest.tensors)
         if self.live is None or self.live.specs != specs:
-            self.live = LiveWeights(self.model, specs, self.info.threads if self.info else 2)
+            self.live = LiveWeights(self.model, specs, threads or (self.info.threads if self.info else 2))
         return self.live
 
     def apply(self, manifest: Any, chunks: list[Any]) -> str:

@@ -183,7 +183,7 @@ class LiveWeights:
             raise CodecError(f"{len(chunks)} of {len(manifest.chunks)} chunks given")
         segs = [seg for c in chunks for seg in split_chunk(c)]
 
-        def one(k: int) -> tuple[int, int, np.ndarray, np.ndarray]:
+        def one(k: int) -> tuple[int, tuple[int, int], np.ndarray, np.ndarray]:
             p = parse_head(segs[k])
             if p.kind != KIND_DELTA:
                 raise CodecError(f"segment kind {p.kind} does not belong in a delta")
@@ -198,22 +198,23 @@ class LiveWeights:
             # off a device; the fingerprint change is computed from absolute positions at commit.
             pos, new, _ = segdecode.decode(p.raw, p.body_at, 0, p.stop - p.start, dtypes.from_code(spec.dtype),
                                            old, np.uint64(self._seeds[p.tensor]))
-            return p.tensor, p.start, pos + p.start, np.array(new, copy=True)
+            return p.tensor, (p.start, p.stop), pos + p.start, new
 
         order = sorted(range(len(segs)), key=lambda k: -len(segs[k]))
         out, _, err = run_ordered(len(segs), order, one, min(self.threads, max(1, len(segs))))
         if err is not None:
             raise err
-        by: dict[int, list[tuple[int, np.ndarray, np.ndarray]]] = {}
-        for t, start, pos, new in (o for o in out if o is not None):
-            by.setdefault(t, []).append((start, pos, new))
+        by: dict[int, list[tuple[tuple[int, int], np.ndarray, np.ndarray]]] = {}
+        for t, span, pos, new in (o for o in out if o is not None):
+            by.setdefault(t, []).append((span, pos, new))
         changes = {}
         for t, parts in by.items():
             parts.sort(key=lambda x: x[0])
+            for a, b in zip(parts, parts[1:]):
+                if b[0][0] < a[0][1]:  # positions are distinct inside a segment; segments must not overlap
+                    raise CodecError(f"segments of {self.specs[t].name} overlap")
             pos = np.concatenate([x[1] for x in parts]) if len(parts) > 1 else parts[0][1]
             new = np.concatenate([x[2] for x in parts]) if len(parts) > 1 else parts[0][2]
-            if len(parts) > 1 and np.unique(pos).shape[0] != pos.shape[0]:
-                raise CodecError(f"segments of {self.specs[t].name} overlap")
             changes[t] = (pos.astype(np.int64, copy=False), new)
         return changes
 

@@ -49,8 +49,8 @@ def _delta(old: ModelState, seed: int = 1, special: bool = True):
         new.words(name)[:len(SPECIAL)] = SPECIAL
     new.invalidate()
     priv = keys.generate()
-    enc = encode_delta(old, new, CodecOptions(chunk_size=4096))
-    m = build_manifest(enc, model_id="t", base_version=0, target_version=1, chunk_size=4096, private_key=priv)
+    enc = encode_delta(old, new, CodecOptions(chunk_size=64 << 10, segment_elements=4096))
+    m = build_manifest(enc, model_id="t", base_version=0, target_version=1, chunk_size=64 << 10, private_key=priv)
     return new, m, enc.chunks
 
 
