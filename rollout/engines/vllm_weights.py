@@ -121,6 +121,9 @@ class LiveWeights:
         if unknown:
             raise TensorTableMismatch(unknown=unknown)
         self.device = self.flat[0].device if self.flat else torch.device("cpu")
+        self.decode_in_place = self.device.type == "cpu"
+        """Decode against the live words themselves (host memory); else against a host copy of
+        one segment's range at a time (how a device-resident model is decoded)."""
         self._words = [dtypes.from_code(s.dtype).word for s in self.specs]
         self._seeds = [tensor_seed(s.name) for s in self.specs]
         self.sums: list[tuple[int, int]] = self._compute_sums()
@@ -172,8 +175,12 @@ class LiveWeights:
         check_table(list(manifest.tensors), self.specs)
 
     def decode(self, manifest: Manifest, chunks: Sequence[bytes | memoryview]
-               ) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        """Tensor index -> (positions, new words) of a delta, decoded against the live words. Reads only."""
+               ) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], list[tuple[int, int]]]:
+        """Decode a delta against the live words, reading only.
+
+        Returns ``(changes, sums)``: tensor index -> (positions, new words), and the per-tensor
+        fingerprint sums the changes lead to (computed from the old and new words at the changed
+        positions)."""
         self._check(manifest)
         if manifest.kind != "delta":
             raise CodecError(f"expected a delta, got a {manifest.kind}")
@@ -182,8 +189,9 @@ class LiveWeights:
         if len(chunks) != len(manifest.chunks):
             raise CodecError(f"{len(chunks)} of {len(manifest.chunks)} chunks given")
         segs = [seg for c in chunks for seg in split_chunk(c)]
+        on_host = self.decode_in_place
 
-        def one(k: int) -> tuple[int, tuple[int, int], np.ndarray, np.ndarray]:
+        def one(k: int) -> tuple[int, tuple[int, int], np.ndarray, np.ndarray, tuple[int, int]]:
             p = parse_head(segs[k])
             if p.kind != KIND_DELTA:
                 raise CodecError(f"segment kind {p.kind} does not belong in a delta")
@@ -192,81 +200,96 @@ class LiveWeights:
             spec = self.specs[p.tensor]
             if not 0 <= p.start <= p.stop <= spec.numel:
                 raise CodecError(f"segment of {spec.name} covers [{p.start}, {p.stop}), tensor has {spec.numel}")
-            old = self.host_words(p.tensor, p.start, p.stop)
             assert p.raw is not None
-            # Decoded against the segment's own range (positions relative to it): no whole-tensor copy
-            # off a device; the fingerprint change is computed from absolute positions at commit.
-            pos, new, _ = segdecode.decode(p.raw, p.body_at, 0, p.stop - p.start, dtypes.from_code(spec.dtype),
-                                           old, np.uint64(self._seeds[p.tensor]))
-            return p.tensor, (p.start, p.stop), pos + p.start, new
+            d, seed = dtypes.from_code(spec.dtype), np.uint64(self._seeds[p.tensor])
+            if on_host:  # the live words themselves; the decoder also returns the sums' change
+                pos, new, ab = segdecode.decode(p.raw, p.body_at, p.start, p.stop, d,
+                                                self.host_words(p.tensor, 0, spec.numel), seed)
+                return p.tensor, (p.start, p.stop), pos, new, ab
+            # Off the host: a copy of this segment's range only (positions relative to it).
+            old = self.host_words(p.tensor, p.start, p.stop)
+            rel, new, _ = segdecode.decode(p.raw, p.body_at, 0, p.stop - p.start, d, old, seed)
+            pos = rel + p.start
+            oa, ob = kernels.hash_sparse(pos, old[rel], seed)
+            na, nb = kernels.hash_sparse(pos, new, seed)
+            return p.tensor, (p.start, p.stop), pos, new, ((int(na) - int(oa)) & MASK64, (int(nb) - int(ob)) & MASK64)
 
         order = sorted(range(len(segs)), key=lambda k: -len(segs[k]))
         out, _, err = run_ordered(len(segs), order, one, min(self.threads, max(1, len(segs))))
         if err is not None:
             raise err
         by: dict[int, list[tuple[tuple[int, int], np.ndarray, np.ndarray]]] = {}
-        for t, span, pos, new in (o for o in out if o is not None):
+        sums = list(self.sums)
+        for t, span, pos, new, (da, db) in (o for o in out if o is not None):
             by.setdefault(t, []).append((span, pos, new))
+            sums[t] = _sum_add(sums[t], da, db)
         changes = {}
         for t, parts in by.items():
             parts.sort(key=lambda x: x[0])
-            for a, b in zip(parts, parts[1:]):
-                if b[0][0] < a[0][1]:  # positions are distinct inside a segment; segments must not overlap
+            for x, y in zip(parts, parts[1:]):
+                if y[0][0] < x[0][1]:  # positions are distinct inside a segment; segments must not overlap
                     raise CodecError(f"segments of {self.specs[t].name} overlap")
             pos = np.concatenate([x[1] for x in parts]) if len(parts) > 1 else parts[0][1]
             new = np.concatenate([x[2] for x in parts]) if len(parts) > 1 else parts[0][2]
             changes[t] = (pos.astype(np.int64, copy=False), new)
-        return changes
-
-    def _sums_after(self, changes: dict[int, tuple[np.ndarray, np.ndarray]],
-                    old: dict[int, np.ndarray], new: dict[int, np.ndarray]) -> list[tuple[int, int]]:
-        sums = list(self.sums)
-        for t, (pos, _) in changes.items():
-            oa, ob = kernels.hash_sparse(pos, old[t], self._seeds[t])
-            na, nb = kernels.hash_sparse(pos, new[t], self._seeds[t])
-            sums[t] = _sum_add(_sum_add(sums[t], oa, ob, -1), na, nb)
-        return sums
+        return changes, sums
 
     def apply_delta(self, manifest: Manifest, chunks: Sequence[bytes | memoryview]) -> str:
         """Decode, check, write, read back and check again; all or nothing (see module doc)."""
-        changes = self.decode(manifest, chunks)
-        # Verify: the old words at the changed positions, and the fingerprint they lead to.
-        olds = {t: self.host_words_at(t, pos) for t, (pos, _) in changes.items()}
-        planned = fold_root(self.table_hash, self._sums_after(changes, olds, {t: c[1] for t, c in changes.items()}))
+        changes, sums = self.decode(manifest, chunks)
+        planned = fold_root(self.table_hash, sums)
         if planned != manifest.target_fingerprint:
             raise FingerprintMismatch(manifest.target_fingerprint, planned)
         return self.commit(changes, manifest.target_fingerprint)
 
-    def host_words_at(self, t: int, pos: np.ndarray) -> np.ndarray:
-        import torch
-
-        idx = torch.from_numpy(pos).to(self.device)
-        got = self.flat[t].index_select(0, idx)
-        return (got.cpu() if got.device.type != "cpu" else got).numpy().view(self._words[t])
-
     def commit(self, changes: dict[int, tuple[np.ndarray, np.ndarray]], target: str) -> str:
-        """Scatter ``changes`` with an undo log; keep them only if the words read back hash to ``target``."""
+        """Scatter ``changes`` with an undo log; keep them only if the words read back hash to ``target``.
+
+        Tensors are written on ``threads`` threads (torch's index ops release the GIL; vLLM's
+        CPU worker runs torch with one intra-op thread)."""
         import torch
 
-        undo: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        try:
-            for t, (pos, new) in changes.items():
-                flat = self.flat[t]
-                idx = torch.from_numpy(pos).to(self.device)
-                undo.append((t, idx, flat.index_select(0, idx)))
-                src = torch.from_numpy(np.ascontiguousarray(new).view(_np_signed(new))).to(self.device)
-                flat.index_copy_(0, idx, src)
+        items = list(changes.items())
+        undo: list[tuple[int, Any, Any] | None] = [None] * len(items)
+        lanes: list[tuple[int, int, int, int] | None] = [None] * len(items)
+
+        def write(j: int) -> None:
+            t, (pos, new) = items[j]
+            flat = self.flat[t]
+            idx = torch.from_numpy(pos).to(self.device)
+            undo[j] = (t, idx, flat.index_select(0, idx))
+            flat.index_copy_(0, idx, torch.from_numpy(np.ascontiguousarray(new).view(_np_signed(new))).to(self.device))
+
+        def check(j: int) -> None:
+            entry = undo[j]
+            assert entry is not None
+            t, idx, o = entry
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            old = {t: _to_host(o).view(self._words[t]) for t, _, o in undo}
-            back = {t: _to_host(self.flat[t].index_select(0, idx)).view(self._words[t]) for t, idx, _ in undo}
-            sums = self._sums_after(changes, old, back)
+            pos = changes[t][0]
+            back = _to_host(self.flat[t].index_select(0, idx)).view(self._words[t])
+            oa, ob = kernels.hash_sparse(pos, _to_host(o).view(self._words[t]), self._seeds[t])
+            na, nb = kernels.hash_sparse(pos, back, self._seeds[t])
+            lanes[j] = (int(oa), int(ob), int(na), int(nb))
+
+        order = sorted(range(len(items)), key=lambda j: -items[j][1][0].shape[0])
+        try:
+            for fn in (write, check):
+                _, _, err = run_ordered(len(items), order, fn, min(self.threads, max(1, len(items))))
+                if err is not None:
+                    raise err
+            sums = list(self.sums)
+            for (t, _), ln in zip(items, lanes):
+                assert ln is not None
+                sums[t] = _sum_add(_sum_add(sums[t], ln[0], ln[1], -1), ln[2], ln[3])
             got = fold_root(self.table_hash, sums)
             if got != target:
                 raise FingerprintMismatch(target, got)
         except BaseException:
-            for t, idx, o in reversed(undo):
-                self.flat[t].index_copy_(0, idx, o)
+            for entry in undo:
+                if entry is not None:
+                    t, idx, o = entry
+                    self.flat[t].index_copy_(0, idx, o)
             raise
         self.sums = sums
         return got

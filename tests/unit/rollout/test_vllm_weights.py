@@ -60,10 +60,12 @@ def _words(model: torch.nn.Module, state: ModelState) -> list[str]:
                                                    state.words(n).view(np.int16))]
 
 
-def test_delta_lands_bit_exact_with_every_bit_pattern():
+@pytest.mark.parametrize("in_place", [True, False], ids=["host-words", "segment-copies"])
+def test_delta_lands_bit_exact_with_every_bit_pattern(in_place):
     model = _model()
     old = _snapshot(model)
     live = LiveWeights(model, old.specs)
+    live.decode_in_place = in_place  # False: the path a GPU-resident model takes
     assert live.fingerprint == old.fingerprint
     new, m, chunks = _delta(old)
     assert live.apply_delta(m, chunks) == new.fingerprint
@@ -92,7 +94,7 @@ def test_a_write_that_does_not_read_back_as_planned_is_undone():
     old = _snapshot(model)
     live = LiveWeights(model, old.specs)
     new, m, chunks = _delta(old)
-    changes = live.decode(m, chunks)
+    changes, _ = live.decode(m, chunks)
     with pytest.raises(FingerprintMismatch):
         live.commit(changes, "0" * 32)  # the read-back words cannot hash to this
     assert _words(model, old) == [] and live.audit() == old.fingerprint
