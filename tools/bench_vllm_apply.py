@@ -12,7 +12,8 @@ fp32 master weights, cast to bf16. In one run, on the same engine:
   ``finish_weight_update`` + prefix-cache reset, timed at the caller: fetch of
   the signed delta from a local ``p2psync node`` over HTTP, chunk and signature
   checks, decode against the live words, fingerprint check, scatter with undo
-  log, read-back check.
+  log, read-back check (``fetch_s``, ``decode_s``, ``commit_s``: the backend's
+  own split).
 - ``dense``: vLLM's ``model.load_weights`` of the full v0 checkpoint (tensors
   already in the worker's memory; timed inside the worker; ``s_with_file_read``
   adds reading the safetensors file, from the page cache), which also puts the
@@ -237,7 +238,8 @@ def run_engine(args, out, ck, url, keydir, s0, s1, dm, nparams, nchanged, delta_
         base = rpc(rpc_mem_start)[0]
         t = time.perf_counter()
         fp = eng.reach(1)
-        res["p2psync"] = {"s": time.perf_counter() - t, "extra_bytes": rpc(rpc_mem_peak)[0] - base}
+        res["p2psync"] = {"s": time.perf_counter() - t, "extra_bytes": rpc(rpc_mem_peak)[0] - base,
+                          **eng.status()["timing"]}
         assert fp == dm.target_fingerprint
         res["dense"] = rpc(rpc_dense, args=(str(out / "dense_v0.safetensors"),))[0]
         if eng.audit() != s0.fingerprint:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,8 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         self.public_key: Any = None
         self.version: int | None = None
         self.live: LiveWeights | None = None
+        self.timing: dict[str, float] = {}
+        """The last artifact's fetch, decode and commit seconds (see :meth:`status`)."""
         tp = int(getattr(self.parallel_config, "tensor_parallel_size", 1) or 1)
         pp = int(getattr(self.parallel_config, "pipeline_parallel_size", 1) or 1)
         if tp * pp != 1:
@@ -215,9 +218,13 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             raise P2PSyncError("init_weight_transfer_engine was not called (no p2psync parent)")
         plan = _run(fetch_plan(info.url, info.token, info.node_id, self.version, target, info.timeout))
         for art in plan:
+            t = time.perf_counter()
             manifest, chunks = _run(fetch_artifact(info.url, info.token, info.node_id, art.id, self.public_key,
                                                    info.timeout))
+            fetched = time.perf_counter() - t
             self.apply(manifest, chunks)
+            self.timing = {"fetch_s": round(fetched, 4), **(self.live.timing if self.live else {}),
+                           "bytes": sum(len(c) for c in chunks)}
 
     def bind(self, manifest: Any, threads: int | None = None) -> LiveWeights:
         specs = list(manifest.tensors)
@@ -244,7 +251,8 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
 
     def status(self) -> dict[str, Any]:
         live = self.live
-        return {"version": self.version, "fingerprint": live.fingerprint if live else None}
+        return {"version": self.version, "fingerprint": live.fingerprint if live else None,
+                "timing": dict(self.timing)}
 
     def audit(self) -> str | None:
         return self.live.audit() if self.live else None

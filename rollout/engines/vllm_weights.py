@@ -31,6 +31,7 @@ into them would change nothing the model computes.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -121,6 +122,8 @@ class LiveWeights:
         if unknown:
             raise TensorTableMismatch(unknown=unknown)
         self.device = self.flat[0].device if self.flat else torch.device("cpu")
+        self.timing: dict[str, float] = {}
+        """Seconds spent decoding (and checking) and committing the last delta, and its changes."""
         self.decode_in_place = self.device.type == "cpu"
         """Decode against the live words themselves (host memory); else against a host copy of
         one segment's range at a time (how a device-resident model is decoded)."""
@@ -175,10 +178,11 @@ class LiveWeights:
         check_table(list(manifest.tensors), self.specs)
 
     def decode(self, manifest: Manifest, chunks: Sequence[bytes | memoryview]
-               ) -> tuple[dict[int, tuple[np.ndarray, np.ndarray]], list[tuple[int, int]]]:
+               ) -> tuple[dict[int, list[tuple[np.ndarray, np.ndarray]]], list[tuple[int, int]]]:
         """Decode a delta against the live words, reading only.
 
-        Returns ``(changes, sums)``: tensor index -> (positions, new words), and the per-tensor
+        Returns ``(changes, sums)``: tensor index -> [(positions, new words)] (one part per
+        segment, in range order; positions distinct), and the per-tensor
         fingerprint sums the changes lead to (computed from the old and new words at the changed
         positions)."""
         self._check(manifest)
@@ -223,33 +227,37 @@ class LiveWeights:
         for t, span, pos, new, (da, db) in (o for o in out if o is not None):
             by.setdefault(t, []).append((span, pos, new))
             sums[t] = _sum_add(sums[t], da, db)
-        changes = {}
+        changes: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
         for t, parts in by.items():
             parts.sort(key=lambda x: x[0])
             for x, y in zip(parts, parts[1:]):
                 if y[0][0] < x[0][1]:  # positions are distinct inside a segment; segments must not overlap
                     raise CodecError(f"segments of {self.specs[t].name} overlap")
-            pos = np.concatenate([x[1] for x in parts]) if len(parts) > 1 else parts[0][1]
-            new = np.concatenate([x[2] for x in parts]) if len(parts) > 1 else parts[0][2]
-            changes[t] = (pos.astype(np.int64, copy=False), new)
+            # One part per segment, not concatenated: no second copy of the changes.
+            changes[t] = [(pos.astype(np.int64, copy=False), new) for _, pos, new in parts]
         return changes, sums
 
     def apply_delta(self, manifest: Manifest, chunks: Sequence[bytes | memoryview]) -> str:
         """Decode, check, write, read back and check again; all or nothing (see module doc)."""
+        t0 = time.perf_counter()
         changes, sums = self.decode(manifest, chunks)
         planned = fold_root(self.table_hash, sums)
         if planned != manifest.target_fingerprint:
             raise FingerprintMismatch(manifest.target_fingerprint, planned)
-        return self.commit(changes, manifest.target_fingerprint)
+        t1 = time.perf_counter()
+        fp = self.commit(changes, manifest.target_fingerprint)
+        self.timing = {"decode_s": round(t1 - t0, 4), "commit_s": round(time.perf_counter() - t1, 4),
+                       "changes": sum(p[0].shape[0] for parts in changes.values() for p in parts)}
+        return fp
 
-    def commit(self, changes: dict[int, tuple[np.ndarray, np.ndarray]], target: str) -> str:
+    def commit(self, changes: dict[int, list[tuple[np.ndarray, np.ndarray]]], target: str) -> str:
         """Scatter ``changes`` with an undo log; keep them only if the words read back hash to ``target``.
 
         Tensors are written on ``threads`` threads (torch's index ops release the GIL; vLLM's
         CPU worker runs torch with one intra-op thread)."""
         import torch
 
-        items = list(changes.items())
+        items = [(t, part) for t, parts in changes.items() for part in parts]
         undo: list[tuple[int, Any, Any] | None] = [None] * len(items)
         lanes: list[tuple[int, int, int, int] | None] = [None] * len(items)
 
@@ -266,7 +274,7 @@ class LiveWeights:
             t, idx, o = entry
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            pos = changes[t][0]
+            pos = items[j][1][0]
             back = _to_host(self.flat[t].index_select(0, idx)).view(self._words[t])
             oa, ob = kernels.hash_sparse(pos, _to_host(o).view(self._words[t]), self._seeds[t])
             na, nb = kernels.hash_sparse(pos, back, self._seeds[t])
