@@ -256,9 +256,11 @@ class VLLMEngine(RolloutEngine):
         return VLLMGeneration(self, list(requests))
 
     def close(self) -> None:
-        shutdown = getattr(getattr(self.llm, "llm_engine", None), "shutdown", None)
+        """Stop vLLM's engine-core and worker processes (bounded: they are killed after 5 s)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        shutdown = getattr(core, "shutdown", None)
         if callable(shutdown):
-            shutdown()
+            shutdown(timeout=5.0)
 
 
 def sampling_params(req: SeqRequest) -> dict[str, Any]:

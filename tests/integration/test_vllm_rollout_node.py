@@ -4,6 +4,7 @@ pulls from the node's own server and its audited fingerprint follows every versi
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 
@@ -47,3 +48,5 @@ def test_vllm_rollout_node_tracks_every_version(cluster, tmp_path):
     assert all(r["ok"] for r in sw), sw
     assert {r["version"]: r["fingerprint"] for r in sw}[steps] == lin.states[steps].fingerprint
     assert rollout.popen.poll() is None  # still running
+    rollout.kill(signal.SIGTERM)
+    assert rollout.popen.wait(30) == 0  # the job hands back, the engine shuts vLLM's processes down
