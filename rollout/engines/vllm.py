@@ -42,12 +42,14 @@ prefix is a correct sample but not the uninterrupted continuation.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import tempfile
+import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from p2psync.errors import FingerprintMismatch, P2PSyncError
@@ -124,6 +126,12 @@ class VLLMEngine(RolloutEngine):
         self.parent: ParentInfo | None = None
         self._fingerprint: str | None = None
         self._stale_cache = False
+        self._busy = threading.RLock()
+        """Held by every call into vLLM (steps, updates, RPCs). The worker runs them in threads that
+        outlive a cancelled caller: :meth:`close` waits for the call in flight instead of shutting
+        vLLM down under it (which would leave that thread blocked and the process unable to
+        exit), and calls after it fail at once."""
+        self._closed = False
 
     @classmethod
     def build(cls, config: EngineConfig) -> VLLMEngine:
@@ -159,15 +167,27 @@ class VLLMEngine(RolloutEngine):
         if version is not None:
             info["version"] = version
         try:
-            self.llm.init_weight_transfer_engine({"init_info": info})
+            with self.calling() as llm:
+                llm.init_weight_transfer_engine({"init_info": info})
+        except P2PSyncError:
+            raise
         except Exception as exc:
             raise refused(exc) from exc
         self.parent = parent
         if version is not None:
             self.version = version
 
+    @contextlib.contextmanager
+    def calling(self) -> Iterator[Any]:
+        """The ``vllm.LLM``, for one call into it (see ``_busy``)."""
+        with self._busy:
+            if self._closed:
+                raise P2PSyncError("engine 'vllm' is closed")
+            yield self.llm
+
     def _rpc(self, fn: Any, *args: Any) -> Any:
-        return self.llm.collective_rpc(fn, args=args)[0]
+        with self.calling() as llm:
+            return llm.collective_rpc(fn, args=args)[0]
 
     def status(self) -> dict[str, Any]:
         from rollout.engines.vllm_backend import rpc_status
@@ -185,9 +205,12 @@ class VLLMEngine(RolloutEngine):
         if self.parent is None:
             raise P2PSyncError("engine 'vllm': no parent to pull artifacts from (call attach() first)")
         try:
-            self.llm.start_weight_update()
-            self.llm.update_weights({"update_info": {"version": int(version)}})
-            self.llm.finish_weight_update(weight_version=str(version))
+            with self.calling() as llm:
+                llm.start_weight_update()
+                llm.update_weights({"update_info": {"version": int(version)}})
+                llm.finish_weight_update(weight_version=str(version))
+        except P2PSyncError:
+            raise
         except Exception as exc:
             st = self.status()  # the backend keeps the last version it fully reached
             self.version, self._fingerprint = st["version"], st["fingerprint"]
@@ -202,7 +225,8 @@ class VLLMEngine(RolloutEngine):
 
     def _reset_cache(self) -> None:
         # Refused while requests run: then done before the next batch starts.
-        self._stale_cache = not self.llm.reset_prefix_cache()
+        with self.calling() as llm:
+            self._stale_cache = not llm.reset_prefix_cache()
 
     # --- the rollout contract --------------------------------------------------------------
     @property
@@ -250,9 +274,10 @@ class VLLMEngine(RolloutEngine):
     def start(self, requests: Sequence[SeqRequest]) -> VLLMGeneration:
         if self.version is None:
             raise RuntimeError("the engine holds no weights yet (call load() first)")
-        if self._stale_cache and not self.llm.reset_prefix_cache():
-            raise P2PSyncError("vLLM refused to reset its prefix cache (requests of another batch still running)")
-        self._stale_cache = False
+        if self._stale_cache:
+            self._reset_cache()
+            if self._stale_cache:
+                raise P2PSyncError("vLLM refused to reset its prefix cache (requests of another batch still running)")
         return VLLMGeneration(self, list(requests))
 
     def close(self) -> None:
@@ -260,7 +285,13 @@ class VLLMEngine(RolloutEngine):
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         shutdown = getattr(core, "shutdown", None)
         if callable(shutdown):
-            shutdown(timeout=5.0)
+            held = self._busy.acquire(timeout=30.0)
+            try:
+                self._closed = True
+                shutdown(timeout=5.0)
+            finally:
+                if held:
+                    self._busy.release()
 
 
 def sampling_params(req: SeqRequest) -> dict[str, Any]:
@@ -279,7 +310,10 @@ class VLLMGeneration(Generation):
         self.engine = engine
         self.seqs = [SeqState(r) for r in requests]
         self._ids: dict[str, int] = {}
-        core = engine.llm.llm_engine
+        with engine.calling() as llm:
+            self._add(llm.llm_engine, requests, SamplingParams)
+
+    def _add(self, core: Any, requests: list[SeqRequest], params: Any) -> None:
         for i, (s, r) in enumerate(zip(self.seqs, requests)):
             if s.length >= r.max_new_tokens:
                 s.finish_reason = "length"
@@ -290,7 +324,7 @@ class VLLMGeneration(Generation):
             rid = f"p2psync-{uuid.uuid4().hex}"
             self._ids[rid] = i
             core.add_request(rid, {"prompt_token_ids": list(r.prompt_ids) + list(r.prefix)},
-                             SamplingParams(**sampling_params(r)))
+                             params(**sampling_params(r)))
 
     def step(self) -> list[TokenEvent]:
         version = self.engine.version
@@ -298,7 +332,9 @@ class VLLMGeneration(Generation):
         events = []
         if self.done:
             return events
-        for out in self.engine.llm.llm_engine.step():
+        with self.engine.calling() as llm:
+            outs = llm.llm_engine.step()
+        for out in outs:
             i = self._ids.get(out.request_id)
             if i is None:
                 continue
@@ -322,5 +358,6 @@ class VLLMGeneration(Generation):
         idx = set(indices)
         rids = [rid for rid, i in self._ids.items() if i in idx and not self.seqs[i].done]
         if rids:
-            self.engine.llm.llm_engine.abort_request(rids)
+            with self.engine.calling() as llm:
+                llm.llm_engine.abort_request(rids)
         super().cancel(idx)
