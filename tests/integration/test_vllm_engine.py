@@ -57,14 +57,18 @@ def qwen(tmp_path_factory):
         lin.step()
     lin.step(special=True)
     cluster = Cluster(root)
-    lin.publish(cluster.publish_dir, cluster.priv, range(0, N + 2))
-    trainer = cluster.start("trainer", "trainer", publish=True)
-    wait_for(lambda: at_version(trainer, N + 1), 60, "trainer published")
-    engine = build(lin.checkpoint(root / "v0", 0))
-    engine.attach(parent_of(cluster, trainer), version=0)
-    yield lin, cluster, trainer, engine, root
-    engine.close()
-    cluster.stop_all()
+    engine = None
+    try:
+        lin.publish(cluster.publish_dir, cluster.priv, range(0, N + 2))
+        trainer = cluster.start("trainer", "trainer", publish=True)
+        wait_for(lambda: at_version(trainer, N + 1), 60, "trainer published")
+        engine = build(lin.checkpoint(root / "v0", 0))
+        engine.attach(parent_of(cluster, trainer), version=0)
+        yield lin, cluster, trainer, engine, root
+    finally:
+        if engine is not None:
+            engine.close()
+        cluster.stop_all()
 
 
 def test_deltas_land_bit_exact_and_generation_equals_a_fresh_vllm(qwen):
@@ -244,14 +248,18 @@ def llama(tmp_path_factory):
         lin.step()
     lin.step(special=True)
     cluster = Cluster(root)
-    lin.publish(cluster.publish_dir, cluster.priv, range(0, N + 2))
-    trainer = cluster.start("trainer", "trainer", publish=True)
-    wait_for(lambda: at_version(trainer, N + 1), 60, "trainer published")
-    engine = build(lin.checkpoint(root / "v0", 0))
-    engine.attach(parent_of(cluster, trainer), version=0)
-    yield lin, engine
-    engine.close()
-    cluster.stop_all()
+    engine = None
+    try:
+        lin.publish(cluster.publish_dir, cluster.priv, range(0, N + 2))
+        trainer = cluster.start("trainer", "trainer", publish=True)
+        wait_for(lambda: at_version(trainer, N + 1), 60, "trainer published")
+        engine = build(lin.checkpoint(root / "v0", 0))
+        engine.attach(parent_of(cluster, trainer), version=0)
+        yield lin, engine
+    finally:
+        if engine is not None:
+            engine.close()
+        cluster.stop_all()
 
 
 def test_tied_llama_updates_between_steps_without_dropping_requests(llama):
