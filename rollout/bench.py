@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     from p2psync.artifact import build_manifest
     from p2psync.codec.encode import CodecOptions, encode_delta
     from p2psync.state import ModelState
-    from rollout.engine import EngineConfig, SeqRequest, build_engine
+    from rollout.engines import build_engine
+    from rollout.engines.base import EngineConfig, SeqRequest
     from trainer.workload import Workload, build_model
 
     torch.set_num_threads(args.threads)

@@ -66,7 +66,17 @@ from p2psync.control.api import Grant, ProgressReport, ResponseResult, RolloutRe
 from p2psync.errors import ConfigError, FingerprintMismatch, LeaseExpired, P2PSyncError, UnknownWork, WrongBase
 from p2psync.logs import NodeAdapter
 from p2psync.store import plan_catchup
-from rollout.engine import DecodedApplier, EngineConfig, Prepared, RolloutEngine, SeqRequest, SeqState, build_engine, stream_seed
+from rollout.engines import build_engine, check_name
+from rollout.engines.base import (
+    DecodedApplier,
+    EngineConfig,
+    ParentInfo,
+    Prepared,
+    RolloutEngine,
+    SeqRequest,
+    SeqState,
+    stream_seed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +98,7 @@ class WorkerOptions:
     """The job config (``--job-config``), validated; unknown keys are an error."""
 
     engine: str = "hf"
-    """``"hf"`` or ``"vllm"``."""
+    """An engine of :data:`rollout.engines.ENGINES`: ``"hf"`` (transformers) or ``"vllm"``."""
     preset: str = "small"
     """Model preset (as the trainer's); ignored with ``model_path`` or ``model_config``."""
     model_path: str | None = None
@@ -116,6 +126,7 @@ class WorkerOptions:
     vllm: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        check_name(self.engine)
         for name in ("max_batch", "max_grants", "progress_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(name, "must be >= 1")
@@ -191,6 +202,11 @@ class RolloutWorker:
         if engine is None:
             engine = await asyncio.to_thread(build_engine, opts.engine_config())
         self = cls(node, opts, engine)
+        if engine.pulls_artifacts:
+            # The engine (vLLM's p2psync backend) pulls the same verified artifacts from this node's server.
+            cfg = node.config
+            engine.attach(ParentInfo(node.address, cfg.token(), str(Path(cfg.trainer_public_key).resolve()),
+                                     f"{cfg.id}-engine"))
         keep = getattr(node, "keep_decoded", None)
         if keep is not None:
             keep(_KEEP_DECODED)

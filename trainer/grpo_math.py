@@ -79,7 +79,7 @@ def response_logprobs(model: torch.nn.Module, prompts: Sequence[Sequence[int]], 
                       temperature: float = 1.0, pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """(``log_softmax(logits / T)`` of each response token ``[B, T]``, mask ``[B, T]``), teacher-forced.
 
-    Same rule as the rollout engines report (see :mod:`rollout.engine`): tempered, float32.
+    Same rule as the rollout engines report (see :mod:`rollout.engines.base`): tempered, float32.
     """
     B = len(prompts)
     T = max((len(r) for r in responses), default=0)

@@ -5,7 +5,7 @@ and benchmarks. It generates with a copy of the policy in the rollout dtype whos
 weights are taken bit for bit from the trainer node's applied state (the very
 bits the published artifacts produce), honours ``min_version`` by waiting for
 the node to reach it, and reports tempered float32 log-probabilities the way the
-rollout engines do (:mod:`rollout.engine`). The real distributed path is the
+rollout engines do (:mod:`rollout.engines.base`). The real distributed path is the
 trainer node's coordinator; this one exists so a GRPO run can be exercised and
 measured without a cluster.
 """

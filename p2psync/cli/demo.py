@@ -34,6 +34,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model-preset", dest="preset_e2e", default=None,
                    help="random-init model preset of trainer.workload (default demo: 19M parameters, 38 MB in "
                         "bf16; --quick: mini)")
+    p.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="rollout engine (default hf: transformers; vllm: vLLM 0.32 through the p2psync weight-transfer "
+                        "backend; the demo preset's head_dim 64 runs on vLLM's CPU attention)")
     p.add_argument("--task", default=None, help="reward task (see trainer.tasks; default add_small)")
     p.add_argument("--group-size", type=int, default=None, help="responses per prompt (default 8)")
     p.add_argument("--groups-per-step", type=int, default=None, help="prompt groups per optimizer step")

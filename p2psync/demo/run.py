@@ -75,7 +75,7 @@ def _trainer_options(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
 
 def _rollout_options(args: argparse.Namespace, out: Path, name: str, idx: int) -> dict[str, Any]:
-    opts: dict[str, Any] = {"engine": "hf", "seed": args.seed * 1000 + idx, "threads": 1,
+    opts: dict[str, Any] = {"engine": getattr(args, "engine", "hf"), "seed": args.seed * 1000 + idx, "threads": 1,
                             "switch": getattr(args, "switch", "step"),
                             "preset": args.preset_e2e, "events_path": str(out / "events" / f"{name}.jsonl")}
     if args.model_path:

@@ -10,8 +10,9 @@ from rollout_helpers import bits_equal, trained_versions
 
 from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, TensorTableMismatch, WrongBase
 from p2psync.state import ModelState
-from rollout.engine import EngineConfig, SeqRequest, build_engine, sample_rows
-from rollout.hf import HFEngine
+from rollout.engines import build_engine
+from rollout.engines.base import EngineConfig, SeqRequest, sample_rows
+from rollout.engines.hf import HFEngine
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,8 @@ from p2psync.control.api import RolloutRequest
 from p2psync.errors import ConfigError
 from p2psync.node import Node
 from rollout import worker as worker_mod
-from rollout.engine import EngineConfig, build_engine
+from rollout.engines import build_engine
+from rollout.engines.base import EngineConfig
 from rollout.worker import RolloutWorker, WorkerOptions
 
 pytestmark = pytest.mark.timeout(240)

@@ -16,7 +16,7 @@ the weights changed since the cache was built (the worker switched version
 between two steps), the next step rebuilds the cache by prefilling every
 context (prompt, prefix and tokens so far) under the new weights, so every
 token's logits come from a single weight version: the one recorded for it.
-Sampling and log-probabilities follow :mod:`rollout.engine`.
+Sampling and log-probabilities follow :mod:`rollout.engines.base`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from p2psync.artifact import applier_for
 from p2psync.errors import FingerprintMismatch, P2PSyncError, TensorTableMismatch
 from p2psync.state import ModelState, TensorSpec, check_table
-from rollout.engine import (
+from rollout.engines.base import (
     EngineConfig,
     Generation,
     Prepared,

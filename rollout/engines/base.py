@@ -1,4 +1,4 @@
-"""The rollout engine contract, the sampling rule every engine follows, and the engine factory.
+"""The rollout engine contract: requests and outputs, the sampling rule every engine follows, and the engine config.
 
 A :class:`RolloutEngine` holds the policy's weights in the trainer's rollout
 dtype and promises:
@@ -30,8 +30,7 @@ top-p truncation (top-p only restricts which tokens may be drawn; the reported
 value is not renormalised over the nucleus). With ``T <= 0`` (greedy) it is
 ``log_softmax(logits)[token]``. The trainer must recompute its log-probs the
 same way (``log_softmax(logits / T)``) for the ratio to be 1 at equal weights.
-(vLLM's ``logprobs_mode="processed_logprobs"`` equals this when ``top_p == 1``;
-see :mod:`rollout.vllm`.)
+(The vLLM engine reports vLLM's sampler's values instead; see :mod:`rollout.engines.vllm`.)
 
 Sampling is reproducible: the token at absolute response position ``i`` of a
 stream with seed ``s`` is ``argmax(log p_T - log E)`` over the nucleus, with
@@ -204,12 +203,25 @@ class DecodedApplier:
         return fp
 
 
+@dataclass(frozen=True)
+class ParentInfo:
+    """A p2psync node's HTTP server, for engines that pull verified artifacts themselves (vLLM)."""
+
+    url: str
+    token: str
+    public_key: str
+    """The trainer's Ed25519 public key: PEM text or a file path."""
+    node_id: str = "engine"
+
+
 class RolloutEngine(ABC):
     """Weights bit-equal to a published version, and generation from them (see module doc)."""
 
     name: str = "engine"
     switch_mid_generation: bool = True
     """Whether weights may change between two steps of one :class:`Generation`."""
+    pulls_artifacts: bool = False
+    """The engine fetches artifacts from a node's server itself (needs :meth:`attach` before :meth:`load`)."""
 
     version: int | None = None
 
@@ -267,6 +279,9 @@ class RolloutEngine(ABC):
         while not gen.done:
             gen.step()
         return gen.seqs
+
+    def attach(self, parent: ParentInfo, version: int | None = None) -> None:
+        """Tell an engine that pulls artifacts where from (default: nothing to do)."""  # noqa: B027 - optional hook
 
     def close(self) -> None:
         """Release engine resources (default: nothing to release)."""  # noqa: B027 - optional hook
@@ -330,13 +345,13 @@ def finish_reason(req: SeqRequest, token: int, length: int) -> str | None:
     return None
 
 
-# --- configuration and factory ----------------------------------------------------------------
+# --- configuration ----------------------------------------------------------------
 @dataclass(frozen=True)
 class EngineConfig:
     """What model to build and how to run it (the same model options the trainer takes)."""
 
     engine: str = "hf"
-    """``"hf"`` (transformers, CPU by default) or ``"vllm"``."""
+    """A name of the registry :data:`rollout.engines.ENGINES` (``"hf"``: transformers, ``"vllm"``)."""
     preset: str = "small"
     """A preset of :data:`trainer.workload.PRESETS` (used when neither ``model_path`` nor ``model_config``)."""
     model_path: str | None = None
@@ -349,11 +364,11 @@ class EngineConfig:
     threads: int = 0
     """torch intra-op threads (0: leave torch's default)."""
     vllm: dict[str, Any] = field(default_factory=dict)
-    """Extra ``vllm.LLM`` keyword arguments (vLLM engine only)."""
+    """Extra ``vllm.LLM`` keyword arguments (vLLM engine only; see :mod:`rollout.engines.vllm`)."""
 
     def __post_init__(self) -> None:
-        if self.engine not in ("hf", "vllm"):
-            raise ConfigError("engine", f"must be 'hf' or 'vllm', got {self.engine!r}")
+        if not self.engine or not isinstance(self.engine, str):
+            raise ConfigError("engine", f"must name an engine, got {self.engine!r}")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ConfigError("dtype", f"must be bfloat16, float16 or float32, got {self.dtype!r}")
         if self.threads < 0:
@@ -377,14 +392,3 @@ class EngineConfig:
             raise ConfigError("preset", f"unknown {self.preset!r} (choose from {', '.join(PRESETS)})")
         # Same construction as trainer.workload.build_model, so the tensor tables agree.
         return Qwen3Config(**PRESETS[self.preset], max_position_embeddings=512, tie_word_embeddings=True)
-
-
-def build_engine(config: EngineConfig) -> RolloutEngine:
-    """The engine ``config.engine`` names (imports its backend lazily)."""
-    if config.engine == "hf":
-        from rollout.hf import HFEngine
-
-        return HFEngine.build(config)
-    from rollout.vllm import VLLMEngine
-
-    return VLLMEngine.build(config)

