@@ -68,7 +68,6 @@ from p2psync.logs import NodeAdapter
 from p2psync.store import plan_catchup
 from rollout.engines import build_engine, check_name
 from rollout.engines.base import (
-    DecodedApplier,
     EngineConfig,
     ParentInfo,
     Prepared,
@@ -371,9 +370,10 @@ class RolloutWorker:
                         prepared, t0 = got, t_prep
                 if prepared is None:
                     prepared = await asyncio.to_thread(self._prepare, info.id, manifest)
+                assert prepared is not None
                 await self._audit_done()  # the audit reads what commit is about to write
                 await asyncio.to_thread(self.engine.commit, prepared)
-                how = "node-decoded" if isinstance(prepared.applier, DecodedApplier) else manifest.kind
+                how = "node-decoded" if prepared.applier is not None and prepared.applier.adopted else manifest.kind
                 self._switched(manifest.target_version, manifest.target_fingerprint, t0, t_safe, how)
                 t_safe = time.time()
         except WrongBase as exc:
@@ -498,7 +498,8 @@ class RolloutWorker:
         seqs = [s for s, _ in items]
         for s, st in zip(seqs, gen.seqs):
             s.state = st
-        t0, tokens, switches, versions = time.time(), 0, 0, set()
+        t0, tokens, switches = time.time(), 0, 0
+        versions: set[int] = set()
         # Sequences that ended before any step (e.g. a resumed response already at its cap).
         ended = {i for i, st in enumerate(gen.seqs) if st.done}
         await self._finish_ready(work, seqs, sorted(ended), results, open_by_grant, lost)

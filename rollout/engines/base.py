@@ -154,55 +154,6 @@ class Prepared:
     """The engine version it was decoded against."""
 
 
-class DecodedApplier:
-    """A delta the node in this process already decoded and verified, adopted without decoding again.
-
-    Same contract as :class:`p2psync.codec.decode.Applier`: the base is checked at construction
-    and again at :meth:`commit` (a fingerprint of the engine's own weights must equal the
-    manifest's base, else :class:`~p2psync.errors.WrongBase` and nothing is written); the changes
-    are exactly what the node wrote to its copy, and ``sums`` the node's per-tensor fingerprint
-    sums after them. The sums are a function of the bits alone, so weights that hashed to the
-    base hash to the manifest's target after these writes; :meth:`commit` still checks that the
-    adopted sums fold to the target before writing (the worker's audit then recomputes them
-    from every weight beside generation).
-    """
-
-    def __init__(self, state: ModelState, manifest: Manifest, changes: dict, sums: list[tuple[int, int]]) -> None:
-        from p2psync.errors import CodecError
-        from p2psync.state import check_table
-
-        if manifest.kind != "delta":
-            raise CodecError(f"decoded changes belong to a delta, not a {manifest.kind}")
-        check_table(list(manifest.tensors), state.specs)
-        self.state = state
-        self.manifest = manifest
-        self.changes = changes
-        self.sums = list(sums)
-        self._committed = False
-        self._check_base()
-
-    def _check_base(self) -> None:
-        from p2psync.errors import WrongBase
-
-        actual = self.state.fingerprint
-        if actual != self.manifest.base_fingerprint:
-            raise WrongBase(str(self.manifest.base_fingerprint), actual, self.manifest.base_version)
-
-    def commit(self) -> str:
-        from p2psync.errors import FingerprintMismatch, P2PSyncError
-        from p2psync.state import fold_root
-
-        if self._committed:
-            raise P2PSyncError("artifact already applied")
-        self._check_base()
-        fp = fold_root(self.state.table_hash, self.sums)
-        if fp != self.manifest.target_fingerprint:
-            raise FingerprintMismatch(self.manifest.target_fingerprint, fp)
-        self.state.apply_sparse(self.changes, self.sums)
-        self._committed = True
-        return fp
-
-
 @dataclass(frozen=True)
 class ParentInfo:
     """A p2psync node's HTTP server, for engines that pull verified artifacts themselves (vLLM)."""
@@ -258,7 +209,9 @@ class RolloutEngine(ABC):
     def prepare_decoded(self, manifest: Manifest, changes: dict, sums: list[tuple[int, int]]) -> Prepared:
         """Like :meth:`prepare` for a delta the node in this process already decoded
         (:meth:`p2psync.node.Node.decoded`): no second decode, only the base check."""
-        return Prepared(manifest, DecodedApplier(self.state, manifest, changes, sums), self.version)
+        from p2psync.codec.decode import Applier
+
+        return Prepared(manifest, Applier.adopting(self.state, manifest, changes, sums), self.version)
 
     @abstractmethod
     def commit(self, prepared: Prepared) -> str:

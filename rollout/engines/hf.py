@@ -189,7 +189,7 @@ class HFGeneration(Generation):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=eng.model.config)
+        cache = DynamicCache(config=eng.model.config)  # type: ignore[arg-type]  # a transformers model's config
         out = eng.model(input_ids=ids.to(eng.device), attention_mask=mask.to(eng.device),
                         position_ids=pos.to(eng.device), past_key_values=cache, use_cache=True, logits_to_keep=1)
         self._cache, self._mask, self._rows = out.past_key_values, mask, list(rows)

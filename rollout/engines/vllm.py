@@ -162,7 +162,7 @@ class VLLMEngine(RolloutEngine):
     # --- the backend ----------------------------------------------------------------------
     def attach(self, parent: ParentInfo, version: int | None = None) -> None:
         """Point the backend at ``parent``; ``version``: what the loaded weights are (None: unknown)."""
-        info = {"url": parent.url, "token": parent.token, "public_key": parent.public_key,
+        info: dict[str, Any] = {"url": parent.url, "token": parent.token, "public_key": parent.public_key,
                 "node_id": parent.node_id}
         if version is not None:
             info["version"] = version
@@ -329,7 +329,7 @@ class VLLMGeneration(Generation):
     def step(self) -> list[TokenEvent]:
         version = self.engine.version
         assert version is not None
-        events = []
+        events: list[TokenEvent] = []
         if self.done:
             return events
         with self.engine.calling() as llm:

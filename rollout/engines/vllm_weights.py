@@ -37,11 +37,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from p2psync import dtypes
-from p2psync.codec import kernels, segdecode
+from p2psync import dtypes, wordops
+from p2psync.codec import segdecode
 from p2psync.codec.decode import split_chunk
 from p2psync.codec.segment import KIND_DELTA, parse_head
-from p2psync.codec.workers import run_ordered
+from p2psync.workers import run_ordered
 from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, TensorTableMismatch, WrongBase
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
 from rollout.engines.vllm_layout import LayoutError, Piece, check_piece, place
@@ -214,8 +214,8 @@ class LiveWeights:
             old = self.host_words(p.tensor, p.start, p.stop)
             rel, new, _ = segdecode.decode(p.raw, p.body_at, 0, p.stop - p.start, d, old, seed)
             pos = rel + p.start
-            oa, ob = kernels.hash_sparse(pos, old[rel], seed)
-            na, nb = kernels.hash_sparse(pos, new, seed)
+            oa, ob = wordops.hash_sparse(pos, old[rel], seed)
+            na, nb = wordops.hash_sparse(pos, new, seed)
             return p.tensor, (p.start, p.stop), pos, new, ((int(na) - int(oa)) & MASK64, (int(nb) - int(ob)) & MASK64)
 
         order = sorted(range(len(segs)), key=lambda k: -len(segs[k]))
@@ -276,8 +276,8 @@ class LiveWeights:
                 torch.cuda.synchronize(self.device)
             pos = items[j][1][0]
             back = _to_host(self.flat[t].index_select(0, idx)).view(self._words[t])
-            oa, ob = kernels.hash_sparse(pos, _to_host(o).view(self._words[t]), self._seeds[t])
-            na, nb = kernels.hash_sparse(pos, back, self._seeds[t])
+            oa, ob = wordops.hash_sparse(pos, _to_host(o).view(self._words[t]), self._seeds[t])
+            na, nb = wordops.hash_sparse(pos, back, self._seeds[t])
             lanes[j] = (int(oa), int(ob), int(na), int(nb))
 
         order = sorted(range(len(items)), key=lambda j: -items[j][1][0].shape[0])
@@ -325,9 +325,9 @@ class LiveWeights:
 def _hash_at(words: np.ndarray, offset: int, seed: np.uint64) -> tuple[int, int]:
     """Hash lanes of ``words`` standing at positions ``offset...`` of their tensor."""
     if offset == 0:
-        a, b = kernels.hash_range(words, 0, words.shape[0], seed)
+        a, b = wordops.hash_range(words, 0, words.shape[0], seed)
     else:
-        a, b = kernels.hash_sparse(np.arange(offset, offset + words.shape[0], dtype=np.int64), words, seed)
+        a, b = wordops.hash_sparse(np.arange(offset, offset + words.shape[0], dtype=np.int64), words, seed)
     return int(a), int(b)
 
 
