@@ -10,7 +10,7 @@ import pytest
 from p2psync.errors import ConfigError
 from rollout.engines import ENGINES, build_engine, engine_class
 from rollout.engines.base import EngineConfig
-from rollout.worker import WorkerOptions
+from rollout.options import WorkerOptions
 
 
 def test_unknown_engine_is_a_config_error_naming_the_choices() -> None:

@@ -21,7 +21,8 @@ from p2psync.node import Node
 from rollout import worker as worker_mod
 from rollout.engines import build_engine
 from rollout.engines.base import EngineConfig
-from rollout.worker import RolloutWorker, WorkerOptions
+from rollout.options import WorkerOptions
+from rollout.worker import RolloutWorker
 
 pytestmark = pytest.mark.timeout(240)
 
