@@ -12,7 +12,8 @@ from p2psync import config, keys
 from p2psync.errors import P2PSyncError
 from p2psync.node import Node
 from p2psync.state import ModelState
-from trainer.publisher import PublishError, Publisher
+from trainer.publish_record import PublishError
+from trainer.publisher import Publisher
 from trainer.workload import Workload, build_model
 
 pytestmark = pytest.mark.timeout(120)

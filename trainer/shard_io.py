@@ -1,0 +1,181 @@
+"""What one rank of a publisher reads and exchanges: its pieces of the weights, and its share of a version.
+
+Reading: a piece (:class:`trainer.pieces.Piece`) is read bucket by bucket (at most
+``bucket_bytes`` in the rollout dtype on the accelerator at a time) and compared with the
+CPU copy of the previous version; only changed positions and words are kept, and their
+encode jobs start as soon as a piece is done.
+
+Sharded models (FSDP2 / DTensor, see :mod:`trainer.pieces`): every rank runs a
+Publisher over its own shard with no gather of weights. Each rank encodes its
+shard's changes as segments of the *full* tensor (its local segment start/stop
+shifted by the shard's flat offset; decoding is relative to the segment start,
+so the bytes are otherwise those of a local encode) and computes the fingerprint
+contribution of its elements at their global positions (the fingerprint is a sum
+over elements, so contributions add). Rank 0 gathers the chunks (the compressed
+delta) and 16 bytes per tensor (a :class:`_Part` per rank), signs one manifest for
+the full model, and publishes it on its node: receivers see an ordinary artifact.
+The one exception is version 0: the root must hold the full snapshot, so rank 0
+receives each rank's snapshot chunks once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from p2psync import dtypes, wordops
+from p2psync.codec.encode import CodecOptions, element_ranges, encode_sparse_range
+from p2psync.codec.segment import SegmentStats, encode_raw_segment
+from p2psync.errors import ConfigError
+from trainer.pieces import Piece
+
+MASK64 = 0xFFFFFFFFFFFFFFFF
+_HASH_BLOCK = 1 << 22
+
+
+def _add(a: tuple[int, int], b: tuple[int, int], sign: int = 1) -> tuple[int, int]:
+    return (a[0] + sign * b[0]) & MASK64, (a[1] + sign * b[1]) & MASK64
+
+
+def _sums_at(positions: np.ndarray, words: np.ndarray, seed: np.uint64) -> tuple[int, int]:
+    a, b = wordops.hash_sparse(positions, words, seed)
+    return int(a), int(b)
+
+
+def _piece_sums(words: np.ndarray, offset: int, seed: np.uint64) -> tuple[int, int]:
+    """Fingerprint sums of a piece's words at their global positions."""
+    if offset == 0:
+        a, b = wordops.hash_range(words, 0, words.shape[0], seed)
+        return int(a), int(b)
+    total = (0, 0)
+    for s in range(0, words.shape[0], _HASH_BLOCK):
+        e = min(words.shape[0], s + _HASH_BLOCK)
+        total = _add(total, _sums_at(np.arange(offset + s, offset + e, dtype=np.int64), words[s:e], seed))
+    return total
+
+
+@dataclass
+class _Part:
+    """One rank's share of one version: chunks plus fingerprint contributions."""
+
+    chunks: list[bytes]
+    sums: dict[int, tuple[int, int]]
+    """Snapshot: absolute sums per tensor; delta: sum changes per tensor."""
+    changed: dict[int, int]
+    stats: SegmentStats
+
+class ShardIO:
+    """This rank's reads of its pieces and the publisher's collectives (see module doc).
+
+    The rank side of :class:`trainer.publisher.Publisher`, which sets the attributes declared here.
+    """
+
+    node: Any
+    bucket_bytes: int
+    opts: CodecOptions
+    _snapshot_level: int
+    _group: Any
+    _rank: int
+    _world: int
+    _loop: asyncio.AbstractEventLoop | None
+    _private_key: Any
+    _pieces: list[Piece]
+    _words: list[np.ndarray]
+    _pool: ThreadPoolExecutor
+
+    # --- setup ------------------------------------------------------------------------------
+    def _setup_distributed(self) -> None:
+        import torch.distributed as dist
+
+        if self._group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo")
+        if self._group is not None:
+            self._rank = dist.get_rank(self._group)
+            self._world = dist.get_world_size(self._group)
+        if self._rank == 0:
+            if self.node is None:
+                raise ConfigError("node", "rank 0 publishes and needs the trainer node")
+            if self._private_key is None:
+                self._private_key = getattr(self.node, "private_key", None)
+            if self._private_key is None:
+                raise ConfigError("private_key", "no signing key: give private_key= or a node with trainer_private_key")
+            if self._loop is None:
+                raise ConfigError("loop", "the node's event loop is needed (use Publisher.create inside it)")
+
+    # --- extraction ---------------------------------------------------------------------------
+    def _bucket_elements(self, piece: Piece) -> int:
+        return max(1, self.bucket_bytes // dtypes.from_torch(piece.dtype).width)
+
+    def _read(self, piece: Piece, a: int, b: int) -> torch.Tensor:
+        """Elements ``[a, b)`` of the piece in the rollout dtype, on the CPU (one bucket on the device)."""
+        src = piece.local()[a:b]
+        if src.device.type == "cpu":
+            return src.to(piece.dtype)
+        return src.to(piece.dtype).to("cpu")
+
+    def _extract(self) -> tuple[list[tuple[int, Piece, np.ndarray, np.ndarray, list[Future]]], float]:
+        """Changed positions and words per piece; a piece's encode jobs start as soon as it is done."""
+        t0 = time.perf_counter()
+        out = []
+        with torch.no_grad():
+            for k, piece in enumerate(self._pieces):
+                old = self._words[k]
+                step = self._bucket_elements(piece)
+                pos_parts, val_parts = [], []
+                for a in range(0, piece.numel, step):
+                    b = min(piece.numel, a + step)
+                    new = dtypes.words_of(self._read(piece, a, b).contiguous())
+                    idx = np.flatnonzero(new != old[a:b])
+                    if idx.shape[0]:
+                        pos_parts.append(idx + a)
+                        val_parts.append(new[idx])
+                if not pos_parts:
+                    continue
+                pos = np.concatenate(pos_parts).astype(np.int64, copy=False)
+                vals = np.concatenate(val_parts)
+                jobs = [self._pool.submit(encode_sparse_range, piece.index, piece.spec, old, pos, vals, s, e, self.opts)
+                        for s, e in element_ranges(piece.numel, self.opts.segment_elements)]
+                out.append((k, piece, pos, vals, jobs))
+        return out, time.perf_counter() - t0
+
+    def _extract_full(self) -> tuple[list[tuple[int, Piece, np.ndarray, list[Future]]], float]:
+        """Every piece's words, read bucket by bucket into a fresh copy; raw encode jobs start per piece."""
+        t0 = time.perf_counter()
+        out = []
+        with torch.no_grad():
+            for k, piece in enumerate(self._pieces):
+                new = np.empty_like(self._words[k])
+                step = self._bucket_elements(piece)
+                for a in range(0, piece.numel, step):
+                    b = min(piece.numel, a + step)
+                    new[a:b] = dtypes.words_of(self._read(piece, a, b).contiguous())
+                width = dtypes.from_code(piece.spec.dtype).width
+                jobs = [self._pool.submit(encode_raw_segment, piece.index, s, new[s:e], self._snapshot_level)
+                        for s, e in element_ranges(piece.numel, self.opts.raw_elements(width))]
+                out.append((k, piece, new, jobs))
+        return out, time.perf_counter() - t0
+
+    # --- collectives (sharded only) ----------------------------------------------------------
+    def _gather(self, part: _Part) -> list[_Part] | None:
+        if self._world == 1:
+            return [part]
+        import torch.distributed as dist
+
+        out: list[Any] | None = [None] * self._world if self._rank == 0 else None
+        dist.gather_object(part, out, dst=dist.get_global_rank(self._group, 0), group=self._group)
+        return out
+
+    def _broadcast(self, value: Any) -> Any:
+        if self._world == 1:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
+        return box[0]
