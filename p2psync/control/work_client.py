@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 from p2psync.control.api import Grant, ProgressReport, ResponseResult
-from p2psync.control.coordinator import CONTROL, MAX_REPORTS
+from p2psync.control.bodies import CONTROL, MAX_REPORTS
 from p2psync.errors import LeaseExpired, P2PSyncError, PeerUnreachable, UnknownWork
 from p2psync.transport.client import cancel_quietly
 

@@ -264,7 +264,7 @@ def test_progress_many_records_each_report_or_refuses_the_whole_malformed_batch(
     k = Keys(tmp_path)
 
     async def go():
-        from p2psync.control.coordinator import MAX_REPORTS
+        from p2psync.control.bodies import MAX_REPORTS
 
         tr = await Node.create(k.cfg("trainer", "trainer"))
         try:
