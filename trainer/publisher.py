@@ -79,7 +79,7 @@ from p2psync.errors import ConfigError, P2PSyncError
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
 from trainer.pieces import Piece, published_table
 from trainer.publish_record import PublishError, PublishRecord
-from trainer.shard_io import ShardIO, _add, _Part, _piece_sums, _sums_at
+from trainer.shard_io import Part, ShardIO, add_sums, piece_sums, sums_at
 
 logger = logging.getLogger(__name__)
 
@@ -203,13 +203,13 @@ class Publisher(ShardIO):
                 self._base.append(base)
                 self._words.append(words)
                 seed = tensor_seed(piece.spec.name)
-                sums[piece.index] = _add(sums.get(piece.index, (0, 0)), _piece_sums(words, piece.offset, seed))
+                sums[piece.index] = add_sums(sums.get(piece.index, (0, 0)), piece_sums(words, piece.offset, seed))
                 width = dtypes.from_code(piece.spec.dtype).width
                 for s, e in element_ranges(piece.numel, self.opts.raw_elements(width)):
                     seg, st = encode_raw_segment(piece.index, s, words[s:e], self._snapshot_level)
                     segments.append(shift_segment(seg, piece.offset))
                     stats.add(st)
-        part = _Part(list(pack_chunks(segments, self.opts.chunk_size)), sums, {}, stats)
+        part = Part(list(pack_chunks(segments, self.opts.chunk_size)), sums, {}, stats)
         extract_s = time.perf_counter() - t0
         parts = self._gather(part)
         version = None
@@ -218,7 +218,7 @@ class Publisher(ShardIO):
             full = [(0, 0)] * len(self._specs)
             for p in parts:
                 for i, part_sums in p.sums.items():
-                    full[i] = _add(full[i], part_sums)
+                    full[i] = add_sums(full[i], part_sums)
             self._full_sums = full
             fp = fold_root(table_hash(self._specs), full)
             node = self.node
@@ -335,15 +335,15 @@ class Publisher(ShardIO):
                     words = self._words[k]
                     seed = tensor_seed(piece.spec.name)
                     gpos = pos + piece.offset
-                    d = _add(_sums_at(gpos, vals, seed), _sums_at(gpos, words[pos], seed), -1)
-                    deltas[piece.index] = _add(deltas.get(piece.index, (0, 0)), d)
+                    d = add_sums(sums_at(gpos, vals, seed), sums_at(gpos, words[pos], seed), -1)
+                    deltas[piece.index] = add_sums(deltas.get(piece.index, (0, 0)), d)
                     changed[piece.index] = changed.get(piece.index, 0) + int(pos.shape[0])
                     words[pos] = vals  # the CPU copy is now this version
                     if self._world == 1 and not self.verify_own:
                         own.setdefault(piece.index, []).append((gpos, vals))
             finally:
                 self._base_ready.set()  # the next extraction may start (against the updated copy)
-            part = _Part(list(pack_chunks(segments, self.opts.chunk_size)), deltas, changed, stats)
+            part = Part(list(pack_chunks(segments, self.opts.chunk_size)), deltas, changed, stats)
             parts = self._gather(part)
             if self._rank == 0:
                 assert parts is not None
@@ -351,7 +351,7 @@ class Publisher(ShardIO):
                 target = list(base)
                 for q in parts:
                     for i, d in q.sums.items():
-                        target[i] = _add(target[i], d)
+                        target[i] = add_sums(target[i], d)
                 th = table_hash(self._specs)
                 art = self._artifact("delta", parts, fold_root(th, base), fold_root(th, target), target)
                 mine = None
@@ -386,18 +386,18 @@ class Publisher(ShardIO):
                         segments.append(shift_segment(seg, piece.offset))
                         stats.add(st)
                     seed = tensor_seed(piece.spec.name)
-                    sums[piece.index] = _add(sums.get(piece.index, (0, 0)), _piece_sums(new, piece.offset, seed))
+                    sums[piece.index] = add_sums(sums.get(piece.index, (0, 0)), piece_sums(new, piece.offset, seed))
                     self._words[k][:] = new  # the CPU copy is now this version
             finally:
                 self._base_ready.set()
-            part = _Part(list(pack_chunks(segments, self.opts.chunk_size)), sums, {}, stats)
+            part = Part(list(pack_chunks(segments, self.opts.chunk_size)), sums, {}, stats)
             parts = self._gather(part)
             if self._rank == 0:
                 assert parts is not None
                 full = [(0, 0)] * len(self._specs)
                 for q in parts:
                     for i, s in q.sums.items():
-                        full[i] = _add(full[i], s)
+                        full[i] = add_sums(full[i], s)
                 fp = fold_root(table_hash(self._specs), full)
                 self._hand_off(p.version, None, self._artifact("snapshot", parts, None, fp, full), p.started,
                                extract_s, t_enc)
@@ -410,7 +410,7 @@ class Publisher(ShardIO):
         finally:
             self._pending_slots.release()
 
-    def _artifact(self, kind: str, parts: list[_Part], base_fp: str | None, target_fp: str,
+    def _artifact(self, kind: str, parts: list[Part], base_fp: str | None, target_fp: str,
                   target_sums: list[tuple[int, int]]) -> EncodedArtifact:
         stats = SegmentStats()
         changed = [0] * len(self._specs)

@@ -12,7 +12,7 @@ shifted by the shard's flat offset; decoding is relative to the segment start,
 so the bytes are otherwise those of a local encode) and computes the fingerprint
 contribution of its elements at their global positions (the fingerprint is a sum
 over elements, so contributions add). Rank 0 gathers the chunks (the compressed
-delta) and 16 bytes per tensor (a :class:`_Part` per rank), signs one manifest for
+delta) and 16 bytes per tensor (a :class:`Part` per rank), signs one manifest for
 the full model, and publishes it on its node: receivers see an ordinary artifact.
 The one exception is version 0: the root must hold the full snapshot, so rank 0
 receives each rank's snapshot chunks once.
@@ -39,16 +39,18 @@ MASK64 = 0xFFFFFFFFFFFFFFFF
 _HASH_BLOCK = 1 << 22
 
 
-def _add(a: tuple[int, int], b: tuple[int, int], sign: int = 1) -> tuple[int, int]:
+def add_sums(a: tuple[int, int], b: tuple[int, int], sign: int = 1) -> tuple[int, int]:
+    """``a + b`` (``a - b`` with ``sign=-1``) of two fingerprint sum pairs, modulo 2**64."""
     return (a[0] + sign * b[0]) & MASK64, (a[1] + sign * b[1]) & MASK64
 
 
-def _sums_at(positions: np.ndarray, words: np.ndarray, seed: np.uint64) -> tuple[int, int]:
+def sums_at(positions: np.ndarray, words: np.ndarray, seed: np.uint64) -> tuple[int, int]:
+    """Fingerprint sums of ``words`` at the global element ``positions``."""
     a, b = wordops.hash_sparse(positions, words, seed)
     return int(a), int(b)
 
 
-def _piece_sums(words: np.ndarray, offset: int, seed: np.uint64) -> tuple[int, int]:
+def piece_sums(words: np.ndarray, offset: int, seed: np.uint64) -> tuple[int, int]:
     """Fingerprint sums of a piece's words at their global positions."""
     if offset == 0:
         a, b = wordops.hash_range(words, 0, words.shape[0], seed)
@@ -56,12 +58,12 @@ def _piece_sums(words: np.ndarray, offset: int, seed: np.uint64) -> tuple[int, i
     total = (0, 0)
     for s in range(0, words.shape[0], _HASH_BLOCK):
         e = min(words.shape[0], s + _HASH_BLOCK)
-        total = _add(total, _sums_at(np.arange(offset + s, offset + e, dtype=np.int64), words[s:e], seed))
+        total = add_sums(total, sums_at(np.arange(offset + s, offset + e, dtype=np.int64), words[s:e], seed))
     return total
 
 
 @dataclass
-class _Part:
+class Part:
     """One rank's share of one version: chunks plus fingerprint contributions."""
 
     chunks: list[bytes]
@@ -69,6 +71,7 @@ class _Part:
     """Snapshot: absolute sums per tensor; delta: sum changes per tensor."""
     changed: dict[int, int]
     stats: SegmentStats
+
 
 class ShardIO:
     """This rank's reads of its pieces and the publisher's collectives (see module doc).
@@ -162,7 +165,7 @@ class ShardIO:
         return out, time.perf_counter() - t0
 
     # --- collectives (sharded only) ----------------------------------------------------------
-    def _gather(self, part: _Part) -> list[_Part] | None:
+    def _gather(self, part: Part) -> list[Part] | None:
         if self._world == 1:
             return [part]
         import torch.distributed as dist

@@ -44,6 +44,8 @@ _DEFAULT_TPS = 100.0
 
 @dataclass
 class Waiter:
+    """A lease request waiting for work; ``future`` gets its grants (JSON, see :func:`grant_json`)."""
+
     node: str
     max_items: int
     future: asyncio.Future
