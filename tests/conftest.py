@@ -1,4 +1,25 @@
 import os
+import sys
+
+import pytest
 
 # numba compiles the codec kernels once and caches them next to the sources.
 os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".numba_cache"))
+
+_exit_status: int | None = None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    global _exit_status
+    _exit_status = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # vLLM imports triton, whose nanobind bindings print dozens of "leaked ..." lines at
+    # interpreter exit, after pytest's summary. Everything is reported and written by now, so
+    # the process ends here with pytest's status and the summary stays the last thing printed.
+    if _exit_status is not None and "triton" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_exit_status)
