@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,10 @@ async def trainer(node: Any, options: dict[str, Any]) -> int:
     except Exception as exc:  # noqa: BLE001 - reported to the demo, which exits non-zero
         outcome = {"rc": 1, "error": repr(exc), "seconds": time.time() - t0}
         node.log.exception("training job failed")
-    done_path.write_text(json.dumps(outcome))
+    # Written whole, then renamed: the demo polls for the file and must never read it half written.
+    tmp = done_path.with_name(done_path.name + ".tmp")
+    tmp.write_text(json.dumps(outcome))
+    os.replace(tmp, done_path)
     await asyncio.Event().wait()  # keep serving until SIGTERM
     return int(outcome["rc"])
 
