@@ -23,18 +23,14 @@ _S31 = np.uint64(31)
 _S32 = np.uint64(32)
 
 
-def _word_array(a) -> bool:
+def is_word_array(a) -> bool:
+    """Whether the numba type ``a`` is a contiguous 1-d array of integer words (what the intrinsics take)."""
     return isinstance(a, types.Array) and isinstance(a.dtype, types.Integer) and a.layout in "CA" and a.ndim == 1
 
 
-@intrinsic
-def prefetch_l2(typingctx, arr, idx):
-    """Prefetch the line of word ``idx`` into L2 for reading (``prefetcht1``; a hint: never
-    faults). For scattered writes far ahead: measured on the benchmark VM, it keeps more misses
-    in flight than a prefetch for writing into L1 (``prefetchw``), which the scatter used before."""
-    if not _word_array(arr):
-        return None
-    sig = types.void(arr, types.intp)
+def prefetch_codegen(locality: int):
+    """Codegen of an intrinsic ``(arr, idx) -> None`` that prefetches the line of word ``idx`` for
+    reading with LLVM's ``locality`` (3: keep in all levels, 2: L2 and below ...)."""
 
     def codegen(context, builder, signature, args):
         ary = context.make_array(signature.args[0])(context, builder, args[0])
@@ -43,10 +39,20 @@ def prefetch_l2(typingctx, arr, idx):
         fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
         i32 = ir.IntType(32)
-        builder.call(fn, [ptr, i32(0), i32(2), i32(1)])
+        builder.call(fn, [ptr, i32(0), i32(locality), i32(1)])
         return context.get_dummy_value()
 
-    return sig, codegen
+    return codegen
+
+
+@intrinsic
+def prefetch_l2(typingctx, arr, idx):
+    """Prefetch the line of word ``idx`` into L2 for reading (``prefetcht1``; a hint: never
+    faults). For scattered writes far ahead: measured on the benchmark VM, it keeps more misses
+    in flight than a prefetch for writing into L1 (``prefetchw``)."""
+    if not is_word_array(arr):
+        return None
+    return types.void(arr, types.intp), prefetch_codegen(2)
 
 
 # --- fingerprint element hashes ------------------------------------------------------------

@@ -22,6 +22,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from p2psync.wordops import is_word_array, prefetch_codegen
 from p2psync.wordops import prefetch_l2  # noqa: F401 - one of the primitives, kept beside the scatter that uses it
 
 _U64 = np.uint64
@@ -42,14 +43,10 @@ def _load_block(context, builder, arrtype, arr, idx):
     return builder.load(builder.bitcast(ptr, vtype.as_pointer()), align=width // 8), vtype
 
 
-def _word_array(a) -> bool:
-    return isinstance(a, types.Array) and isinstance(a.dtype, types.Integer) and a.layout in "CA" and a.ndim == 1
-
-
 @intrinsic
 def gt_mask64(typingctx, arr, idx, keymask, threshold):
     """Bit i set iff ``(arr[idx + i] & keymask) > threshold`` (unsigned), for i in 0..63."""
-    if not _word_array(arr):
+    if not is_word_array(arr):
         return None
     sig = types.uint64(arr, types.intp, arr.dtype, arr.dtype)
 
@@ -65,7 +62,7 @@ def gt_mask64(typingctx, arr, idx, keymask, threshold):
 @intrinsic
 def ne_mask64(typingctx, a, b, idx):
     """Bit i set iff ``a[idx + i] != b[idx + i]``, for i in 0..63."""
-    if not (_word_array(a) and _word_array(b)) or a.dtype != b.dtype:
+    if not (is_word_array(a) and is_word_array(b)) or a.dtype != b.dtype:
         return None
     sig = types.uint64(a, b, types.intp)
 
@@ -138,7 +135,7 @@ def _pdep64(typingctx, src, mask):
 def load_be64(typingctx, buf, idx):
     """The 8 bytes ``buf[idx:idx + 8]`` of a byte array as a big-endian u64 (one unaligned load and
     a byte swap; the caller guarantees ``idx + 8 <= len(buf)``)."""
-    if not (_word_array(buf) and buf.dtype.bitwidth == 8):
+    if not (is_word_array(buf) and buf.dtype.bitwidth == 8):
         return None
     sig = types.uint64(buf, types.intp)
 
@@ -156,7 +153,7 @@ def load_be64(typingctx, buf, idx):
 def store_be64(typingctx, buf, idx, value):
     """Store the u64 ``value`` big-endian at ``buf[idx:idx + 8]`` of a byte array (a byte swap and
     one unaligned store; the caller guarantees ``idx + 8 <= len(buf)``)."""
-    if not (_word_array(buf) and buf.dtype.bitwidth == 8):
+    if not (is_word_array(buf) and buf.dtype.bitwidth == 8):
         return None
     sig = types.void(buf, types.intp, types.uint64)
 
@@ -183,7 +180,7 @@ def prefetch_ahead(typingctx, arr, idx):
     """Prefetch (for reading, into all cache levels) the block of 64 words that starts
     ``PREFETCH_BYTES`` after word ``idx``: one hint per 64-byte line. A hint never faults, so the
     address may lie past the end of the array (the last blocks of a pass)."""
-    if not _word_array(arr):
+    if not is_word_array(arr):
         return None
     sig = types.void(arr, types.intp)
     width = arr.dtype.bitwidth // 8
@@ -207,21 +204,9 @@ def prefetch_ahead(typingctx, arr, idx):
 def prefetch_read(typingctx, arr, idx):
     """Prefetch the line of word ``idx`` for reading (a hint: never faults, so ``idx`` may lie past
     the end of the array)."""
-    if not _word_array(arr):
+    if not is_word_array(arr):
         return None
-    sig = types.void(arr, types.intp)
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        i8p = ir.IntType(8).as_pointer()
-        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), i8p)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, ir.IntType(32), ir.IntType(32), ir.IntType(32)])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        i32 = ir.IntType(32)
-        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
+    return types.void(arr, types.intp), prefetch_codegen(3)
 
 
 _ONE = np.uint64(1)
