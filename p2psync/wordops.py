@@ -138,6 +138,29 @@ def scatter(words, positions, values):
 
 
 @njit(nogil=True, cache=True)
+def scatter_logged(words, positions, values, undo, seed):
+    """:func:`scatter` that first keeps each overwritten word in ``undo`` (same slots as
+    ``values``) and returns what the writes add to the fingerprint lanes (:func:`hash_change` of
+    the overwritten and the written words): an undoable, fingerprinted write in one pass over the
+    changes. ``scatter(words, positions, undo)`` takes it back."""
+    n = positions.shape[0]
+    s = _U64(seed)
+    a = _U64(0)
+    b = _U64(0)
+    for j in range(n):
+        if j + SCATTER_AHEAD < n:
+            prefetch_l2(words, positions[j + SCATTER_AHEAD])
+        p = positions[j]
+        o = words[p]
+        undo[j] = o
+        words[p] = values[j]
+        da, db = change_lanes(p, _U64(o), _U64(words[p]), s)
+        a += da
+        b += db
+    return a, b
+
+
+@njit(nogil=True, cache=True)
 def in_range(positions, n):
     """Whether every position is in ``[0, n)`` (a min/max reduction: it vectorises)."""
     if positions.shape[0] == 0:

@@ -13,9 +13,11 @@ integer view of the raw bits: same memory, on the parameter's own device. Then:
   elsewhere: one segment at a time, never a whole tensor) and checks that the
   changes lead to the manifest's target before anything is written. It then
   keeps an undo log (the old words at the changed positions), scatters only the
-  changed words with ``index_copy_`` on integer views (bit-exact for every
-  pattern: NaN payloads, -0.0, subnormals, inf), reads the written words back
-  and folds the fingerprint from what was read. Any failure, that mismatch
+  changed words as integers (bit-exact for every pattern: NaN payloads, -0.0,
+  subnormals, inf) and folds the fingerprint from the words as read from the
+  live memory (host memory: one compiled pass per segment that keeps, writes
+  and hashes; a device: ``index_copy_`` on integer views, then the written words
+  copied back to the host and hashed). Any failure, that mismatch
   included, writes the old words back before the typed error is raised: the
   model is on its previous weights and keeps serving.
 - **Snapshot load.** :meth:`LiveWeights.load_snapshot` decodes a snapshot into a
@@ -124,9 +126,10 @@ class LiveWeights:
         self.device = self.flat[0].device if self.flat else torch.device("cpu")
         self.timing: dict[str, float] = {}
         """Seconds spent decoding (and checking) and committing the last delta, and its changes."""
-        self.decode_in_place = self.device.type == "cpu"
-        """Decode against the live words themselves (host memory); else against a host copy of
-        one segment's range at a time (how a device-resident model is decoded)."""
+        self.host_memory = self.device.type == "cpu"
+        """The live words are in host memory: decode against them in place and write them with
+        compiled loops. Else (a device) decode against a host copy of one segment's range at a time
+        and write with torch's index ops."""
         self._words = [dtypes.from_code(s.dtype).word for s in self.specs]
         self._seeds = [tensor_seed(s.name) for s in self.specs]
         self.sums: list[tuple[int, int]] = self._compute_sums()
@@ -193,7 +196,7 @@ class LiveWeights:
         if len(chunks) != len(manifest.chunks):
             raise CodecError(f"{len(chunks)} of {len(manifest.chunks)} chunks given")
         segs = [seg for c in chunks for seg in split_chunk(c)]
-        on_host = self.decode_in_place
+        on_host = self.host_memory
 
         def one(k: int) -> tuple[int, tuple[int, int], np.ndarray, np.ndarray, tuple[int, int]]:
             p = parse_head(segs[k])
@@ -251,56 +254,71 @@ class LiveWeights:
         return fp
 
     def commit(self, changes: dict[int, list[tuple[np.ndarray, np.ndarray]]], target: str) -> str:
-        """Scatter ``changes`` with an undo log; keep them only if the words read back hash to ``target``.
+        """Scatter ``changes`` with an undo log; keep them only if the live words hash to ``target``.
 
-        Tensors are written on ``threads`` threads (torch's index ops release the GIL; vLLM's
-        CPU worker runs torch with one intra-op thread)."""
-        import torch
-
+        Parts are written on ``threads`` threads. In host memory one compiled pass per part keeps
+        the old word, stores the new one and hashes both as read from the live words
+        (:func:`p2psync.wordops.scatter_logged`). On a device, torch's index ops keep the old words,
+        write, and read the written words back to the host to be hashed."""
         items = [(t, part) for t, parts in changes.items() for part in parts]
-        undo: list[tuple[int, Any, Any] | None] = [None] * len(items)
-        lanes: list[tuple[int, int, int, int] | None] = [None] * len(items)
-
-        def write(j: int) -> None:
-            t, (pos, new) = items[j]
-            flat = self.flat[t]
-            idx = torch.from_numpy(pos).to(self.device)
-            undo[j] = (t, idx, flat.index_select(0, idx))
-            flat.index_copy_(0, idx, torch.from_numpy(np.ascontiguousarray(new).view(_np_signed(new))).to(self.device))
-
-        def check(j: int) -> None:
-            entry = undo[j]
-            assert entry is not None
-            t, idx, o = entry
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            pos = items[j][1][0]
-            back = _to_host(self.flat[t].index_select(0, idx)).view(self._words[t])
-            oa, ob = wordops.hash_sparse(pos, _to_host(o).view(self._words[t]), self._seeds[t])
-            na, nb = wordops.hash_sparse(pos, back, self._seeds[t])
-            lanes[j] = (int(oa), int(ob), int(na), int(nb))
-
+        undo: list[Any] = [None] * len(items)
+        lanes: list[tuple[int, int] | None] = [None] * len(items)
+        write = self._write_host if self.host_memory else self._write_device
         order = sorted(range(len(items)), key=lambda j: -items[j][1][0].shape[0])
         try:
-            for fn in (write, check):
-                _, _, err = run_ordered(len(items), order, fn, min(self.threads, max(1, len(items))))
-                if err is not None:
-                    raise err
+            _, _, err = run_ordered(len(items), order, lambda j: write(j, items[j], undo, lanes),
+                                    min(self.threads, max(1, len(items))))
+            if err is not None:
+                raise err
             sums = list(self.sums)
             for (t, _), ln in zip(items, lanes):
                 assert ln is not None
-                sums[t] = _sum_add(_sum_add(sums[t], ln[0], ln[1], -1), ln[2], ln[3])
+                sums[t] = _sum_add(sums[t], ln[0], ln[1])
             got = fold_root(self.table_hash, sums)
             if got != target:
                 raise FingerprintMismatch(target, got)
         except BaseException:
-            for entry in undo:
-                if entry is not None:
-                    t, idx, o = entry
-                    self.flat[t].index_copy_(0, idx, o)
+            self._undo(items, undo)
             raise
         self.sums = sums
         return got
+
+    def _write_host(self, j: int, item: tuple[int, tuple[np.ndarray, np.ndarray]], undo: list[Any],
+                    lanes: list[tuple[int, int] | None]) -> None:
+        t, (pos, new) = item
+        words = self.host_words(t, 0, self.specs[t].numel)
+        old = np.empty_like(words, shape=new.shape)
+        undo[j] = old  # set before the write: a failure part-way is taken back whole
+        a, b = wordops.scatter_logged(words, pos, np.ascontiguousarray(new).view(words.dtype), old,
+                                      np.uint64(self._seeds[t]))
+        lanes[j] = (int(a), int(b))
+
+    def _write_device(self, j: int, item: tuple[int, tuple[np.ndarray, np.ndarray]], undo: list[Any],
+                      lanes: list[tuple[int, int] | None]) -> None:
+        import torch
+
+        t, (pos, new) = item
+        flat = self.flat[t]
+        idx = torch.from_numpy(pos).to(self.device)
+        old = flat.index_select(0, idx)
+        undo[j] = (idx, old)
+        flat.index_copy_(0, idx, torch.from_numpy(np.ascontiguousarray(new).view(_np_signed(new))).to(self.device))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        back = _to_host(flat.index_select(0, idx)).view(self._words[t])
+        a, b = wordops.hash_change(pos, _to_host(old).view(self._words[t]), back, np.uint64(self._seeds[t]))
+        lanes[j] = (int(a), int(b))
+
+    def _undo(self, items: list[tuple[int, tuple[np.ndarray, np.ndarray]]], undo: list[Any]) -> None:
+        """Write back the old words of every part that was (or may have been) written."""
+        for (t, (pos, _)), entry in zip(items, undo):
+            if entry is None:
+                continue
+            if isinstance(entry, np.ndarray):
+                wordops.scatter(self.host_words(t, 0, self.specs[t].numel), pos, entry)
+            else:
+                idx, old = entry
+                self.flat[t].index_copy_(0, idx, old)
 
     def load_snapshot(self, manifest: Manifest, chunks: Sequence[bytes | memoryview]) -> str:
         """Write a verified snapshot into every live word; returns the audited fingerprint."""

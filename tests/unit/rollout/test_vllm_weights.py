@@ -65,7 +65,7 @@ def test_delta_lands_bit_exact_with_every_bit_pattern(in_place):
     model = _model()
     old = _snapshot(model)
     live = LiveWeights(model, old.specs)
-    live.decode_in_place = in_place  # False: the path a GPU-resident model takes
+    live.host_memory = in_place  # False: the path a GPU-resident model takes
     assert live.fingerprint == old.fingerprint
     new, m, chunks = _delta(old)
     assert live.apply_delta(m, chunks) == new.fingerprint
@@ -89,10 +89,12 @@ def test_bad_artifacts_change_nothing():
     assert _words(model, new) == []
 
 
-def test_a_write_that_does_not_read_back_as_planned_is_undone():
+@pytest.mark.parametrize("in_place", [True, False], ids=["host-words", "segment-copies"])
+def test_a_write_that_does_not_read_back_as_planned_is_undone(in_place):
     model = _model()
     old = _snapshot(model)
     live = LiveWeights(model, old.specs)
+    live.host_memory = in_place
     new, m, chunks = _delta(old)
     changes, _ = live.decode(m, chunks)
     with pytest.raises(FingerprintMismatch):
