@@ -64,18 +64,27 @@ def rpc_mem_peak(worker) -> int:
     return _rss()[1]
 
 
-def rpc_dense(worker, path: str) -> dict:
-    """vLLM's dense path: ``load_weights`` of every checkpoint tensor (read into memory first)."""
-    from safetensors.torch import load_file
+def rpc_dense(worker, source: str) -> dict:
+    """vLLM's dense path: ``load_weights`` of every checkpoint tensor, read first from ``source``
+    (a file, or an ``http://`` URL: the full checkpoint fetched over the link the delta takes)."""
+    import urllib.request
+
+    from safetensors.torch import load, load_file
 
     model = worker.model_runner.model
     t0 = time.perf_counter()
-    tensors = load_file(path)
+    if source.startswith("http://"):
+        with urllib.request.urlopen(source, timeout=600) as r:
+            tensors = load(r.read())
+    else:
+        tensors = load_file(source)
+    got = time.perf_counter() - t0
     base = _reset_peak()
     t = time.perf_counter()
     model.load_weights(list(tensors.items()))
     dt = time.perf_counter() - t
-    return {"s": dt, "s_with_file_read": time.perf_counter() - t0, "extra_bytes": _rss()[1] - base}
+    key = "s_with_transfer" if source.startswith("http://") else "s_with_file_read"
+    return {"s": dt, key: time.perf_counter() - t0, "read_s": got, "extra_bytes": _rss()[1] - base}
 
 
 def rpc_sparse(worker, path: str) -> dict:
@@ -150,8 +159,16 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=151936)
     ap.add_argument("--lr", type=float, default=1e-6)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--link-mbit", type=float, default=0,
+                    help="cap the links between the node and the engine at this rate (needs root); 0: loopback")
+    ap.add_argument("--json", default=None, help="append the result line to this file")
+    ap.add_argument("--engine-part", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--dense", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    if args.engine_part:  # inside the engine's machine (see run_linked)
+        return run_engine(json.loads(Path(args.engine_part).read_text()), args.url, args.dense)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-vllm-"))
     out.mkdir(parents=True, exist_ok=True)
 
@@ -195,20 +212,53 @@ def main() -> int:
     write_file(pub / "000001-delta.p2sa", dm, enc.chunks)
     delta_bytes = sum(len(c) for c in enc.chunks)
     del enc
-    node = subprocess.Popen(
-        [sys.executable, "-m", "p2psync.cli", "node", "--role", "trainer", "--id", "trainer", "--listen.port=0",
-         f"--data_dir={out / 'node'}", f"--cluster_token={TOKEN}", f"--trainer_public_key={keydir / 'trainer.pub'}",
-         f"--trainer_private_key={keydir / 'trainer.key'}", f"--publish-dir={pub}"],
-        stdout=subprocess.PIPE, stderr=open(out / "node.log", "ab"), text=True)
+    ctx = {"params": nparams, "changed": nchanged, "delta_bytes": delta_bytes, "v0": s0.fingerprint,
+           "v1": s1.fingerprint, "target": dm.target_fingerprint, "ck": str(ck), "keydir": str(keydir),
+           "out": str(out), "link_mbit": args.link_mbit,
+           "json": str(Path(args.json).resolve()) if args.json else None}
+    (out / "context.json").write_text(json.dumps(ctx))
+    del s0, s1, changed
+    node_argv = [sys.executable, "-m", "p2psync.cli", "node", "--role", "trainer", "--id", "trainer",
+                 f"--data_dir={out / 'node'}", f"--cluster_token={TOKEN}",
+                 f"--trainer_public_key={keydir / 'trainer.pub'}", f"--trainer_private_key={keydir / 'trainer.key'}",
+                 f"--publish-dir={pub}", "--listen.port=0"]
+    if args.link_mbit:
+        return run_linked(ctx, node_argv, args.link_mbit)
+    node = subprocess.Popen(node_argv, stdout=subprocess.PIPE, stderr=open(out / "node.log", "ab"), text=True)
     try:
         url = node.stdout.readline().strip()
-        return run_engine(args, out, ck, url, keydir, s0, s1, dm, nparams, nchanged, delta_bytes)
+        return run_engine(ctx, url, str(out / "dense_v0.safetensors"))
     finally:
         node.terminate()
         node.wait(20)
 
 
-def run_engine(args, out, ck, url, keydir, s0, s1, dm, nparams, nchanged, delta_bytes) -> int:
+def run_linked(ctx: dict, node_argv: list[str], mbit: float) -> int:
+    """The node and a file server of the full checkpoint on one emulated machine, the engine on
+    another, both machines' links capped at ``mbit`` (``tc tbf``, network namespaces; needs root)."""
+    from p2psync.testbed import Testbed
+    from p2psync.testbed.config import from_dict
+
+    cfg = from_dict({"name": "p2vb", "subnet": "10.97.0.0/16", "trainer_region": "lan",
+                     "trainer_uplink_mbit": mbit, "node_uplink_mbit": mbit, "node_downlink_mbit": mbit,
+                     "regions": [{"name": "lan", "wan_mbit": 0, "nodes": 1}], "latency": []})
+    out = Path(ctx["out"])
+    with Testbed.up(cfg) as tb:
+        src, dst = tb.trainer, tb.rollout_machines()[0]
+        node = tb.spawn(src.id, [*node_argv, f"--listen.host={src.ip}"], stdout=subprocess.PIPE,
+                        stderr=open(out / "node.log", "ab"), text=True)
+        files = tb.spawn(src.id, [sys.executable, "-m", "http.server", "--bind", src.ip, "8000",
+                                  "--directory", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url = node.stdout.readline().strip()
+            return tb.run(dst.id, [sys.executable, str(Path(__file__).resolve()), "--engine-part",
+                                   str(out / "context.json"), "--url", url,
+                                   "--dense", f"http://{src.ip}:8000/dense_v0.safetensors"]).returncode
+        finally:
+            tb.stop([node, files])
+
+
+def run_engine(ctx: dict, url: str, dense: str) -> int:
     import urllib.request
 
     from vllm import LLM
@@ -216,6 +266,7 @@ def run_engine(args, out, ck, url, keydir, s0, s1, dm, nparams, nchanged, delta_
     from rollout.engines.base import EngineConfig, ParentInfo
     from rollout.engines.vllm import VLLMEngine, llm_kwargs
 
+    ck, keydir, out = Path(ctx["ck"]), Path(ctx["keydir"]), Path(ctx["out"])
     for _ in range(600):  # the node imports the artifacts it is given
         try:
             req = urllib.request.Request(url + "/v1/head", headers={"Authorization": f"Bearer {TOKEN}"})
@@ -240,23 +291,28 @@ def run_engine(args, out, ck, url, keydir, s0, s1, dm, nparams, nchanged, delta_
         fp = eng.reach(1)
         res["p2psync"] = {"s": time.perf_counter() - t, "extra_bytes": rpc(rpc_mem_peak)[0] - base,
                           **eng.status()["timing"]}
-        assert fp == dm.target_fingerprint
-        res["dense"] = rpc(rpc_dense, args=(str(out / "dense_v0.safetensors"),))[0]
-        if eng.audit() != s0.fingerprint:
+        assert fp == ctx["target"]
+        res["dense"] = rpc(rpc_dense, args=(dense,))[0]
+        if eng.audit() != ctx["v0"]:
             raise SystemExit("dense reload did not restore version 0")
         try:
             res["sparse_patch"] = rpc(rpc_sparse, args=(str(out / "sparse.safetensors"),))[0]
-            res["sparse_patch"]["bit_exact"] = eng.audit() == s1.fingerprint
+            res["sparse_patch"]["bit_exact"] = eng.audit() == ctx["v1"]
         except Exception as exc:  # report why vLLM's sparse path is not usable here
             res["sparse_patch"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         p = res["p2psync"]["s"]
-        summary = {"params": nparams, "changed": nchanged, "delta_bytes": delta_bytes,
-                   **{k: {kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()}
-                      for k, v in res.items()},
-                   "p2psync_over_dense": round(p / res["dense"]["s"], 4)}
+        summary = {k: ctx[k] for k in ("params", "changed", "delta_bytes", "link_mbit")}
+        summary.update({k: {kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()}
+                        for k, v in res.items()})
+        summary["p2psync_over_dense"] = round(p / res["dense"]["s"], 4)
+        if "s_with_transfer" in res["dense"]:
+            summary["p2psync_over_dense_with_transfer"] = round(p / res["dense"]["s_with_transfer"], 4)
         if "s" in res["sparse_patch"]:
             summary["p2psync_over_sparse_patch"] = round(p / res["sparse_patch"]["s"], 4)
         print(json.dumps(summary), flush=True)
+        if ctx.get("json"):
+            with open(ctx["json"], "a") as f:
+                f.write(json.dumps(summary) + "\n")
     finally:
         eng.close()
     return 0
