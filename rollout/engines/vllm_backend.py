@@ -46,6 +46,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from p2psync.errors import P2PSyncError, WrongBase
+from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, vllm_group
 from rollout.engines.vllm_weights import LiveWeights
 
 logger = logging.getLogger(__name__)
@@ -168,11 +169,10 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         """The last artifact's fetch, decode and commit seconds (see :meth:`status`)."""
         tp = int(getattr(self.parallel_config, "tensor_parallel_size", 1) or 1)
         pp = int(getattr(self.parallel_config, "pipeline_parallel_size", 1) or 1)
-        if tp * pp != 1:
-            # The layout maps tensor-parallel slices (rollout.engines.vllm_layout), but a delta
-            # decodes against every base word of a tensor, which one rank does not hold.
-            raise P2PSyncError("the p2psync backend applies deltas on tensor_parallel_size=1, "
-                               f"pipeline_parallel_size=1 only (got {tp}, {pp})")
+        if pp != 1:
+            # A pipeline stage holds some layers only; the fingerprint covers the whole model.
+            raise P2PSyncError(f"the p2psync backend needs pipeline_parallel_size=1 (got {pp})")
+        self.group: RankGroup = vllm_group() if tp > 1 else Solo()
 
     # --- vLLM's contract ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: P2PSyncInitInfo) -> None:
@@ -183,8 +183,9 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         public_key = load_public_key(init_info.public_key)
         if init_info.version is not None:
             try:
-                manifest = _run(fetch_version_manifest(init_info.url, init_info.token, init_info.node_id,
-                                                       init_info.version, public_key, init_info.timeout))
+                manifest = self._together(lambda: _run(fetch_version_manifest(
+                    init_info.url, init_info.token, init_info.node_id, init_info.version, public_key,
+                    init_info.timeout)))
                 live = self.bind(manifest, init_info.threads)
                 if live.audit() != manifest.target_fingerprint:
                     raise WrongBase(manifest.target_fingerprint, live.fingerprint, init_info.version)
@@ -216,20 +217,37 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         info = self.info
         if info is None:
             raise P2PSyncError("init_weight_transfer_engine was not called (no p2psync parent)")
-        plan = _run(fetch_plan(info.url, info.token, info.node_id, self.version, target, info.timeout))
-        for art in plan:
+        # Tensor-parallel ranks apply rank 0's plan together; each fetches and checks it itself.
+        plan = self._together(lambda: [a.id for a in _run(fetch_plan(info.url, info.token, info.node_id,
+                                                                     self.version, target, info.timeout))],
+                              share=True)
+        for aid in plan:
             t = time.perf_counter()
-            manifest, chunks = _run(fetch_artifact(info.url, info.token, info.node_id, art.id, self.public_key,
-                                                   info.timeout))
+            manifest, chunks = self._together(lambda: _run(fetch_artifact(
+                info.url, info.token, info.node_id, aid, self.public_key, info.timeout)))
             fetched = time.perf_counter() - t
             self.apply(manifest, chunks)
             self.timing = {"fetch_s": round(fetched, 4), **(self.live.timing if self.live else {}),
                            "bytes": sum(len(c) for c in chunks)}
 
+    def _together(self, fn: Any, share: bool = False) -> Any:
+        """``fn()`` on every rank, then a vote: if it failed anywhere it fails everywhere. With
+        ``share``, every rank gets rank 0's result."""
+        failed: Exception | None = None
+        got = None
+        try:
+            got = fn()
+        except Exception as exc:
+            failed = exc
+        if not self.group.all_true(failed is None):
+            raise failed or RankRefused("another tensor-parallel rank could not fetch the update")
+        return self.group.first(got) if share else got
+
     def bind(self, manifest: Any, threads: int | None = None) -> LiveWeights:
         specs = list(manifest.tensors)
         if self.live is None or self.live.specs != specs:
-            self.live = LiveWeights(self.model, specs, threads or (self.info.threads if self.info else 2))
+            self.live = LiveWeights(self.model, specs, threads or (self.info.threads if self.info else 2),
+                                    group=self.group)
         return self.live
 
     def apply(self, manifest: Any, chunks: list[Any]) -> str:

@@ -88,10 +88,11 @@ def _rows_split(name: str, param: str, shape: tuple[int, ...], start: int, size:
     return Piece(name, param, shape, (start, start + size), (0, width), at_row, counted)
 
 
-def place(model: Any, name: str, shape: tuple[int, ...], params: dict[str, Any]) -> Piece:
+def place(model: Any, name: str, shape: tuple[int, ...], params: dict[str, Any], tp_rank: int = 0) -> Piece:
     """The piece of checkpoint tensor ``name`` (``shape``) this rank holds (see module doc).
 
-    ``params`` is ``dict(model.named_parameters())`` (tied parameters appear once)."""
+    ``params`` is ``dict(model.named_parameters())`` (tied parameters appear once); ``tp_rank`` is
+    this worker's tensor-parallel rank (replicated layers, e.g. norms, do not carry one)."""
     shape = tuple(shape)
     if len(shape) > 2:
         raise LayoutError(f"{name}: {len(shape)}-D tensors are not mapped (shape {shape})")
@@ -135,7 +136,7 @@ def place(model: Any, name: str, shape: tuple[int, ...], params: dict[str, Any])
         n = shape[0] // size
         return _rows_split(name, param, shape, rank * n, n, 0)
     # Replicated on every rank (norms, row-parallel biases): counted on rank 0 only.
-    return _rows_split(name, param, shape, 0, shape[0] if shape else 1, 0, counted=rank == 0)
+    return _rows_split(name, param, shape, 0, shape[0] if shape else 1, 0, counted=max(rank, tp_rank) == 0)
 
 
 def check_piece(piece: Piece, param_shape: tuple[int, ...]) -> None:

@@ -47,6 +47,7 @@ from p2psync.workers import run_ordered
 from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, TensorTableMismatch, WrongBase
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
 from rollout.engines.vllm_layout import LayoutError, Piece, check_piece, place
+from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, gather_range, global_positions, local_positions
 
 if TYPE_CHECKING:
     import torch
@@ -84,9 +85,12 @@ def _sum_add(s: tuple[int, int], a: int, b: int, sign: int = 1) -> tuple[int, in
 class LiveWeights:
     """The trainer's tensor table bound to a vLLM model's live parameters (see module doc)."""
 
-    def __init__(self, model: Any, specs: Sequence[TensorSpec], threads: int = 2) -> None:
+    def __init__(self, model: Any, specs: Sequence[TensorSpec], threads: int = 2,
+                 group: RankGroup | None = None) -> None:
         import torch
 
+        self.group: RankGroup = group or Solo()
+        """The tensor-parallel ranks sharing the model (:mod:`rollout.engines.vllm_tp`)."""
         self.specs = list(specs)
         self.table_hash = table_hash(self.specs)
         self.threads = max(1, threads)
@@ -96,7 +100,7 @@ class LiveWeights:
         unknown: list[str] = []
         for spec in self.specs:
             try:
-                piece = place(model, spec.name, spec.shape, params)
+                piece = place(model, spec.name, spec.shape, params, self.group.rank)
             except LayoutError:
                 unknown.append(spec.name)
                 continue
@@ -111,9 +115,9 @@ class LiveWeights:
                     f"{spec.name} -> vLLM parameter {piece.param}: {why}; on CPU build the engine with the "
                     "p2psync plugin loaded (it keeps plain weights) or on a GPU")
             check_piece(piece, tuple(p.shape))
-            if not piece.whole:
-                raise LayoutError(f"{spec.name}: this rank holds a tensor-parallel slice; decoding a delta "
-                                  "needs every base word of a tensor, so only tensor_parallel_size=1 is supported")
+            if not piece.whole and self.group.size == 1:
+                raise LayoutError(f"{spec.name}: the parameter holds a tensor-parallel slice of it, "
+                                  "but no rank group was given to rebuild the rest")
             nrows = piece.rows[1] - piece.rows[0]
             rows = p.data[piece.at_row:piece.at_row + nrows]
             if not rows.is_contiguous():
@@ -143,13 +147,20 @@ class LiveWeights:
         return part.numpy().view(self._words[i])
 
     def _compute_sums(self) -> list[tuple[int, int]]:
+        """Per-tensor sums of the element hashes of the words this rank owns, summed over the ranks."""
         def one(i: int) -> tuple[int, int]:
-            n = self.flat[i].numel()
-            s = (0, 0)
-            step = n if self.device.type == "cpu" else _HOST_RANGE
+            piece, n, s = self.pieces[i], self.flat[i].numel(), (0, 0)
+            if not piece.counted:
+                return s
+            step = n if self.host_memory and piece.whole else _HOST_RANGE
             for lo in range(0, n, max(1, step)):
                 hi = min(n, lo + step)
-                a, b = _hash_at(self.host_words(i, lo, hi), lo, self._seeds[i])
+                words = self.host_words(i, lo, hi)
+                if piece.whole:
+                    a, b = _hash_at(words, lo, self._seeds[i])
+                else:
+                    pos = global_positions(piece, np.arange(lo, hi, dtype=np.int64))
+                    a, b = (int(x) for x in wordops.hash_sparse(pos, words, self._seeds[i]))
                 s = _sum_add(s, a, b)
             return s
 
@@ -157,7 +168,13 @@ class LiveWeights:
         out, _, err = run_ordered(len(self.specs), order, one, self.threads)
         if err is not None:
             raise err
-        return [o for o in out if o is not None]
+        return self._group_sums([o if o is not None else (0, 0) for o in out])
+
+    def _group_sums(self, sums: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        if self.group.size == 1:
+            return sums
+        flat = self.group.sum_u64([v for ab in sums for v in ab])
+        return [(flat[2 * k], flat[2 * k + 1]) for k in range(len(sums))]
 
     @property
     def fingerprint(self) -> str:
@@ -170,7 +187,7 @@ class LiveWeights:
         return self.fingerprint
 
     def read(self, name: str) -> np.ndarray:
-        """A host copy of checkpoint tensor ``name``'s live words (unsigned)."""
+        """A host copy of the live words of checkpoint tensor ``name`` that this rank holds (unsigned)."""
         i = [s.name for s in self.specs].index(name)
         return self.host_words(i, 0, self.flat[i].numel()).copy()
 
@@ -195,34 +212,27 @@ class LiveWeights:
             raise WrongBase(str(manifest.base_fingerprint), self.fingerprint, manifest.base_version)
         if len(chunks) != len(manifest.chunks):
             raise CodecError(f"{len(chunks)} of {len(manifest.chunks)} chunks given")
-        segs = [seg for c in chunks for seg in split_chunk(c)]
-        on_host = self.host_memory
-
-        def one(k: int) -> tuple[int, tuple[int, int], np.ndarray, np.ndarray, tuple[int, int]]:
-            p = parse_head(segs[k])
-            if p.kind != KIND_DELTA:
-                raise CodecError(f"segment kind {p.kind} does not belong in a delta")
-            if p.tensor >= len(self.specs):
-                raise CodecError(f"segment names tensor #{p.tensor}, table has {len(self.specs)}")
-            spec = self.specs[p.tensor]
-            if not 0 <= p.start <= p.stop <= spec.numel:
-                raise CodecError(f"segment of {spec.name} covers [{p.start}, {p.stop}), tensor has {spec.numel}")
-            assert p.raw is not None
-            d, seed = dtypes.from_code(spec.dtype), np.uint64(self._seeds[p.tensor])
-            if on_host:  # the live words themselves; the decoder also returns the sums' change
-                pos, new, ab = segdecode.decode(p.raw, p.body_at, p.start, p.stop, d,
-                                                self.host_words(p.tensor, 0, spec.numel), seed)
-                return p.tensor, (p.start, p.stop), pos, new, ab
-            # Off the host: a copy of this segment's range only (positions relative to it).
-            old = self.host_words(p.tensor, p.start, p.stop)
-            rel, new, _ = segdecode.decode(p.raw, p.body_at, 0, p.stop - p.start, d, old, seed)
-            pos = rel + p.start
-            oa, ob = wordops.hash_sparse(pos, old[rel], seed)
-            na, nb = wordops.hash_sparse(pos, new, seed)
-            return p.tensor, (p.start, p.stop), pos, new, ((int(na) - int(oa)) & MASK64, (int(nb) - int(ob)) & MASK64)
-
-        order = sorted(range(len(segs)), key=lambda k: -len(segs[k]))
-        out, _, err = run_ordered(len(segs), order, one, min(self.threads, max(1, len(segs))))
+        failed: Exception | None = None
+        heads: list[Any] = []
+        try:
+            heads = [self._head(seg) for c in chunks for seg in split_chunk(c)]
+        except Exception as exc:
+            failed = exc
+        if self.group.size > 1:
+            # Rebuilding a sharded range is a collective: every rank must rebuild the same ones.
+            ranges = None if failed else [(h.tensor, h.start, h.stop) for h in heads
+                                          if not self.pieces[h.tensor].whole]
+            agreed = self.group.first(ranges) == ranges
+            if not self.group.all_true(failed is None and agreed):
+                raise failed or RankRefused("the tensor-parallel ranks were given different deltas")
+        elif failed is not None:
+            raise failed
+        order = sorted(range(len(heads)), key=lambda k: -len(heads[k].raw))
+        if self.group.size == 1:
+            out, _, err = run_ordered(len(heads), order, lambda k: self._decode_segment(heads[k]),
+                                      min(self.threads, max(1, len(heads))))
+        else:
+            out, err = self._decode_ranks(heads, order)
         if err is not None:
             raise err
         by: dict[int, list[tuple[tuple[int, int], np.ndarray, np.ndarray]]] = {}
@@ -240,13 +250,68 @@ class LiveWeights:
             changes[t] = [(pos.astype(np.int64, copy=False), new) for _, pos, new in parts]
         return changes, sums
 
+    def _head(self, seg: memoryview) -> Any:
+        """The parsed head of a delta segment, checked against the table."""
+        p = parse_head(seg)
+        if p.kind != KIND_DELTA:
+            raise CodecError(f"segment kind {p.kind} does not belong in a delta")
+        if p.tensor >= len(self.specs):
+            raise CodecError(f"segment names tensor #{p.tensor}, table has {len(self.specs)}")
+        spec = self.specs[p.tensor]
+        if not 0 <= p.start <= p.stop <= spec.numel:
+            raise CodecError(f"segment of {spec.name} covers [{p.start}, {p.stop}), tensor has {spec.numel}")
+        assert p.raw is not None
+        return p
+
+    def _decode_segment(self, p: Any, base: np.ndarray | None = None
+                        ) -> tuple[int, tuple[int, int], np.ndarray, np.ndarray, tuple[int, int]]:
+        """``(tensor, range, positions, new words, sums' change)`` of one segment, decoded against
+        the live words in place (host memory, whole tensor), ``base`` (the range rebuilt from every
+        rank) or a host copy of the segment's range."""
+        spec = self.specs[p.tensor]
+        d, seed = dtypes.from_code(spec.dtype), np.uint64(self._seeds[p.tensor])
+        if base is None and self.host_memory:  # the decoder also returns the sums' change
+            pos, new, ab = segdecode.decode(p.raw, p.body_at, p.start, p.stop, d,
+                                            self.host_words(p.tensor, 0, spec.numel), seed)
+            return p.tensor, (p.start, p.stop), pos, new, ab
+        old = self.host_words(p.tensor, p.start, p.stop) if base is None else base
+        rel, new, _ = segdecode.decode(p.raw, p.body_at, 0, p.stop - p.start, d, old, seed)
+        pos = rel + p.start
+        oa, ob = wordops.hash_sparse(pos, old[rel], seed)
+        na, nb = wordops.hash_sparse(pos, new, seed)
+        return p.tensor, (p.start, p.stop), pos, new, ((int(na) - int(oa)) & MASK64, (int(nb) - int(ob)) & MASK64)
+
+    def _decode_ranks(self, heads: list[Any], order: list[int]) -> tuple[list[Any], Exception | None]:
+        """Decode on one thread in ``order`` (the same on every rank), rebuilding each sharded range
+        with the group; after a failure the remaining ranges are still rebuilt (not decoded), so the
+        ranks' collectives stay in step."""
+        out: list[Any] = [None] * len(heads)
+        err: Exception | None = None
+        for k in order:
+            p = heads[k]
+            piece = self.pieces[p.tensor]
+            base = None if piece.whole else gather_range(self.group, piece, self.flat[p.tensor], p.start, p.stop,
+                                                         self._words[p.tensor])
+            if err is None:
+                try:
+                    out[k] = self._decode_segment(p, base)
+                except Exception as exc:
+                    err = exc
+        return out, err
+
     def apply_delta(self, manifest: Manifest, chunks: Sequence[bytes | memoryview]) -> str:
-        """Decode, check, write, read back and check again; all or nothing (see module doc)."""
+        """Decode, check, write, check again; all or nothing, on every rank (see module doc)."""
         t0 = time.perf_counter()
-        changes, sums = self.decode(manifest, chunks)
-        planned = fold_root(self.table_hash, sums)
-        if planned != manifest.target_fingerprint:
-            raise FingerprintMismatch(manifest.target_fingerprint, planned)
+        failed: Exception | None = None
+        try:
+            changes, sums = self.decode(manifest, chunks)
+            planned = fold_root(self.table_hash, sums)
+            if planned != manifest.target_fingerprint:
+                raise FingerprintMismatch(manifest.target_fingerprint, planned)
+        except Exception as exc:  # voted on first: every rank refuses together
+            failed = exc
+        if not self.group.all_true(failed is None):
+            raise failed or RankRefused("another tensor-parallel rank refused the delta")
         t1 = time.perf_counter()
         fp = self.commit(changes, manifest.target_fingerprint)
         self.timing = {"decode_s": round(t1 - t0, 4), "commit_s": round(time.perf_counter() - t1, 4),
@@ -259,63 +324,90 @@ class LiveWeights:
         Parts are written on ``threads`` threads. In host memory one compiled pass per part keeps
         the old word, stores the new one and hashes both as read from the live words
         (:func:`p2psync.wordops.scatter_logged`). On a device, torch's index ops keep the old words,
-        write, and read the written words back to the host to be hashed."""
-        items = [(t, part) for t, parts in changes.items() for part in parts]
+        write, and read the written words back to the host to be hashed. With tensor parallelism
+        each rank writes the changes its pieces hold, hashes those it owns, and the ranks sum the
+        lanes and vote: one rank's failure takes every rank's writes back."""
+        items = self._local_parts(changes)
         undo: list[Any] = [None] * len(items)
         lanes: list[tuple[int, int] | None] = [None] * len(items)
         write = self._write_host if self.host_memory else self._write_device
-        order = sorted(range(len(items)), key=lambda j: -items[j][1][0].shape[0])
+        order = sorted(range(len(items)), key=lambda j: -items[j][1].shape[0])
+        failed: BaseException | None = None
         try:
-            _, _, err = run_ordered(len(items), order, lambda j: write(j, items[j], undo, lanes),
-                                    min(self.threads, max(1, len(items))))
-            if err is not None:
-                raise err
-            sums = list(self.sums)
-            for (t, _), ln in zip(items, lanes):
-                assert ln is not None
-                sums[t] = _sum_add(sums[t], ln[0], ln[1])
-            got = fold_root(self.table_hash, sums)
-            if got != target:
-                raise FingerprintMismatch(target, got)
-        except BaseException:
+            _, _, failed = run_ordered(len(items), order, lambda j: write(j, items[j], undo, lanes),
+                                       min(self.threads, max(1, len(items))))
+        except BaseException as exc:
+            failed = exc
+        if not self.group.all_true(failed is None):
             self._undo(items, undo)
-            raise
+            raise failed or RankRefused("another tensor-parallel rank could not write the delta")
+        delta = [(0, 0)] * len(self.specs)
+        for (t, *_), ln in zip(items, lanes):
+            assert ln is not None
+            delta[t] = _sum_add(delta[t], ln[0], ln[1])
+        sums = [_sum_add(a, *d) for a, d in zip(self.sums, self._group_sums(delta))]
+        got = fold_root(self.table_hash, sums)  # the same on every rank
+        if got != target:
+            self._undo(items, undo)
+            raise FingerprintMismatch(target, got)
         self.sums = sums
         return got
 
-    def _write_host(self, j: int, item: tuple[int, tuple[np.ndarray, np.ndarray]], undo: list[Any],
-                    lanes: list[tuple[int, int] | None]) -> None:
-        t, (pos, new) = item
-        words = self.host_words(t, 0, self.specs[t].numel)
-        old = np.empty_like(words, shape=new.shape)
-        undo[j] = old  # set before the write: a failure part-way is taken back whole
-        a, b = wordops.scatter_logged(words, pos, np.ascontiguousarray(new).view(words.dtype), old,
-                                      np.uint64(self._seeds[t]))
-        lanes[j] = (int(a), int(b))
+    def _local_parts(self, changes: dict[int, list[tuple[np.ndarray, np.ndarray]]]
+                     ) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
+        """``(tensor, local positions, global positions, new words)`` of the changes this rank holds."""
+        items = []
+        for t, parts in changes.items():
+            piece = self.pieces[t]
+            for pos, new in parts:
+                if piece.whole:
+                    items.append((t, pos, pos, new))
+                    continue
+                which, local = local_positions(piece, pos)
+                if which.shape[0]:
+                    items.append((t, local, pos[which], new[which]))
+        return items
 
-    def _write_device(self, j: int, item: tuple[int, tuple[np.ndarray, np.ndarray]], undo: list[Any],
+    def _write_host(self, j: int, item: tuple[int, np.ndarray, np.ndarray, np.ndarray], undo: list[Any],
+                    lanes: list[tuple[int, int] | None]) -> None:
+        t, local, glob, new = item
+        words = self.host_words(t, 0, self.flat[t].numel())
+        new = np.ascontiguousarray(new).view(words.dtype)
+        seed = np.uint64(self._seeds[t])
+        if local is glob:  # one pass: keep, write, hash
+            old = np.empty_like(words, shape=new.shape)
+            undo[j] = old  # set before the write: a failure part-way is taken back whole
+            a, b = wordops.scatter_logged(words, local, new, old, seed)
+        else:  # a slice: positions in memory are not the hashed ones
+            old = words[local]
+            undo[j] = old
+            wordops.scatter(words, local, new)
+            a, b = wordops.hash_change(glob, old, words[local], seed)
+        lanes[j] = (int(a), int(b)) if self.pieces[t].counted else (0, 0)
+
+    def _write_device(self, j: int, item: tuple[int, np.ndarray, np.ndarray, np.ndarray], undo: list[Any],
                       lanes: list[tuple[int, int] | None]) -> None:
         import torch
 
-        t, (pos, new) = item
+        t, local, glob, new = item
         flat = self.flat[t]
-        idx = torch.from_numpy(pos).to(self.device)
+        idx = torch.from_numpy(local).to(self.device)
         old = flat.index_select(0, idx)
         undo[j] = (idx, old)
         flat.index_copy_(0, idx, torch.from_numpy(np.ascontiguousarray(new).view(_np_signed(new))).to(self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         back = _to_host(flat.index_select(0, idx)).view(self._words[t])
-        a, b = wordops.hash_change(pos, _to_host(old).view(self._words[t]), back, np.uint64(self._seeds[t]))
-        lanes[j] = (int(a), int(b))
+        a, b = wordops.hash_change(glob, _to_host(old).view(self._words[t]), back, np.uint64(self._seeds[t]))
+        lanes[j] = (int(a), int(b)) if self.pieces[t].counted else (0, 0)
 
-    def _undo(self, items: list[tuple[int, tuple[np.ndarray, np.ndarray]]], undo: list[Any]) -> None:
+    def _undo(self, items: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], undo: list[Any]) -> None:
         """Write back the old words of every part that was (or may have been) written."""
-        for (t, (pos, _)), entry in zip(items, undo):
+        for (t, local, _, _), entry in zip(items, undo):
             if entry is None:
                 continue
             if isinstance(entry, np.ndarray):
-                wordops.scatter(self.host_words(t, 0, self.specs[t].numel), pos, entry)
+                wordops.scatter(self.host_words(t, 0, self.flat[t].numel()), local, entry)
             else:
                 idx, old = entry
                 self.flat[t].index_copy_(0, idx, old)
@@ -329,10 +421,19 @@ class LiveWeights:
         self._check(manifest)
         if manifest.kind != "snapshot":
             raise CodecError(f"expected a snapshot, got a {manifest.kind}")
-        staged = decode_state(list(manifest.tensors), enumerate(chunks), len(manifest.chunks),
-                              manifest.target_fingerprint, self.threads)
+        failed: Exception | None = None
+        try:
+            staged = decode_state(list(manifest.tensors), enumerate(chunks), len(manifest.chunks),
+                                  manifest.target_fingerprint, self.threads)
+        except Exception as exc:  # voted on first: every rank refuses together
+            failed = exc
+        if not self.group.all_true(failed is None):
+            raise failed or RankRefused("another tensor-parallel rank refused the snapshot")
         for i, spec in enumerate(self.specs):
-            w = staged.words(spec.name)
+            w, piece = staged.words(spec.name), self.pieces[i]
+            if not piece.whole:
+                (r0, r1), (c0, c1) = piece.rows, piece.cols
+                w = np.ascontiguousarray(w.reshape(-1, piece.width)[r0:r1, c0:c1]).reshape(-1)
             self.flat[i].copy_(torch.from_numpy(w.view(_np_signed(w))).to(self.device))
         got = self.audit()
         if got != manifest.target_fingerprint:

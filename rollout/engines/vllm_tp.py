@@ -1,0 +1,168 @@
+"""Tensor-parallel ranks applying one delta together: the rank group, base gathering, global positions.
+
+With ``tensor_parallel_size > 1`` every vLLM worker holds a slice of most
+tensors (:mod:`rollout.engines.vllm_layout`). A delta segment's positions are
+coded against every base word of its range, so each rank rebuilds that range
+before decoding it: every rank writes the words it owns (the rank whose piece
+is ``counted``) into a zeroed block and the group sums the blocks. The owned
+bits of different ranks never overlap, so the sum is their union, exact in any
+integer view. Every rank then decodes the same changes, writes those of its own
+piece, and hashes the words it owns at their global positions; the group sums
+those lanes, so the fingerprint is the trainer's whole-model fingerprint.
+
+All ranks run the same collectives in the same order (the same chunks give the
+same segments), and every outcome is voted: a rank that fails (a fetch, a
+decode, a write) makes every rank refuse and take its writes back.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+from rollout.engines.vllm_layout import Piece
+
+from p2psync.errors import P2PSyncError
+
+MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+class RankRefused(P2PSyncError):
+    """Another tensor-parallel rank failed its part of an update, so this rank refused it too."""
+
+
+class RankGroup(Protocol):
+    """The tensor-parallel ranks that share one model (collectives in call order on every rank)."""
+
+    rank: int
+    size: int
+
+    def sum_(self, t: Any) -> None:
+        """All-reduce SUM of the integer tensor ``t`` in place (host or device)."""
+
+    def sum_u64(self, values: list[int]) -> list[int]:
+        """Element-wise sum modulo 2**64 of ``values`` over the ranks."""
+
+    def all_true(self, ok: bool) -> bool:
+        """Whether ``ok`` holds on every rank."""
+
+    def first(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` (a picklable value), on every rank."""
+
+
+class Solo:
+    """One rank: every collective is the identity."""
+
+    rank = 0
+    size = 1
+
+    def sum_(self, t: Any) -> None:
+        return None
+
+    def sum_u64(self, values: list[int]) -> list[int]:
+        return [v & MASK64 for v in values]
+
+    def all_true(self, ok: bool) -> bool:
+        return ok
+
+    def first(self, obj: Any) -> Any:
+        return obj
+
+
+class TorchGroup:
+    """A :mod:`torch.distributed` group: ``host_group`` (gloo) for votes and lanes,
+    ``tensor_group`` for blocks of words on the model's device (the same group on CPU)."""
+
+    def __init__(self, host_group: Any, tensor_group: Any | None = None) -> None:
+        import torch.distributed as dist
+
+        self.host_group = host_group
+        self.tensor_group = tensor_group if tensor_group is not None else host_group
+        self.rank = dist.get_rank(host_group)
+        self.size = dist.get_world_size(host_group)
+
+    def sum_(self, t: Any) -> None:
+        import torch.distributed as dist
+
+        group = self.host_group if t.device.type == "cpu" else self.tensor_group
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+
+    def sum_u64(self, values: list[int]) -> list[int]:
+        import torch
+        import torch.distributed as dist
+
+        # int64 addition wraps modulo 2**64: the same sums as uint64
+        t = torch.tensor([v - (1 << 64) if v >= 1 << 63 else v for v in values], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.host_group)
+        return [int(v) & MASK64 for v in t.tolist()]
+
+    def all_true(self, ok: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        t = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.host_group)
+        return bool(t.item())
+
+    def first(self, obj: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.host_group, 0), group=self.host_group)
+        return box[0]
+
+
+def vllm_group() -> RankGroup:
+    """vLLM's tensor-parallel group of this worker."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    coord = get_tp_group()
+    if coord.world_size == 1:
+        return Solo()
+    return TorchGroup(coord.cpu_group, coord.device_group)
+
+
+def global_positions(piece: Piece, local: np.ndarray) -> np.ndarray:
+    """Positions in the whole checkpoint tensor of the piece's local flat positions ``local``."""
+    ncols = piece.cols[1] - piece.cols[0]
+    if ncols == piece.width:  # whole rows: one offset
+        return local + piece.rows[0] * piece.width
+    row, col = np.divmod(local, ncols)
+    return (row + piece.rows[0]) * piece.width + col + piece.cols[0]
+
+
+def local_positions(piece: Piece, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(which, local)``: the indices into ``pos`` (global positions, ascending) that the piece
+    holds, and their local flat positions."""
+    w, (r0, r1), (c0, c1) = piece.width, piece.rows, piece.cols
+    ncols = c1 - c0
+    if ncols == w:
+        lo, hi = np.searchsorted(pos, [r0 * w, r1 * w])
+        which = np.arange(lo, hi, dtype=np.int64)
+        return which, pos[lo:hi] - r0 * w
+    row, col = np.divmod(pos, w)
+    which = np.flatnonzero((row >= r0) & (row < r1) & (col >= c0) & (col < c1))
+    return which, (row[which] - r0) * ncols + col[which] - c0
+
+
+def gather_range(group: RankGroup, piece: Piece, flat: Any, start: int, stop: int, word: Any) -> np.ndarray:
+    """Words ``[start, stop)`` of the whole checkpoint tensor, rebuilt from every rank's piece
+    (a collective: every rank calls it for the same range). ``flat`` is this rank's local words
+    (a torch integer view); returns unsigned host words."""
+    import torch
+
+    n = stop - start
+    per = max(1, 4 // flat.element_size())  # words per int32
+    block = torch.zeros(-(-n // per) * per, dtype=flat.dtype, device=flat.device)
+    if piece.counted:
+        which, local = local_positions(piece, np.arange(start, stop, dtype=np.int64))
+        if which.shape[0]:
+            idx = torch.from_numpy(local).to(flat.device)
+            block.index_copy_(0, torch.from_numpy(which).to(flat.device), flat.index_select(0, idx))
+    # Owned bits never overlap, so the sum is exact in any integer view; int32 is one every
+    # backend reduces (NCCL has no int16).
+    view = block.view(torch.int32) if per > 1 else block
+    group.sum_(view)
+    host = block[:n].cpu() if block.device.type != "cpu" else block[:n]
+    return host.numpy().view(word)

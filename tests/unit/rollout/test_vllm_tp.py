@@ -1,0 +1,227 @@
+"""Deltas applied by two tensor-parallel ranks together (gloo processes, vLLM-shaped slices, no vLLM).
+
+Each rank holds its slice of a model laid out as vLLM shards it (fused qkv with a
+kv head replicated on both ranks, fused gate/up, row-parallel o/down projections
+split by columns, a vocabulary-parallel embedding with padding rows, replicated
+norms). The ranks must reach the trainer's whole-model fingerprint, hold exactly
+their slices of the new words, and refuse together, each keeping its old words,
+when either one fails.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import traceback
+
+import numpy as np
+import pytest
+import torch
+
+from p2psync.artifact import build_manifest
+from p2psync.codec.encode import CodecOptions, encode_delta
+from p2psync.errors import CodecError, P2PSyncError
+from p2psync.state import ModelState
+
+H, HEADS, KV, HD, INTER, VOCAB, PAD = 32, 4, 1, 8, 48, 64, 2
+P = "model.layers.0."
+SHAPES = {
+    "model.embed_tokens.weight": (VOCAB, H),
+    P + "input_layernorm.weight": (H,),
+    P + "self_attn.q_proj.weight": (HEADS * HD, H),
+    P + "self_attn.k_proj.weight": (KV * HD, H),
+    P + "self_attn.v_proj.weight": (KV * HD, H),
+    P + "self_attn.o_proj.weight": (H, HEADS * HD),
+    P + "mlp.gate_proj.weight": (INTER, H),
+    P + "mlp.up_proj.weight": (INTER, H),
+    P + "mlp.down_proj.weight": (H, INTER),
+    "model.norm.weight": (H,),
+}
+
+
+class QKVParallelLinear(torch.nn.Module):
+    def __init__(self, w: torch.Tensor, rank: int, tp: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(w, requires_grad=False)
+        self.tp_rank, self.tp_size, self.head_size = rank, tp, HD
+        self.num_heads, self.num_kv_heads, self.num_kv_head_replicas = HEADS // tp, max(1, KV // tp), max(1, tp // KV)
+
+
+class MergedColumnParallelLinear(torch.nn.Module):
+    def __init__(self, w: torch.Tensor, rank: int, tp: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(w, requires_grad=False)
+        self.tp_rank, self.tp_size, self.output_sizes = rank, tp, [INTER, INTER]
+
+
+class RowParallelLinear(torch.nn.Module):
+    def __init__(self, w: torch.Tensor, rank: int, tp: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(w, requires_grad=False)
+        self.tp_rank, self.tp_size = rank, tp
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    def __init__(self, w: torch.Tensor, rank: int, tp: int) -> None:
+        super().__init__()
+        n = VOCAB // tp
+        self.weight = torch.nn.Parameter(torch.cat([w[rank * n:(rank + 1) * n], torch.zeros(PAD, H, dtype=w.dtype)]),
+                                         requires_grad=False)
+        self.tp_rank, self.tp_size = rank, tp
+        self.shard_indices = type("S", (), {"org_vocab_start_index": rank * n, "org_vocab_end_index": (rank + 1) * n})
+
+
+class Norm(torch.nn.Module):
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(w.clone(), requires_grad=False)
+
+
+def _rows(w: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    n = w.shape[0] // tp
+    return w[rank * n:(rank + 1) * n]
+
+
+def _cols(w: torch.Tensor, rank: int, tp: int) -> torch.Tensor:
+    n = w.shape[1] // tp
+    return w[:, rank * n:(rank + 1) * n].contiguous()
+
+
+def rank_model(full: dict[str, torch.Tensor], rank: int, tp: int) -> torch.nn.Module:
+    """This rank's slices of ``full``, in vLLM's module and parameter layout."""
+    kv_rank = rank // max(1, tp // KV)
+    k, v = full[P + "self_attn.k_proj.weight"], full[P + "self_attn.v_proj.weight"]
+    qkv = torch.cat([_rows(full[P + "self_attn.q_proj.weight"], rank, tp),
+                     _rows(k, kv_rank, min(tp, KV)), _rows(v, kv_rank, min(tp, KV))])
+    gate_up = torch.cat([_rows(full[P + "mlp.gate_proj.weight"], rank, tp), _rows(full[P + "mlp.up_proj.weight"], rank, tp)])
+    layer = torch.nn.Module()
+    layer.input_layernorm = Norm(full[P + "input_layernorm.weight"])
+    layer.self_attn = torch.nn.Module()
+    layer.self_attn.qkv_proj = QKVParallelLinear(qkv, rank, tp)
+    layer.self_attn.o_proj = RowParallelLinear(_cols(full[P + "self_attn.o_proj.weight"], rank, tp), rank, tp)
+    layer.mlp = torch.nn.Module()
+    layer.mlp.gate_up_proj = MergedColumnParallelLinear(gate_up, rank, tp)
+    layer.mlp.down_proj = RowParallelLinear(_cols(full[P + "mlp.down_proj.weight"], rank, tp), rank, tp)
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.embed_tokens = VocabParallelEmbedding(full["model.embed_tokens.weight"], rank, tp)
+    model.model.layers = torch.nn.ModuleList([layer])
+    model.model.norm = Norm(full["model.norm.weight"])
+    model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    model.config = type("C", (), {"tie_word_embeddings": False})
+    return model
+
+
+def _state(seed: int) -> ModelState:
+    g = torch.Generator().manual_seed(seed)
+    return ModelState([(n, (torch.randn(s, generator=g) * 0.02).to(torch.bfloat16)) for n, s in SHAPES.items()])
+
+
+def _delta(old: ModelState, seed: int):
+    new = old.clone()
+    rng = np.random.default_rng(seed)
+    for n in new:
+        w = new.words(n)
+        idx = rng.choice(w.shape[0], size=max(1, w.shape[0] // 20), replace=False)
+        w[idx] ^= rng.integers(1, 8, size=idx.shape[0]).astype(w.dtype)
+    new.words(P + "input_layernorm.weight")[:4] = [0x7FC1, 0x8000, 0x0001, 0xFF80]  # NaN payload, -0, subnormal, -inf
+    new.invalidate()
+    enc = encode_delta(old, new, CodecOptions(chunk_size=64 << 10, segment_elements=1024))
+    m = build_manifest(enc, model_id="t", base_version=0, target_version=1, chunk_size=64 << 10, private_key=None)
+    return new, m, enc.chunks
+
+
+def _params(model: torch.nn.Module) -> dict[str, bytes]:
+    return {n: p.detach().view(torch.int16).numpy().tobytes() for n, p in model.named_parameters()}
+
+
+def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, chunks, out) -> None:
+    import torch.distributed as dist
+
+    from rollout.engines.vllm_tp import RankRefused, TorchGroup
+    from rollout.engines.vllm_weights import LiveWeights
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        group = TorchGroup(dist.group.WORLD)
+        specs = list(m.tensors)
+        model = rank_model({n: torch.from_numpy(w).view(torch.bfloat16).reshape(SHAPES[n]) for n, w in old.items()}, rank, 2)
+        want_new = _params(rank_model({n: torch.from_numpy(w).view(torch.bfloat16).reshape(SHAPES[n]) for n, w in new.items()}, rank, 2))
+        before = _params(model)
+        live = LiveWeights(model, specs, group=group)
+        res: dict = {"base": live.fingerprint == fps[0]}
+        # One rank's chunk is corrupt: both refuse, both keep their words.
+        bad = list(chunks)
+        if rank == 1:
+            bad[0] = bytes(bad[0][:40]) + bytes(len(bad[0]) - 40)
+        try:
+            live.apply_delta(m, bad)
+            res["corrupt"] = "applied"
+        except RankRefused:
+            res["corrupt"] = "RankRefused"
+        except CodecError as exc:
+            res["corrupt"] = type(exc).__name__
+        res["corrupt_kept"] = _params(model) == before and live.audit() == fps[0]
+        # One rank's write fails after the other wrote: both take their writes back.
+        if rank == 0:
+            real = live._write_host
+
+            def failing(j, item, undo, lanes):
+                real(j, item, undo, lanes)
+                raise OSError("injected write failure")
+            live._write_host = failing  # type: ignore[method-assign]
+        try:
+            live.apply_delta(m, chunks)
+            res["write"] = "applied"
+        except (RankRefused, OSError) as exc:
+            res["write"] = type(exc).__name__
+        if rank == 0:
+            del live._write_host
+        res["write_kept"] = _params(model) == before and live.audit() == fps[0]
+        res["applied"] = live.apply_delta(m, chunks) == fps[1]
+        res["words"] = _params(model) == want_new
+        res["audit"] = live.audit() == fps[1]
+        out.put((rank, res))
+        dist.destroy_process_group()
+    except BaseException:
+        out.put((rank, traceback.format_exc()))
+
+
+def test_two_ranks_apply_a_delta_bit_exact_and_refuse_together():
+    old = _state(0)
+    new, m, chunks = _delta(old, 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    words = lambda st: {n: st.words(n).copy() for n in st}  # noqa: E731
+    procs = [ctx.Process(target=_rank, args=(r, port, words(old), words(new), (old.fingerprint, new.fingerprint),
+                                             m, [bytes(c) for c in chunks], out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = dict(out.get(timeout=60) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert all(isinstance(got[r], dict) for r in range(2)), got
+    assert got[0]["base"] and got[1]["base"]
+    assert got[1]["corrupt"] == "CodecError" and got[0]["corrupt"] == "RankRefused"
+    assert got[0]["write"] == "OSError" and got[1]["write"] == "RankRefused"
+    for r in range(2):
+        assert got[r]["corrupt_kept"] and got[r]["write_kept"], got[r]
+        assert got[r]["applied"] and got[r]["words"] and got[r]["audit"], got[r]
+
+
+def test_a_slice_without_a_rank_group_is_refused():
+    from rollout.engines.vllm_layout import LayoutError
+    from rollout.engines.vllm_weights import LiveWeights
+
+    old = _state(0)
+    model = rank_model({n: old.tensor(n) for n in old}, 0, 2)
+    with pytest.raises(LayoutError, match="tensor-parallel slice"):
+        LiveWeights(model, old.specs)
+    assert issubclass(LayoutError, P2PSyncError)
