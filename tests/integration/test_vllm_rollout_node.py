@@ -121,6 +121,7 @@ def test_vllm_processes_end_when_the_rollout_node_is_killed(cluster, tmp_path):
             time.sleep(0.2)
         left = running(children)
         assert not left, f"vLLM processes left running 15 s after the node was killed: {[names[p] for p in left]}"
+        print(f"{len(children)} processes gone {15.0 - (deadline - time.monotonic()):.1f} s after SIGKILL")
     finally:
         for pid in running(children):  # ours (the node started them): do not leave them behind
             os.kill(pid, signal.SIGKILL)
