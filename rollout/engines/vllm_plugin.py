@@ -87,8 +87,12 @@ def _running(pid: int, start: int) -> bool:
 def owned_processes() -> Iterator[None]:
     """vLLM processes started inside the block end when the calling process dies (see module doc)."""
     pid = os.getpid()
+    start = start_time(pid)
+    if start is None:  # no /proc (not Linux): no watch
+        yield
+        return
     before = os.environ.get(OWNER_ENV)
-    os.environ[OWNER_ENV] = f"{pid}:{start_time(pid)}"
+    os.environ[OWNER_ENV] = f"{pid}:{start}"
     try:
         yield
     finally:
