@@ -113,6 +113,15 @@ class PeerUnreachable(P2PSyncError):
         self.reason = reason
 
 
+class WrongSize(PeerUnreachable):
+    """A peer's answer was complete but of the wrong size (announced or delivered)."""
+
+    def __init__(self, peer: str, what: str, got: int, expected: int, announced: bool = False) -> None:
+        super().__init__(peer, f"{what}: {got} bytes{' announced' if announced else ''}, expected {expected}")
+        self.got = got
+        self.expected = expected
+
+
 class LeaseExpired(P2PSyncError):
     """A lease was used after it expired or was taken by another holder."""
 

@@ -16,7 +16,7 @@ import aiohttp
 import numpy as np
 
 from p2psync.artifact import Manifest
-from p2psync.errors import CodecError, PeerUnreachable
+from p2psync.errors import CodecError, PeerUnreachable, WrongSize
 from p2psync.transport.messages import API, NODE_HEADER, Catalogue
 
 _MAX_CATALOGUE = 16 << 20
@@ -134,8 +134,7 @@ class PeerClient:
                 if resp.status not in (200, 206) or (start and resp.status != 206):
                     raise _status_error(url, what, resp.status)
                 if resp.content_length is not None and resp.content_length != size - start:
-                    raise PeerUnreachable(url, f"{what}: {resp.content_length} bytes announced, "
-                                               f"expected {size - start}")
+                    raise WrongSize(url, what, resp.content_length, size - start, announced=True)
                 view = into.buf
                 content = resp.content
                 while into.got < size:
@@ -149,7 +148,7 @@ class PeerClient:
                     view[into.got:end] = piece
                     into.got = end
                 if into.got != size or not content.at_eof() and (await content.readchunk())[0]:
-                    raise PeerUnreachable(url, f"{what}: {into.got} bytes, expected {size}")
+                    raise WrongSize(url, what, into.got, size)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise PeerUnreachable(url, f"{what}: {type(exc).__name__}: {exc}") from None
 

@@ -112,6 +112,17 @@ def llm_kwargs(config: EngineConfig, model: str) -> dict[str, Any]:
     return kw
 
 
+def start_llm(kw: dict[str, Any]) -> Any:
+    """``vllm.LLM(**kw)`` whose engine-core and worker processes end when this process dies, even by
+    SIGKILL (:func:`rollout.engines.vllm_plugin.owned_processes`)."""
+    from vllm import LLM
+
+    from rollout.engines.vllm_plugin import owned_processes
+
+    with owned_processes():
+        return LLM(**kw)
+
+
 class VLLMEngine(RolloutEngine):
     """A ``vllm.LLM`` kept on the trainer's versions by the p2psync backend (see module doc)."""
 
@@ -136,7 +147,7 @@ class VLLMEngine(RolloutEngine):
     @classmethod
     def build(cls, config: EngineConfig) -> VLLMEngine:
         try:
-            from vllm import LLM
+            import vllm  # noqa: F401  (installed?)
         except ImportError as exc:
             raise P2PSyncError(f"engine 'vllm' needs vLLM installed (pip install 'p2psync[vllm]'): {exc}") from exc
         if config.model_path:
@@ -157,7 +168,7 @@ class VLLMEngine(RolloutEngine):
         kw = llm_kwargs(config, model)
         for k, v in extra.items():
             kw.setdefault(k, v)
-        return cls(LLM(**kw))
+        return cls(start_llm(kw))
 
     # --- the backend ----------------------------------------------------------------------
     def attach(self, parent: ParentInfo, version: int | None = None) -> None:

@@ -17,7 +17,9 @@ process with the loaded model. Turned on with ``weight_transfer_config=
   backend asks the parent for its catalogue, plans the cheapest chain of
   artifacts (:func:`p2psync.store.plan_catchup`), and for each: fetches the
   manifest and checks its signature against the trainer's key, fetches every
-  chunk and checks it against the signed hash, then applies it to the live
+  chunk and checks it against the signed hash (a chunk whose connection is cut
+  mid-body is ``PeerUnreachable``; a complete answer shorter than the signed
+  chunk is ``TruncatedError``), then applies it to the live
   parameters all-or-nothing (:class:`~rollout.engines.vllm_weights.LiveWeights`).
   Each artifact is one transaction: on any error the model keeps the last
   version it fully reached (and keeps serving) and the error is raised with its
@@ -45,7 +47,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from p2psync.errors import P2PSyncError, WrongBase
+from p2psync.errors import P2PSyncError, TruncatedError, WrongBase, WrongSize
 from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, vllm_group
 from rollout.engines.vllm_weights import LiveWeights
 
@@ -105,13 +107,28 @@ async def fetch_artifact(url: str, token: str, node_id: str, aid: str, public_ke
         async def one(i: int) -> memoryview:
             async with sem:
                 buf = ChunkBuffer(manifest.chunks[i].size)
-                await client.call_chunk(url, aid, i, buf)
+                try:
+                    await client.call_chunk(url, aid, i, buf)
+                except WrongSize as exc:
+                    raise short_answer(exc, f"chunk {i} of {aid} from {url}") or exc
                 data = buf.take()
                 verify_chunk(manifest, i, data)
                 return data
 
         chunks = await asyncio.gather(*(one(i) for i in range(len(manifest.chunks))))
     return manifest, list(chunks)
+
+
+def short_answer(exc: WrongSize, what: str) -> TruncatedError | None:
+    """A :class:`TruncatedError` if the peer answered completely, but with fewer bytes than the signed size.
+
+    A connection cut mid-body stays :class:`PeerUnreachable` (the answer never completed: trying
+    again may work); a complete, well-formed answer that is shorter than the chunk the manifest
+    signs is truncated content, and asking that peer again gives the same."""
+    if exc.got >= exc.expected:
+        return None
+    return TruncatedError(f"{what}: the peer's answer has {exc.got} of the {exc.expected} bytes the signed "
+                          "manifest gives it")
 
 
 async def fetch_version_manifest(url: str, token: str, node_id: str, version: int, public_key: Any,

@@ -27,13 +27,11 @@ PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 12], [300, 2, 2, 80, 411, 9]]
 
 
 def build(model_dir: str, version: int | None = None) -> object:
-    from vllm import LLM
-
-    from rollout.engines.vllm import VLLMEngine, llm_kwargs
+    from rollout.engines.vllm import VLLMEngine, llm_kwargs, start_llm
 
     kw = llm_kwargs(EngineConfig(engine="vllm", model_path=model_dir), model_dir)
     kw["max_model_len"] = 256
-    return VLLMEngine(LLM(**kw), version)
+    return VLLMEngine(start_llm(kw), version)
 
 
 def greedy(engine: object) -> list[tuple[list[int], list[float]]]:
@@ -81,6 +79,42 @@ def qwen(tmp_path_factory):
         yield lin, cluster, trainer, engine, root
 
 
+def _refused(engine, lin, version, kind):
+    from rollout.engines.vllm import UpdateRefused
+
+    held = engine.version
+    with pytest.raises(UpdateRefused) as err:
+        engine.reach(version)
+    assert err.value.kind == kind, err.value
+    assert engine.version == held
+    assert_bits(engine, lin.states[held])
+    assert engine.audit() == lin.states[held].fingerprint
+    assert all(len(t) == 8 for t, _ in greedy(engine))  # still generating
+    return err.value
+
+
+def test_truncated_delta_is_refused_and_the_engine_keeps_serving(qwen):
+    """The backend pulls through a real proxy that serves chunk 0 of the next delta cut short; first in
+    the module, so that the engine is below version N (later tests start from where it ends)."""
+    from chunk_proxy import chunk_proxy
+
+    lin, cluster, trainer, engine, _ = qwen
+    held = engine.version
+    assert held is not None and held < N, held
+    kinds = {"cut": "PeerUnreachable", "chunked": "TruncatedError", "short": "TruncatedError"}
+    for mode, kind in kinds.items():
+        with chunk_proxy(trainer.url, mode) as proxy:
+            engine.attach(parent_of(cluster, proxy))
+            err = _refused(engine, lin, held + 1, kind)
+            assert proxy.cut >= 1, mode  # the backend did meet the short chunk
+        assert "chunk 0 of" in str(err), err
+        if kind == "TruncatedError":
+            assert "bytes the signed manifest gives it" in str(err), err
+    engine.attach(parent_of(cluster, trainer))
+    assert engine.reach(held + 1) == lin.states[held + 1].fingerprint  # the same update, complete
+    assert_bits(engine, lin.states[held + 1])
+
+
 def test_deltas_land_bit_exact_and_generation_equals_a_fresh_vllm(qwen):
     lin, cluster, trainer, engine, root = qwen
     before = greedy(engine)
@@ -98,19 +132,6 @@ def test_deltas_land_bit_exact_and_generation_equals_a_fresh_vllm(qwen):
         fresh.close()
     assert [t for t, _ in after] == [t for t, _ in ref]
     assert [lp for _, lp in after] == [lp for _, lp in ref]
-
-
-def _refused(engine, lin, version, kind):
-    from rollout.engines.vllm import UpdateRefused
-
-    held = engine.version
-    with pytest.raises(UpdateRefused) as err:
-        engine.reach(version)
-    assert err.value.kind == kind, err.value
-    assert engine.version == held
-    assert_bits(engine, lin.states[held])
-    assert engine.audit() == lin.states[held].fingerprint
-    assert all(len(t) == 8 for t, _ in greedy(engine))  # still generating
 
 
 def test_bad_deltas_are_refused_and_the_engine_keeps_serving(qwen, tmp_path):
