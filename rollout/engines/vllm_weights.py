@@ -23,6 +23,11 @@ integer view of the raw bits: same memory, on the parameter's own device. Then:
 - **Snapshot load.** :meth:`LiveWeights.load_snapshot` decodes a snapshot into a
   host staging state (verified against its target), copies it into the live
   views and audits them.
+- **Tensor parallelism.** Given a rank group (:mod:`rollout.engines.vllm_tp`),
+  a tensor's view is this rank's slice; sharded ranges are rebuilt with the
+  group before they are decoded, each rank writes the changes its slice holds,
+  the fingerprint sums are the group's, and every step is voted so that the
+  ranks apply or refuse together.
 
 Parameters the model does not compute with (size-0 weights of layers whose
 matmul was repacked, e.g. by oneDNN on CPU, or layers whose matmul closes over a
