@@ -39,15 +39,12 @@ This module imports nothing heavy, so the CLI can parse before it loads torch.
 
 from __future__ import annotations
 
-import types
-import typing
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from p2psync.errors import ConfigError
+from p2psync.typed_toml import build, merge, parse_overrides, read_toml
 
 ROLES = ("trainer", "relay", "rollout")
 MAX_STREAM_WARMUP = 64 << 20
@@ -391,113 +388,6 @@ class NodeConfig:
 
 
 # --- loading -------------------------------------------------------------------------------
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0], True
-    return tp, False
-
-
-def _coerce(name: str, tp: Any, value: Any) -> Any:
-    tp, optional = _unwrap_optional(tp)
-    if value is None and optional:
-        return None
-    if typing.get_origin(tp) is list:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(name, f"must be a list of strings, got {value!r}")
-        return list(value)
-    if tp is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        if not isinstance(value, bool):
-            raise ConfigError(name, f"must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, str):
-            try:
-                return int(value, 0)
-            except ValueError:
-                raise ConfigError(name, f"must be an integer, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(name, f"must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise ConfigError(name, f"must be a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(name, f"must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(name, f"must be a string, got {value!r}")
-        return value
-    raise ConfigError(name, f"unsupported field type {tp!r}")  # pragma: no cover - programming error
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if key not in known:
-            raise ConfigError(path, "unknown setting")
-        tp = hints[key]
-        if isinstance(tp, type) and is_dataclass(tp):
-            if not isinstance(value, dict):
-                raise ConfigError(path, "must be a table")
-            kwargs[key] = _build(tp, value, f"{path}.")
-        else:
-            kwargs[key] = _coerce(path, tp, value)
-    return cls(**kwargs)
-
-
-def parse_overrides(args: list[str]) -> dict[str, Any]:
-    """``["--limits.stall_timeout=3", "--parents", "http://a,http://b"]`` -> nested dict of raw values.
-
-    A value that parses as a TOML value (number, bool, array, quoted string) is taken as such,
-    anything else as a plain string; the field's type decides the final conversion.
-    """
-    out: dict[str, Any] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--") or len(arg) < 3:
-            raise ConfigError(arg, "expected --section.field=value")
-        key, eq, raw = arg[2:].partition("=")
-        if not eq:
-            if i + 1 >= len(args):
-                raise ConfigError(key, "missing value")
-            raw = args[i + 1]
-            i += 1
-        i += 1
-        key = key.replace("-", "_")
-        try:
-            value: Any = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        node = out
-        parts = key.split(".")
-        for p in parts[:-1]:
-            node = node.setdefault(p, {})
-            if not isinstance(node, dict):
-                raise ConfigError(key, "conflicts with another override")
-        node[parts[-1]] = value
-    return out
-
-
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for k, v in over.items():
-        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
-    return merged
-
-
 def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] | None = None,
          **direct: Any) -> NodeConfig:
     """TOML file (optional), then overrides, then ``direct`` keyword values; validated.
@@ -506,12 +396,7 @@ def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] |
     """
     data: dict[str, Any] = {}
     if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
+        data = read_toml(path)
         base = Path(path).resolve().parent
         for key in ("data_dir", "trainer_public_key", "trainer_private_key", "cluster_token_file"):
             if isinstance(data.get(key), str) and data[key] and not Path(data[key]).is_absolute():
@@ -521,23 +406,17 @@ def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] |
                 and not Path(probe["measurements"]).is_absolute():
             probe["measurements"] = str(base / probe["measurements"])
     if overrides:
-        data = _merge(data, parse_overrides(overrides) if isinstance(overrides, list) else overrides)
-    data = _merge(data, {k: v for k, v in direct.items() if v is not None})
-    return _build(NodeConfig, data).validate()
+        data = merge(data, parse_overrides(overrides) if isinstance(overrides, list) else overrides)
+    data = merge(data, {k: v for k, v in direct.items() if v is not None})
+    return build(NodeConfig, data).validate()
 
 
 def load_probe_settings(path: str | Path) -> ProbeSettings:
     """The ``[probe]`` section of a node config file (defaults where absent), validated."""
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError("config", f"cannot read {path}: {exc.strerror}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
-    section = data.get("probe", {})
+    section = read_toml(path).get("probe", {})
     if not isinstance(section, dict):
         raise ConfigError("probe", "must be a table")
-    return _build(ProbeSettings, section, "probe.").validate()
+    return build(ProbeSettings, section, "probe.").validate()
 
 
 def with_overrides(cfg: NodeConfig, **changes: Any) -> NodeConfig:

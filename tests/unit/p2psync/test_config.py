@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2psync.config import load, parse_overrides
+from p2psync.config import load
+from p2psync.typed_toml import parse_overrides
 from p2psync.errors import ConfigError
 
 BASE = """
