@@ -83,8 +83,8 @@ def packed_reason(layer: Any, param: Any) -> str | None:
     return None
 
 
-def _sum_add(s: tuple[int, int], a: int, b: int, sign: int = 1) -> tuple[int, int]:
-    return ((s[0] + sign * int(a)) & MASK64, (s[1] + sign * int(b)) & MASK64)
+def _sum_add(s: tuple[int, int], a: int, b: int) -> tuple[int, int]:
+    return ((s[0] + int(a)) & MASK64, (s[1] + int(b)) & MASK64)
 
 
 class LiveWeights:
@@ -282,9 +282,8 @@ class LiveWeights:
         old = self.host_words(p.tensor, p.start, p.stop) if base is None else base
         rel, new, _ = segdecode.decode(p.raw, p.body_at, 0, p.stop - p.start, d, old, seed)
         pos = rel + p.start
-        oa, ob = wordops.hash_sparse(pos, old[rel], seed)
-        na, nb = wordops.hash_sparse(pos, new, seed)
-        return p.tensor, (p.start, p.stop), pos, new, ((int(na) - int(oa)) & MASK64, (int(nb) - int(ob)) & MASK64)
+        a, b = wordops.hash_change(pos, old[rel], new, seed)
+        return p.tensor, (p.start, p.stop), pos, new, (int(a), int(b))
 
     def _decode_ranks(self, heads: list[Any], order: list[int]) -> tuple[list[Any], Exception | None]:
         """Decode on one thread in ``order`` (the same on every rank), rebuilding each sharded range
