@@ -48,7 +48,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from p2psync.errors import P2PSyncError, TruncatedError, WrongBase, WrongSize
-from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, vllm_group
+from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, together, vllm_group
 from rollout.engines.vllm_weights import LiveWeights
 
 logger = logging.getLogger(__name__)
@@ -264,14 +264,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
     def _together(self, fn: Any, share: bool = False) -> Any:
         """``fn()`` on every rank, then a vote: if it failed anywhere it fails everywhere. With
         ``share``, every rank gets rank 0's result."""
-        failed: Exception | None = None
-        got = None
-        try:
-            got = fn()
-        except Exception as exc:
-            failed = exc
-        if not self.group.all_true(failed is None):
-            raise failed or RankRefused("another tensor-parallel rank could not fetch the update")
+        got = together(self.group, fn, "another tensor-parallel rank could not fetch the update")
         return self.group.first(got) if share else got
 
     def bind(self, manifest: Any, threads: int | None = None) -> LiveWeights:

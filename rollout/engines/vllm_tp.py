@@ -17,7 +17,8 @@ decode, a write) makes every rank refuse and take its writes back.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from rollout.engines.vllm_layout import Piece
 from p2psync.errors import P2PSyncError
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
+T = TypeVar("T")
 
 
 class RankRefused(P2PSyncError):
@@ -124,6 +126,20 @@ class TorchGroup:
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, text, group=self.host_group)
         return [str(t) for t in out]
+
+
+def together(group: RankGroup, fn: Callable[[], T], refused: str) -> T:
+    """``fn()`` on every rank, then a vote: if it raised on any rank it fails on every rank, with
+    that rank's own error there and :class:`RankRefused` (``refused``) on the others."""
+    failed: Exception | None = None
+    got: Any = None
+    try:
+        got = fn()
+    except Exception as exc:
+        failed = exc
+    if not group.all_true(failed is None):
+        raise failed or RankRefused(refused)
+    return got
 
 
 def vllm_group() -> RankGroup:

@@ -52,7 +52,15 @@ from p2psync.workers import run_ordered
 from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, TensorTableMismatch, WrongBase
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
 from rollout.engines.vllm_layout import LayoutError, Piece, check_piece, place
-from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, gather_range, global_positions, local_positions
+from rollout.engines.vllm_tp import (
+    RankGroup,
+    RankRefused,
+    Solo,
+    gather_range,
+    global_positions,
+    local_positions,
+    together,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -306,16 +314,15 @@ class LiveWeights:
     def apply_delta(self, manifest: Manifest, chunks: Sequence[bytes | memoryview]) -> str:
         """Decode, check, write, check again; all or nothing, on every rank (see module doc)."""
         t0 = time.perf_counter()
-        failed: Exception | None = None
-        try:
+
+        def planned() -> dict[int, list[tuple[np.ndarray, np.ndarray]]]:
             changes, sums = self.decode(manifest, chunks)
-            planned = fold_root(self.table_hash, sums)
-            if planned != manifest.target_fingerprint:
-                raise FingerprintMismatch(manifest.target_fingerprint, planned)
-        except Exception as exc:  # voted on first: every rank refuses together
-            failed = exc
-        if not self.group.all_true(failed is None):
-            raise failed or RankRefused("another tensor-parallel rank refused the delta")
+            got = fold_root(self.table_hash, sums)
+            if got != manifest.target_fingerprint:
+                raise FingerprintMismatch(manifest.target_fingerprint, got)
+            return changes
+
+        changes = together(self.group, planned, "another tensor-parallel rank refused the delta")
         t1 = time.perf_counter()
         fp = self.commit(changes, manifest.target_fingerprint)
         self.timing = {"decode_s": round(t1 - t0, 4), "commit_s": round(time.perf_counter() - t1, 4),
@@ -425,14 +432,10 @@ class LiveWeights:
         self._check(manifest)
         if manifest.kind != "snapshot":
             raise CodecError(f"expected a snapshot, got a {manifest.kind}")
-        failed: Exception | None = None
-        try:
-            staged = decode_state(list(manifest.tensors), enumerate(chunks), len(manifest.chunks),
-                                  manifest.target_fingerprint, self.threads)
-        except Exception as exc:  # voted on first: every rank refuses together
-            failed = exc
-        if not self.group.all_true(failed is None):
-            raise failed or RankRefused("another tensor-parallel rank refused the snapshot")
+        staged = together(self.group, lambda: decode_state(list(manifest.tensors), enumerate(chunks),
+                                                           len(manifest.chunks), manifest.target_fingerprint,
+                                                           self.threads),
+                          "another tensor-parallel rank refused the snapshot")
         for i, spec in enumerate(self.specs):
             w, piece = staged.words(spec.name), self.pieces[i]
             if not piece.whole:
