@@ -39,10 +39,12 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
             engine = build(lin.checkpoint(tmp_path / "v0", 0), max_model_len=128, tensor_parallel_size=2)
             parent = ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine")
             engine.attach(parent, version=0)
+            before = greedy(engine, 6)
             for v in range(1, N + 1):
                 assert engine.reach(v) == lin.states[v].fingerprint
             assert engine.audit() == lin.states[N].fingerprint  # every live word of both ranks hashed
             after = greedy(engine, 6)
+            assert [lp for _, lp in after] != [lp for _, lp in before]  # both ranks compute with the new bits
             # A relay that flips a byte of every chunk it serves: both ranks refuse, both keep version N.
             relay = cluster.start("relay", "relay", parents=[trainer.url],
                                   extra=["--testing.corrupt_served_chunks=true"])
