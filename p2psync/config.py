@@ -83,20 +83,26 @@ class LimitsConfig:
     """Seconds between keep-alive comments on the head event stream."""
     poll_interval: float = 5.0
     """Seconds between catalogue polls of the parent, a backstop for a lost event."""
-    decode_nice: int = 5
+    decode_nice: int | None = None
     """Decoding and applying artifacts runs in threads this many steps of ``nice`` below the node
     (Linux, per thread; 0: same priority), so that on cores shared with other nodes or with
-    generation, receiving, verifying and forwarding chunks to children comes first."""
+    generation, receiving, verifying and forwarding chunks to children come first. Default: 5
+    (:mod:`p2psync.node.priority` says why not more)."""
+    decode_threads: int | None = None
+    """Chunks decoded at once (and threads of the commit's write). Default: the node chooses per
+    artifact, the cores not busy by the load average, 1 to ``parallel_streams + 2``
+    (:mod:`p2psync.node.priority`)."""
     push_bytes: int = 16 << 20
     """Deltas up to this payload size are pushed whole down a child's open stream (manifest and
     chunks, verified by the child as if pulled: one one-way delay instead of two round trips per
     hop); larger artifacts are pulled. 0: announcements only. Asked for by the child, capped by
     the parent."""
-    forward_first: bool = False
+    forward_first: bool | None = None
     """Decode a pushed delta only once every chunk of it is held (else each chunk decodes as it
-    arrives). Where several nodes, or a node and generation, share the same cores, receiving and
-    forwarding to children then do not compete with this node's decode; it costs at most the
-    push's transfer time before the apply (a few ms for a few MB on a fast link)."""
+    arrives), so that receiving and forwarding to children do not compete with this node's
+    decode; it costs at most the push's transfer time before the apply (a few ms for a few MB
+    on a fast link). Default: the node chooses per artifact, on with children or without a
+    spare core, off on a leaf with spare cores (:mod:`p2psync.node.priority`)."""
     stream_warmup_bytes: int = 4 << 20
     """When a child opens its push stream, the parent first sends this many bytes of padding
     (asked for by the child, capped by the parent; 0: none). A new stream's TCP windows start
@@ -329,8 +335,11 @@ class NodeConfig:
         for name in ("max_header_bytes", "max_body_bytes", "parallel_streams"):
             if getattr(lim, name) < 1:
                 raise ConfigError(f"limits.{name}", "must be at least 1")
-        if not 0 <= lim.decode_nice <= 19:
+        if lim.decode_nice is not None and not 0 <= lim.decode_nice <= 19:
             raise ConfigError("limits.decode_nice", f"must be 0..19, got {lim.decode_nice}")
+        if lim.decode_threads is not None and not 1 <= lim.decode_threads <= lim.parallel_streams + 2:
+            raise ConfigError("limits.decode_threads",
+                              f"must be 1..{lim.parallel_streams + 2} (parallel_streams + 2), got {lim.decode_threads}")
         if lim.max_header_bytes < 256:
             raise ConfigError("limits.max_header_bytes", "must be at least 256")
         for name in ("idle_timeout", "stall_timeout", "chunk_wait_timeout", "retry_after", "avoid_seconds",

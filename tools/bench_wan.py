@@ -30,7 +30,18 @@ polled every 0.2 s, is reported beside it as ``from_file_drop_s``):
 
 Payloads: the real delta artifact and the full snapshot artifact of the codec
 workload (``tools/wan/artifacts.py``). Beside each time: the lower bound
-``max over machines of (payload / path capacity + one-way delay)``. Writes JSON,
+``max over machines of (payload / path capacity + one-way delay)``.
+
+Repeats. Each method runs ``--repeat`` times (default 5), interleaved: round r
+runs every method once, in an order rotated by r, so that a change in the
+host's load falls on every method alike. p2psync runs start fresh node
+processes each time; every node starts from version 0 already on disk (the
+state checkpoint of the v0 weights, linked into its data directory), so a run
+costs the nodes' start and the measured versions, not the 143 MB version 0
+over the WAN (``--cold-start``: spread version 0 over the WAN instead, as a
+first deployment would, reported apart as ``snapshot-cold``). The tables give
+the median and the spread (min-max) of "holds" and "applied" over the runs and
+the load average each run started under (``tools/wan/report.py``). Writes JSON,
 a markdown table and a PNG under ``--out`` (default docs/benchmarks).
 """
 
@@ -51,53 +62,48 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
+from wan.report import chart, lower_bound, markdown, rows_of, scaling_chart, targets, tokens_per_dollar  # noqa: E402
+
 TOKEN = "wan-bench-token-0123456789"
 PY = sys.executable
-
-
-# ---- bounds and cost ---------------------------------------------------------------------------
-
-def lower_bound(cfg, payload_bytes: int) -> float:
-    """No scheme beats, for any machine, its payload over the path's tightest cap plus the one-way delay."""
-    t = next(m for m in cfg.machines() if m.role == "trainer")
-    worst = 0.0
-    for m in cfg.machines():
-        if m.role == "trainer":
-            continue
-        cap = cfg.path_mbit(t, m) * 1e6
-        worst = max(worst, payload_bytes * 8 / cap + cfg.one_way_ms(t.region, m.region) / 1000)
-    return worst
-
-
-def tokens_per_dollar(cfg, sync_s: float, rollout_s: float) -> float:
-    """A synchronous RL step: every rollout machine generates for ``rollout_s``, then waits ``sync_s`` for the
-    new weights; every machine (trainer included) is paid for the whole step."""
-    ms = cfg.machines()
-    tokens = sum(cfg.tokens_per_s[m.node_class] * rollout_s for m in ms if m.role != "trainer")
-    dollars = sum(cfg.prices[m.node_class] for m in ms) * (rollout_s + sync_s) / 3600
-    return tokens / dollars
+__all__ = ["lower_bound", "tokens_per_dollar", "machine_note"]  # also used by bench_wan_rl.py
 
 
 # ---- methods -----------------------------------------------------------------------------------
 
 def run_p2psync(tb, art: dict, parents: dict, work: Path, timeout: float, snapshot: bool = True,
-                node_opts: list[str] | None = None, keep_logs: bool = False) -> dict:
+                node_opts: list[str] | None = None, keep_logs: bool = False, cold: bool = False) -> dict:
+    """One run: fresh nodes, then each payload published in turn, timed (see the module doc)."""
+    from p2psync.store import STATE_FILE
     from p2psync.testbed import nodes
 
     d = Path(tempfile.mkdtemp(prefix="p2p-", dir=work))
     publish = d / "publish"
     publish.mkdir()
+    if not cold:  # every node starts holding version 0 (the same file, linked: no copy per node)
+        from wan.artifacts import seed_state
+
+        seed = seed_state(art)
+        for name in [tb.trainer.id, *parents]:
+            (d / name).mkdir()
+            os.link(seed, d / name / STATE_FILE)
     ns = nodes.start(tb, parents, d, Path(art["keys"]), TOKEN, publish,
                      extra=["--store.snapshot_interval=0", "--store.checkpoint_interval=0",
-                            "--limits.sse_keepalive=1", "--limits.stall_timeout=30", *(node_opts or [])],
+                            "--store.checkpoint_on_exit=false", "--limits.sse_keepalive=1",
+                            "--limits.stall_timeout=30", *(node_opts or [])],
                      log_level="INFO" if keep_logs else "WARNING")
     out = {}
     try:
         # v0 (cold: every node starts from nothing and loads its codec on the way) is kept apart;
         # v1 the delta and v2 the full snapshot are measured on running nodes.
-        steps = [(0, "snapshot-cold", "snapshot"), (1, "delta", "delta")]
+        steps = [(0, "snapshot-cold", "snapshot")] if cold else []
+        steps.append((1, "delta", "delta"))
         if snapshot:
             steps.append((2, "snapshot", "snapshot2"))
+        if not cold:
+            ns.watch(0, timeout)  # every node loaded version 0
+            ns.wait_warm(timeout)  # and its codec: the first apply runs at full speed
+            time.sleep(2)  # children settled re-open their push streams padded (p2psync.transport.push)
         for version, kind, file in steps:
             src = Path(art[file])
             dropped: list[float] = []
@@ -276,34 +282,39 @@ def star_parents(cfg) -> dict:
 
 
 def suite(args, cfg, art: dict, methods: list[str]) -> dict:
+    """``args.repeat`` rounds; round r runs every method once, the order rotated by r (module doc)."""
     from p2psync.testbed.runner import Testbed
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict] = {}
+    results: dict[str, list[dict]] = {m: [] for m in methods}
     plan_info = None
     with Testbed.up(cfg) as tb:
-        for method in methods:
-            t = time.monotonic()
-            print(f"[{cfg.name}] {method} ...", file=sys.stderr, flush=True)
-            if method == "p2psync-tree":
-                parents, p = plan_parents(cfg, art["delta_bytes"], art["delta_chunk"])
-                plan_info = {"parents": p.parents, "est_completion_s": p.est_completion_s}
-                results[method] = run_p2psync(tb, art, parents, work, args.timeout, not args.delta_only,
-                                              args.node_opt, args.keep_logs)
-            elif method == "p2psync-star":
-                results[method] = run_p2psync(tb, art, star_parents(cfg), work, args.timeout, not args.delta_only,
-                                              args.node_opt, args.keep_logs)
-            elif method == "http-unicast":
-                results[method] = run_unicast(tb, art, work, args.timeout)
-            elif method == "shardcast":
-                results[method] = run_shardcast(tb, art, work, args.timeout)
-            elif method == "gloo":
-                results[method] = run_gloo(tb, art, work, args.timeout)
-            else:
-                raise SystemExit(f"unknown method {method}")
-            print(f"[{cfg.name}] {method}: {json.dumps({k: v.get('seconds') for k, v in results[method].items()})} "
-                  f"({time.monotonic() - t:.0f} s)", file=sys.stderr, flush=True)
+        for rep in range(args.repeat):
+            for method in methods[rep % len(methods):] + methods[:rep % len(methods)]:
+                t = time.monotonic()
+                load = round(os.getloadavg()[0], 1)
+                print(f"[{cfg.name}] round {rep + 1}/{args.repeat}: {method} (load {load}) ...", file=sys.stderr,
+                      flush=True)
+                if method == "p2psync-tree":
+                    parents, p = plan_parents(cfg, art["delta_bytes"], art["delta_chunk"])
+                    plan_info = {"parents": p.parents, "est_completion_s": p.est_completion_s}
+                    r = run_p2psync(tb, art, parents, work, args.timeout, not args.delta_only, args.node_opt,
+                                    args.keep_logs, args.cold_start)
+                elif method == "p2psync-star":
+                    r = run_p2psync(tb, art, star_parents(cfg), work, args.timeout, not args.delta_only,
+                                    args.node_opt, args.keep_logs, args.cold_start)
+                elif method == "http-unicast":
+                    r = run_unicast(tb, art, work, args.timeout)
+                elif method == "shardcast":
+                    r = run_shardcast(tb, art, work, args.timeout)
+                elif method == "gloo":
+                    r = run_gloo(tb, art, work, args.timeout)
+                else:
+                    raise SystemExit(f"unknown method {method}")
+                results[method].append({**r, "load": load, "rep": rep})
+                print(f"[{cfg.name}] {method}: {json.dumps({k: v.get('seconds') for k, v in r.items()})} "
+                      f"({time.monotonic() - t:.0f} s)", file=sys.stderr, flush=True)
     return {"results": results, "plan": plan_info}
 
 
@@ -312,102 +323,6 @@ def machine_note() -> str:
     return (f"{platform.machine()} {os.cpu_count()} cores (shared with other engineers' work), "
             f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, no GPU; "
             f"load average at start {load[0]:.1f}")
-
-
-def rows_of(cfg, art: dict, results: dict, rollout_s: float) -> list[dict]:
-    rows = []
-    for method, per in results.items():
-        for kind, r in per.items():
-            if kind == "snapshot-cold":
-                continue
-            payload = r.get("payload_bytes") or art[f"{kind}_bytes"]
-            lb = lower_bound(cfg, payload)
-            s = r.get("seconds")
-            applied = None
-            if method.startswith("p2psync"):
-                # Same clock as the others: from the payload being available at the trainer (its
-                # announcement) to the last machine holding it verified; applying it is reported beside.
-                s, applied = r.get("announced_to_received_s"), r.get("announced_to_applied_s")
-            rows.append({"method": method, "payload": kind, "bytes": payload, "seconds": s, "applied_s": applied,
-                         "from_file_drop_s": r.get("seconds") if method.startswith("p2psync") else None,
-                         "received_s": r.get("received_s"), "lower_bound_s": round(lb, 4),
-                         "x_lower_bound": None if s is None else round(s / lb, 2),
-                         "tokens_per_dollar": None if s is None else round(tokens_per_dollar(cfg, s, rollout_s)),
-                         "bit_exact": r.get("bit_exact")})
-    return rows
-
-
-def markdown(rows: list[dict], cfg, rollout_s: float) -> str:
-    tree = {r["payload"]: r["seconds"] for r in rows if r["method"] == "p2psync-tree"}
-    ideal = tokens_per_dollar(cfg, 0.0, rollout_s)
-    out = ["| method | payload | MB | time to last machine holding it (s) | p2psync: applied (s) | lower bound (s) "
-           f"| x bound | x p2psync tree, same payload | rollout tokens per $ (no-sync ideal {ideal:,.0f}) |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        s, ref = r["seconds"], tree.get(r["payload"]) if r["payload"] in tree else None
-        if r["method"] == "gloo":
-            ref = tree.get("snapshot")
-        ratio = f"{s / ref:.1f}x" if s and ref else "-"
-        out.append(f"| {r['method']} | {r['payload']} | {r['bytes'] / 1e6:.2f} | {'timeout' if s is None else s} | "
-                   f"{r.get('applied_s') or '-'} | {r['lower_bound_s']} | {r['x_lower_bound'] or '-'} | {ratio} | "
-                   f"{'-' if r['tokens_per_dollar'] is None else format(r['tokens_per_dollar'], ',')} |")
-    return "\n".join(out)
-
-
-def targets(rows: list[dict]) -> list[dict]:
-    """The issue's targets, each as measured / required."""
-    get = {(r["method"], r["payload"]): r for r in rows}
-
-    def sec(m: str, k: str) -> float | None:
-        r = get.get((m, k))
-        return r["seconds"] if r else None
-
-    out = []
-    d = sec("p2psync-tree", "delta")
-    if d:
-        lb = get[("p2psync-tree", "delta")]["lower_bound_s"]
-        out.append({"target": "real delta within 1.15x of the lower bound", "measured": round(d / lb, 2),
-                    "required": "<= 1.15", "met": d / lb <= 1.15})
-        for m, k, need, what in (("http-unicast", "snapshot", 50, ">= 50x faster than full-weight unicast"),
-                                 ("shardcast", "delta", 3, ">= 3x faster than shardcast on the delta file")):
-            o = sec(m, k)
-            if o:
-                out.append({"target": what, "measured": round(o / d, 2), "required": f">= {need}", "met": o / d >= need})
-    s, o = sec("p2psync-tree", "snapshot"), sec("shardcast", "snapshot")
-    if s and o:
-        out.append({"target": ">= 1.5x faster than shardcast on the full snapshot", "measured": round(o / s, 2),
-                    "required": ">= 1.5", "met": o / s >= 1.5})
-    return out
-
-
-def chart(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    width = 0.38
-    for k, (kind, colour) in enumerate((("delta", "#1f77b4"), ("snapshot", "#ff7f0e"))):
-        xs, ys, lbs = [], [], []
-        for i, m in enumerate(methods):
-            r = next((r for r in rows if r["method"] == m and r["payload"] == kind and r["seconds"]), None)
-            if r:
-                xs.append(i + (k - 0.5) * width)
-                ys.append(r["seconds"])
-                lbs.append(r["lower_bound_s"])
-        ax.bar(xs, ys, width, label=f"{kind} payload", color=colour)
-        ax.scatter(xs, lbs, marker="_", s=400, color="black", zorder=3,
-                   label="lower bound" if k == 0 else None)
-    ax.set_xticks(range(len(methods)), methods)
-    ax.set_yscale("log")
-    ax.set_ylabel("time to last machine (s, log)")
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def main() -> int:
@@ -424,12 +339,16 @@ def main() -> int:
     ap.add_argument("--rollout-seconds", type=float, default=60.0, help="cost model: rollout phase per RL step")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--delta-only", action="store_true",
-                    help="p2psync methods: measure the delta only (the snapshot still seeds version 0, untimed)")
+                    help="p2psync methods: measure the delta only (no full snapshot as version 2)")
     ap.add_argument("--node-opt", action="append", default=[], metavar="--SECTION.KEY=VALUE",
                     help="extra option for every p2psync node (repeatable), e.g. --node-opt=--limits.decode_nice=19")
+    ap.add_argument("--repeat", type=int, default=5, help="runs of each method, interleaved (median and spread)")
+    ap.add_argument("--cold-start", action="store_true",
+                    help="p2psync methods: nodes start empty and version 0 spreads over the WAN first (untimed)")
     ap.add_argument("--keep-logs", action="store_true", help="p2psync methods: INFO node logs, kept under --work")
     ap.add_argument("--work", default="/tmp/p2psync-wan", help="artifacts cache and scratch space")
     ap.add_argument("--out", default=str(REPO / "docs" / "benchmarks"))
+    ap.add_argument("--tag", default="", help="main: suffix of the files written (wan<TAG>.json, wan_main<TAG>.md/.png)")
     args = ap.parse_args()
     from wan.artifacts import make
 
@@ -452,12 +371,13 @@ def main() -> int:
         goals = targets(rows)
         doc = {**header, "testbed": cfg.to_dict(), "plan": res["plan"], "results": res["results"], "rows": rows,
                "targets": goals}
-        (out / "wan.json").write_text(json.dumps(doc, indent=1) + "\n")
+        (out / f"wan{args.tag}.json").write_text(json.dumps(doc, indent=1) + "\n")
         table = markdown(rows, cfg, args.rollout_seconds) + "\n\n" + "\n".join(
             f"- {g['target']}: {g['measured']} (needs {g['required']}): {'met' if g['met'] else 'MISSED'}" for g in goals)
-        (out / "wan_main.md").write_text(table + "\n")
-        chart(rows, out / "wan_main.png", f"{len(cfg.machines()) - 1} machines in {len(cfg.regions)} regions, "
-                                          f"{art['preset']} model ({art['params'] / 1e6:.0f}M params)")
+        (out / f"wan_main{args.tag}.md").write_text(table + "\n")
+        chart(rows, out / f"wan_main{args.tag}.png",
+              f"{len(cfg.machines()) - 1} machines in {len(cfg.regions)} regions, "
+              f"{art['preset']} model ({art['params'] / 1e6:.0f}M params)")
         print(table)
         return 0
     points = []
@@ -487,33 +407,6 @@ def main() -> int:
     scaling_chart(points, out / "wan_scaling.png", art)
     print("\n".join(lines))
     return 0
-
-
-def scaling_chart(points: list[dict], path: Path, art: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, kind in zip(axes, ("delta", "snapshot")):
-        for regions, style in ((2, "-"), (3, "-."), (4, "--")):
-            ps = sorted((p for p in points if p["regions"] == regions), key=lambda p: p["machines"])
-            if not ps:
-                continue
-            xs = [p["machines"] for p in ps]
-            for key, colour in (("tree", "#1f77b4"), ("star", "#d62728")):
-                ax.plot(xs, [p[f"{key}_{kind}_s"] or float("nan") for p in ps], style, marker="o", color=colour,
-                        label=f"{key}, {regions} regions")
-            ax.plot(xs, [p[f"{kind}_lower_bound_s"] for p in ps], style, color="grey",
-                    label=f"lower bound, {regions} regions")
-        ax.set_xlabel("receiving machines")
-        ax.set_ylabel("time to last machine (s)")
-        ax.set_title(f"{kind} ({art[f'{kind}_bytes'] / 1e6:.1f} MB)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

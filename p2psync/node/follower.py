@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from p2psync.codec.decode import Applier
 from p2psync.errors import ChunkHashMismatch, CodecError, P2PSyncError, PeerUnreachable
+from p2psync.node.priority import FORWARD_WAIT
 from p2psync.store import ArtifactInfo, VersionStore, plan_catchup
 from p2psync.transport.client import PeerClient, cancel_quietly
 from p2psync.transport.fetch import Pipeline, Upstream, fetch_chunks
@@ -300,9 +301,11 @@ class Follower:
     async def _receive_apply(self, art: Any, t0: float) -> None:
         manifest = art.manifest
         aid = manifest.artifact_id
+        order = self.replica.decode_order()
+        self.log.info("decoding %s: %s", aid, order.why)
         applier = await asyncio.to_thread(Applier.onto, self.replica.state, manifest)
         # Chunks decode in worker threads while later ones download (bounded, so memory is too).
-        decode = Pipeline(applier.add_chunk, self.config.limits.parallel_streams + 2, self.replica.decode_pool)
+        decode = Pipeline(applier.add_chunk, order.threads, self.replica.pool(order.nice))
         submitted: set[int] = set()
 
         async def submit(i: int, data: bytes | memoryview) -> None:
@@ -323,7 +326,7 @@ class Follower:
         if self._pushes.manifest(aid) is not None:
             # forward_first: a pushed delta arrives in one burst; hold it all before decoding, so
             # that receiving (and forwarding to children) does not share the CPU with its decode.
-            await self._take_pushed(art, _nothing if self.config.limits.forward_first else submit_held)
+            await self._take_pushed(art, _nothing if order.forward_first else submit_held)
             pushed = len(set(art.held) | submitted)
 
         def held() -> None:
@@ -336,13 +339,15 @@ class Follower:
         early = len(art.held) >= len(manifest.chunks)
         if early:
             held()
+            if order.forward_first and not await self.board.forwarded(aid, FORWARD_WAIT):
+                self.log.info("children still being pushed %s after %.1f s; decoding beside it", aid, FORWARD_WAIT)
         await submit_held()  # no await between its last look and fetch_chunks' look at the store
         await fetch_chunks(self.upstream, self.store, self.board, manifest,
                            self.config.limits.parallel_streams, submit)
         if not early:
             held()
         await decode.drain()
-        await self.replica.commit(manifest, applier=applier)
+        await self.replica.commit(manifest, applier=applier, order=order)
 
     async def _take_pushed(self, art: Any, submit_held: Any) -> None:
         """Decode pushed chunks as they arrive, until all are here or the push stalls for

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from p2psync.codec.decode import Applier
 from p2psync.errors import P2PSyncError
+from p2psync.node.priority import DecodeOrder, choose, load_average, usable_cores
 from p2psync.store import VersionStore, plan_catchup
 from p2psync.transport.view import HeadSignal
 
@@ -78,10 +79,9 @@ class Replica:
         self.state_lock = threading.Lock()
         """Held while the node writes ``state`` in place (an apply's commit): a reader that holds
         it (e.g. a rollout engine copying the weights) sees one version's words, never a mix."""
-        self.decode_pool = ThreadPoolExecutor(config.limits.parallel_streams + 2, thread_name_prefix="p2psync-apply",
-                                              initializer=_lower_thread_priority,
-                                              initargs=(config.limits.decode_nice,))
-        """Decode and apply threads (at ``limits.decode_nice`` below the node's other threads)."""
+        self._pools: dict[int, ThreadPoolExecutor] = {}
+        """Decode and apply threads, one pool per ``nice`` offset below the node's other threads
+        (a thread's nice is set once, when it starts: going back up needs privileges)."""
         self._applied: list[Manifest] = []
         self._applied_base = 0
         self.applied_signal = HeadSignal()
@@ -104,7 +104,24 @@ class Replica:
             await asyncio.to_thread(self.checkpoint)
 
     def shutdown_pool(self) -> None:
-        self.decode_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def pool(self, nice: int) -> ThreadPoolExecutor:
+        """The decode and apply threads that run ``nice`` steps below the node's other threads."""
+        pool = self._pools.get(nice)
+        if pool is None:
+            pool = self._pools[nice] = ThreadPoolExecutor(self.config.limits.parallel_streams + 2,
+                                                          thread_name_prefix=f"p2psync-apply-n{nice}",
+                                                          initializer=_lower_thread_priority, initargs=(nice,))
+        return pool
+
+    def decode_order(self) -> DecodeOrder:
+        """How to decode and apply the next artifact, from the cores, the children following this
+        node and the load now, and the settings given (:mod:`p2psync.node.priority`)."""
+        lim = self.config.limits
+        return choose(usable_cores(), self.board.children, load_average(), lim.parallel_streams + 2,
+                      forward_first=lim.forward_first, nice=lim.decode_nice, threads=lim.decode_threads)
 
     async def load(self) -> None:
         """Checkpointed weights, then the local delta chain up to the newest version held.
@@ -150,21 +167,25 @@ class Replica:
         self.log.info("weights loaded: version %s fingerprint %s", self.version, self.fingerprint)
 
     async def commit(self, manifest: Manifest, chunks: Sequence[bytes | memoryview] | None = None, applier: Any = None,
-                     changes: dict[int, tuple[Any, Any]] | None = None) -> None:
+                     changes: dict[int, tuple[Any, Any]] | None = None, order: DecodeOrder | None = None) -> None:
         """Apply ``manifest`` all-or-nothing (from ``chunks``, an ``applier`` already fed, or the
-        delta's ``changes`` as its publisher extracted them: see :meth:`p2psync.node.origin.Origin.publish`).
+        delta's ``changes`` as its publisher extracted them: see :meth:`p2psync.node.origin.Origin.publish`),
+        on the threads ``order`` names (default: :meth:`decode_order` now).
 
         First waits for the previous version's housekeeping: it reads the weights this changes."""
         await self.settle()
+        order = order or self.decode_order()
 
         def work() -> tuple[ModelState, str]:
             if changes is not None:
                 adopted = Applier.adopting(self.state, manifest, changes)
+                adopted.threads = order.threads
                 with self.state_lock:
                     return adopted.state, adopted.commit()
             ap = applier or Applier.onto(self.state, manifest)
+            ap.threads = order.threads
             if chunks is not None:
-                ap.add_chunks(enumerate(chunks), 2)
+                ap.add_chunks(enumerate(chunks), order.threads)
             ap.keep_changes = self._keep_decoded > 0
             with self.state_lock:
                 fp = ap.commit()
@@ -172,7 +193,7 @@ class Replica:
                 self._remember_decoded(manifest.artifact_id, ap.changes, ap.state.tensor_sums())
             return ap.state, fp
 
-        state, fp = await asyncio.get_running_loop().run_in_executor(self.decode_pool, work)
+        state, fp = await asyncio.get_running_loop().run_in_executor(self.pool(order.nice), work)
         self.state, self.version, self.fingerprint = state, manifest.target_version, fp
         self.metrics.inc("p2psync_versions_applied_total")
         self.metrics.set("p2psync_version", manifest.target_version)

@@ -57,6 +57,21 @@ class NodeSet:
         return json.loads(out.strip().splitlines()[-1])
 
 
+    def wait_warm(self, timeout: float) -> None:
+        """Return once every node's codec is warm (it applies at full speed); TestbedError after ``timeout``."""
+        args = [sys.executable, "-m", "p2psync.testbed.observe", "--token", self.token, "--warm",
+                "--timeout", str(timeout), *(f"{n}={u}" for n, u in self.urls.items())]
+        p = self.tb.spawn("core", args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = p.communicate(timeout=timeout + 60)
+        finally:
+            if p.poll() is None:
+                Testbed.stop([p])
+        cold = json.loads(out.strip().splitlines()[-1])["cold"] if p.returncode == 0 and out.strip() else None
+        if cold is None or cold:
+            raise TestbedError(f"codec not warm after {timeout:.0f} s on {cold}: {err[-2000:]}")
+
+
 def order(parents: Mapping[str, Sequence[str]], root: str) -> list[str]:
     """Parents before children (breadth first from ``root``); unreachable nodes last."""
     kids: dict[str, list[str]] = {}

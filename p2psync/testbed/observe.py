@@ -9,6 +9,7 @@ status); times are ``time.monotonic()`` (system-wide, so comparable with the
 caller's clock).
 
     python -m p2psync.testbed.observe --token T --version 3 --timeout 60 NAME=URL ...
+    python -m p2psync.testbed.observe --token T --warm --timeout 60 NAME=URL ...
 
 Prints "ready" once every node delivered its first catalogue (act then:
 publish), then one JSON object: per node ``announced`` (first catalogue that
@@ -16,7 +17,9 @@ listed an artifact targeting the version, complete or still in flight: for the
 trainer, the moment it made the artifact available), ``received`` (first
 catalogue listing it complete), ``applied`` (first catalogue at that version or
 later), ``version`` and ``fingerprint`` as last seen; ``timed_out`` lists the
-nodes that did not get there.
+nodes that did not get there. ``--warm`` instead waits until every node's codec
+is warm (its ``/metrics`` list ``p2psync_codec_warm_seconds``) and prints the nodes
+that are not.
 """
 
 from __future__ import annotations
@@ -86,15 +89,39 @@ def watch(urls: dict[str, str], token: str, version: int, timeout: float, on_rea
     return {"nodes": out, "timed_out": sorted(n for n, r in out.items() if r["applied"] is None)}
 
 
+def warm(urls: dict[str, str], token: str, timeout: float, interval: float = 0.2) -> list[str]:
+    """Poll every node's metrics until its codec is warm; the nodes still cold at ``timeout``."""
+    cold = dict(urls)
+    deadline = time.monotonic() + timeout
+    while cold and time.monotonic() < deadline:
+        for name, url in list(cold.items()):
+            req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
+            try:
+                with urllib.request.urlopen(req, timeout=5) as r:
+                    if b"\np2psync_codec_warm_seconds" in b"\n" + r.read():
+                        del cold[name]
+            except OSError:
+                pass
+        if cold:
+            time.sleep(interval)
+    return sorted(cold)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--token", required=True)
-    ap.add_argument("--version", type=int, required=True)
+    ap.add_argument("--version", type=int, default=None)
+    ap.add_argument("--warm", action="store_true", help="wait until every node's codec is warm instead")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--interval", type=float, default=0.01, help="ignored (the observer follows event streams)")
     ap.add_argument("nodes", nargs="+", metavar="NAME=URL")
     a = ap.parse_args(argv)
     urls = dict(n.split("=", 1) for n in a.nodes)
+    if a.warm:
+        print(json.dumps({"cold": warm(urls, a.token, a.timeout)}), flush=True)
+        return 0
+    if a.version is None:
+        ap.error("--version or --warm is required")
     result = watch(urls, a.token, a.version, a.timeout, on_ready=lambda: print("ready", flush=True))
     print(json.dumps(result), flush=True)
     return 0

@@ -62,6 +62,7 @@ import asyncio
 import logging
 import struct
 from collections.abc import AsyncIterator, Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -157,19 +158,21 @@ async def serve_stream(server: Responder, request: web.Request) -> web.StreamRes
                                                        and a.kind == "delta" and 0 < a.bytes <= push_max}.values())
                 known = {a.id for a in cat.artifacts} | (known or set())
                 pushing = []
-                for a in fresh:
-                    art = view.store.artifacts.get(a.id)
-                    if art is not None:
-                        body = art.manifest.to_bytes()
-                        await server.write(resp, _header(MANIFEST, len(body)) + body)
-                        pushing.append(art.manifest)
-                text = cat.dumps().encode()
-                await server.write(resp, _header(CATALOGUE, len(text)) + text)
-                if warm:
-                    await _pad(server, resp, warm)
-                    warm = 0
-                for m in pushing:
-                    await _push_chunks(server, resp, m)
+                with ExitStack() as forwarding:  # counted on the board until its chunks were written
+                    for a in fresh:
+                        art = view.store.artifacts.get(a.id)
+                        if art is not None:
+                            forwarding.enter_context(view.board.pushing(a.id))
+                            body = art.manifest.to_bytes()
+                            await server.write(resp, _header(MANIFEST, len(body)) + body)
+                            pushing.append(art.manifest)
+                    text = cat.dumps().encode()
+                    await server.write(resp, _header(CATALOGUE, len(text)) + text)
+                    if warm:
+                        await _pad(server, resp, warm)
+                        warm = 0
+                    for m in pushing:
+                        await _push_chunks(server, resp, m)
                 if heads.seq != seq:
                     continue  # the catalogue moved while we pushed: say so at once
             await heads.wait(seq, limits.sse_keepalive)

@@ -28,6 +28,8 @@ import json
 import logging
 import re
 import socket
+from contextlib import AbstractContextManager, nullcontext
+
 from aiohttp import web, web_protocol, web_server
 from aiohttp.http_exceptions import LineTooLong
 
@@ -108,7 +110,16 @@ class Server:
     async def rpc_head(self, request: web.Request) -> web.Response:
         return web.json_response(text=self.view.catalogue().dumps())
 
+    def _following(self, request: web.Request) -> AbstractContextManager[None]:
+        """Counts the stream on the board while open if a node (a child) opened it."""
+        child = request.headers.get(NODE_HEADER)
+        return self.view.board.following(child[:64]) if child else nullcontext()
+
     async def rpc_events(self, request: web.Request) -> web.StreamResponse:
+        with self._following(request):
+            return await self._events(request)
+
+    async def _events(self, request: web.Request) -> web.StreamResponse:
         heads = self.view.heads
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         seq = -1
@@ -130,7 +141,8 @@ class Server:
 
     async def rpc_stream(self, request: web.Request) -> web.StreamResponse:
         """Catalogues plus new small deltas pushed whole (:mod:`p2psync.transport.push`)."""
-        return await serve_stream(self, request)
+        with self._following(request):
+            return await serve_stream(self, request)
 
     async def rpc_snapshots(self, request: web.Request) -> web.Response:
         snaps = [{"version": a.manifest.target_version, "id": aid, "bytes": a.manifest.payload_bytes,

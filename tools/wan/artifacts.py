@@ -67,3 +67,24 @@ def make(work: Path, preset: str = "bench", lr: float = 1e-6, warmup: int = 3, d
     }
     meta_path.write_text(json.dumps(meta, indent=1))
     return meta
+
+
+def seed_state(art: dict) -> Path:
+    """Version 0 as a node's state checkpoint (``VersionStore.save_state``), made once beside the artifacts:
+    linked into a node's data directory, the node starts holding version 0 (it audits the fingerprint)."""
+    from p2psync import keys
+    from p2psync.artifact import ArtifactFile
+    from p2psync.codec.decode import decode_state
+    from p2psync.store import STATE_FILE, VersionStore
+
+    d = Path(art["snapshot"]).parent / "seed"
+    path = d / STATE_FILE
+    if path.exists():
+        return path
+    public = keys.load_public(str(Path(art["keys"]) / "trainer.pub"))
+    with ArtifactFile(art["snapshot"], public) as f:
+        m = f.manifest
+        state = decode_state(list(m.tensors), f.chunks(), len(m.chunks), m.target_fingerprint)
+    assert state.fingerprint == art["fingerprints"]["0"]
+    VersionStore.open(d, public).save_state(state, 0)
+    return path

@@ -62,6 +62,9 @@ def test_parse_overrides_nests_dotted_keys():
     (["--limits.parallel_streams=abc"], "limits.parallel_streams"),
     (["--limits.decode_nice=20"], "limits.decode_nice"),
     (["--limits.decode_nice=-1"], "limits.decode_nice"),
+    (["--limits.decode_threads=0"], "limits.decode_threads"),
+    (["--limits.decode_threads=11"], "limits.decode_threads"),  # the file sets parallel_streams = 8
+    (["--limits.forward_first=maybe"], "limits.forward_first"),
     (["--limits.nonsense=1"], "limits.nonsense"),
     (["--parents=ftp://x"], "parents"),
     (["--cluster_token=short"], "cluster_token"),

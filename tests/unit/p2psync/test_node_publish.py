@@ -233,7 +233,7 @@ def test_the_trainer_takes_the_publishers_changes_and_refuses_wrong_ones_untouch
 
 @pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="per-thread nice is Linux")
 def test_decode_threads_run_below_the_node_and_pass_it_on_to_threads_they_start(tmp_path):
-    """A node's decode/apply threads are ``limits.decode_nice`` below its other threads (so that on shared
+    """A node's decode/apply threads run the chosen ``nice`` steps below its other threads (so that on shared
     cores receiving and forwarding come first), threads they start inherit it, and the loop's are unchanged."""
     import os
     import threading
@@ -248,9 +248,10 @@ def test_decode_threads_run_below_the_node_and_pass_it_on_to_threads_they_start(
         tr = await Node.create(tr_cfg)
         try:
             mine = nice()
-            pool = tr.replica.decode_pool
-            inner = pool.submit(lambda: (nice(), ThreadPoolExecutor(1).submit(nice).result())).result()
-            assert inner == (min(19, mine + tr.config.limits.decode_nice),) * 2
+            for steps in (tr.replica.decode_order().nice, 7):
+                pool = tr.replica.pool(steps)
+                inner = pool.submit(lambda: (nice(), ThreadPoolExecutor(1).submit(nice).result())).result()
+                assert inner == (min(19, mine + steps),) * 2
             assert nice() == mine
         finally:
             await tr.close()

@@ -80,8 +80,9 @@ def setup(tmp_path):
     return priv, states, _artifacts(priv, states)
 
 
-@pytest.mark.parametrize(("push_bytes", "forward_first"), [(16 << 20, False), (16 << 20, True), (0, False)],
-                         ids=["push", "push-forward-first", "pull-only"])
+@pytest.mark.parametrize(("push_bytes", "forward_first"),
+                         [(16 << 20, None), (16 << 20, False), (16 << 20, True), (0, None)],
+                         ids=["push-chosen", "push-decode-as-arriving", "push-forward-first", "pull-only"])
 def test_deltas_arrive_bit_exact_by_push_through_a_relay(tmp_path, setup, push_bytes, forward_first):
     priv, states, arts = setup
     lim = {"push_bytes": push_bytes, "forward_first": forward_first}
@@ -96,6 +97,10 @@ def test_deltas_arrive_bit_exact_by_push_through_a_relay(tmp_path, setup, push_b
             if push_bytes:
                 await _padded((tr, 1), (relay, 1))
             await asyncio.sleep(0.5)  # streams open before the deltas are announced
+            # Each node counts the nodes following it; the relay (one child) forwards before it decodes.
+            assert (tr.board.children, relay.board.children, leaf.board.children) == (1, 1, 0)
+            if forward_first is None:
+                assert relay.replica.decode_order().forward_first
             delta_chunks = 0
             for m, chunks in arts[1:]:
                 await tr.publish(m, chunks)
