@@ -304,8 +304,10 @@ class Follower:
         order = self.replica.decode_order()
         self.log.info("decoding %s: %s", aid, order.why)
         applier = await asyncio.to_thread(Applier.onto, self.replica.state, manifest)
-        # Chunks decode in worker threads while later ones download (bounded, so memory is too).
-        decode = Pipeline(applier.add_chunk, order.threads, self.replica.pool(order.nice))
+        # Chunks decode in worker threads while later ones download (bounded, so memory is too;
+        # deeper than the threads, so that fetching, and forwarding, do not wait for each decode).
+        decode = Pipeline(applier.add_chunk, self.config.limits.parallel_streams + 2,
+                          self.replica.pool(order.nice, order.threads))
         submitted: set[int] = set()
 
         async def submit(i: int, data: bytes | memoryview) -> None:
@@ -321,12 +323,15 @@ class Follower:
                     await submit(i, data if data is not None else
                                  await asyncio.to_thread(self.store.read_chunk, aid, i))
 
-        await submit_held()
+        # forward_first: a pushed delta arrives in one burst; hold it all before decoding any of it
+        # (also what was here before), so that receiving (and forwarding to children) does not
+        # share the CPU with its decode.
+        hold = self._pushes.manifest(aid) is not None and order.forward_first
+        if not hold:
+            await submit_held()
         pushed = len(submitted)
         if self._pushes.manifest(aid) is not None:
-            # forward_first: a pushed delta arrives in one burst; hold it all before decoding, so
-            # that receiving (and forwarding to children) does not share the CPU with its decode.
-            await self._take_pushed(art, _nothing if order.forward_first else submit_held)
+            await self._take_pushed(art, _nothing if hold else submit_held)
             pushed = len(set(art.held) | submitted)
 
         def held() -> None:
@@ -339,7 +344,7 @@ class Follower:
         early = len(art.held) >= len(manifest.chunks)
         if early:
             held()
-            if order.forward_first and not await self.board.forwarded(aid, FORWARD_WAIT):
+            if hold and not await self.board.forwarded(aid, FORWARD_WAIT):
                 self.log.info("children still being pushed %s after %.1f s; decoding beside it", aid, FORWARD_WAIT)
         await submit_held()  # no await between its last look and fetch_chunks' look at the store
         await fetch_chunks(self.upstream, self.store, self.board, manifest,

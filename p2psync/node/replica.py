@@ -79,9 +79,9 @@ class Replica:
         self.state_lock = threading.Lock()
         """Held while the node writes ``state`` in place (an apply's commit): a reader that holds
         it (e.g. a rollout engine copying the weights) sees one version's words, never a mix."""
-        self._pools: dict[int, ThreadPoolExecutor] = {}
-        """Decode and apply threads, one pool per ``nice`` offset below the node's other threads
-        (a thread's nice is set once, when it starts: going back up needs privileges)."""
+        self._pools: dict[tuple[int, int], ThreadPoolExecutor] = {}
+        """Decode and apply threads by (``nice`` offset below the node's other threads, threads): a
+        thread's nice is set once, when it starts (going back up needs privileges)."""
         self._applied: list[Manifest] = []
         self._applied_base = 0
         self.applied_signal = HeadSignal()
@@ -107,13 +107,12 @@ class Replica:
         for pool in self._pools.values():
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def pool(self, nice: int) -> ThreadPoolExecutor:
-        """The decode and apply threads that run ``nice`` steps below the node's other threads."""
-        pool = self._pools.get(nice)
+    def pool(self, nice: int, threads: int) -> ThreadPoolExecutor:
+        """``threads`` decode and apply threads that run ``nice`` steps below the node's other threads."""
+        pool = self._pools.get((nice, threads))
         if pool is None:
-            pool = self._pools[nice] = ThreadPoolExecutor(self.config.limits.parallel_streams + 2,
-                                                          thread_name_prefix=f"p2psync-apply-n{nice}",
-                                                          initializer=_lower_thread_priority, initargs=(nice,))
+            pool = self._pools[nice, threads] = ThreadPoolExecutor(threads, thread_name_prefix=f"p2psync-apply-n{nice}",
+                                                                   initializer=_lower_thread_priority, initargs=(nice,))
         return pool
 
     def decode_order(self) -> DecodeOrder:
@@ -193,7 +192,7 @@ class Replica:
                 self._remember_decoded(manifest.artifact_id, ap.changes, ap.state.tensor_sums())
             return ap.state, fp
 
-        state, fp = await asyncio.get_running_loop().run_in_executor(self.pool(order.nice), work)
+        state, fp = await asyncio.get_running_loop().run_in_executor(self.pool(order.nice, order.threads), work)
         self.state, self.version, self.fingerprint = state, manifest.target_version, fp
         self.metrics.inc("p2psync_versions_applied_total")
         self.metrics.set("p2psync_version", manifest.target_version)

@@ -249,7 +249,7 @@ def test_decode_threads_run_below_the_node_and_pass_it_on_to_threads_they_start(
         try:
             mine = nice()
             for steps in (tr.replica.decode_order().nice, 7):
-                pool = tr.replica.pool(steps)
+                pool = tr.replica.pool(steps, 1)
                 inner = pool.submit(lambda: (nice(), ThreadPoolExecutor(1).submit(nice).result())).result()
                 assert inner == (min(19, mine + steps),) * 2
             assert nice() == mine
