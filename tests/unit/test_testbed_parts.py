@@ -200,3 +200,34 @@ def test_cli_help_answers_without_importing_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_wan_report_gives_median_and_spread_of_holds_and_applied_over_interleaved_runs(monkeypatch):
+    """tools/bench_wan.py's report: one row per method and payload over its runs, with the median,
+    min and max of "holds" and "applied", the runs' loads, and a timed-out run counted, not averaged."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "tools"))
+    from wan.report import rows_of, spread, targets
+
+    assert spread([0.3, None, 0.1, 0.2]) == {"median": 0.2, "min": 0.1, "max": 0.3, "runs": 3, "failed": 1}
+    assert spread([None])["median"] is None
+    cfg = from_dict({})
+    art = {"delta_bytes": 1_780_000, "snapshot_bytes": 143_000_000}
+
+    def p2p(holds: float, applied: float) -> dict:
+        return {"delta": {"announced_to_received_s": holds, "announced_to_applied_s": applied, "bit_exact": True}}
+
+    results = {"p2psync-tree": [{**p2p(0.2, 0.5), "load": 1.0, "rep": 0}, {**p2p(0.4, 0.3), "load": 3.0, "rep": 1},
+                                {**p2p(0.3, 0.4), "load": 2.0, "rep": 2}],
+               "p2psync-star": [{**p2p(0.6, 0.9), "load": 2.0, "rep": r} for r in range(3)],
+               "http-unicast": [{"snapshot": {"seconds": 30.0}, "load": 2.0, "rep": r} for r in range(3)]}
+    rows = {(r["method"], r["payload"]): r for r in rows_of(cfg, art, results, 60.0)}
+    tree = rows[("p2psync-tree", "delta")]
+    assert (tree["seconds"], tree["holds"]["min"], tree["holds"]["max"]) == (0.3, 0.2, 0.4)
+    assert (tree["applied_s"], tree["applied"]["min"], tree["applied"]["max"]) == (0.4, 0.3, 0.5)
+    assert tree["loads"] == [1.0, 3.0, 2.0] and rows[("http-unicast", "snapshot")]["applied"] is None
+    met = {g["target"]: g["met"] for g in targets(list(rows.values()))}
+    assert met["tree within 0.6x of the star (delta, holds)"]  # 0.3 / 0.6
+    assert met[">= 50x faster than full-weight unicast"]  # 30 / 0.3
+    assert not met["delta to the last machine within 1.5x of the lower bound"]  # 0.3 s against 0.171 s
