@@ -85,13 +85,11 @@ class Workload:
         return StepInfo(self.steps, float(out.loss.detach()))
 
     def published(self) -> dict[str, torch.Tensor]:
-        """The rollout-dtype cast of every weight (tied weights appear once), as the engine holds it."""
-        out: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
+        """The rollout-dtype cast of every weight under its checkpoint name (tied weights appear once),
+        as the engine holds it: the publisher's table (:func:`trainer.pieces.published_table`)."""
+        from p2psync.checkpoint_names import checkpoint_views, unique_tensors
+
+        tensors = unique_tensors(self.model)
         with torch.no_grad():
-            for k, v in self.model.state_dict().items():
-                if v.data_ptr() in seen:  # tied (e.g. lm_head = embed_tokens): the engine holds it once
-                    continue
-                seen.add(v.data_ptr())
-                out[k] = v.detach().to(self.dtype).contiguous()
-        return out
+            return {v.name: v.of(tensors[v.source]).to(self.dtype).contiguous()
+                    for v in checkpoint_views(self.model, tensors)}
