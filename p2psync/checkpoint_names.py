@@ -197,6 +197,10 @@ def _check_cover(source: str, views: list[View]) -> None:
     numel = 1
     for s in views[0].source_shape:
         numel *= s
+    for v in views:
+        last = v.offset + sum((n - 1) * st for n, st in zip(v.shape, v.stride) if n > 0)
+        if v.numel and (v.offset < 0 or last >= numel or min(v.stride, default=0) < 0):
+            raise CheckpointLayoutError(v.name, f"its view reaches outside {source}")
     if all(v.contiguous for v in views):
         at = 0
         for v in sorted(views, key=lambda v: v.offset):
