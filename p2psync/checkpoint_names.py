@@ -183,6 +183,9 @@ def checkpoint_views(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
             shape = tuple(int(s) for s in t.shape)
             out.append(View(src, src, shape, contiguous_strides(shape), 0, shape))
             continue
+        if len(views) == 1 and views[0].whole:  # the tensor itself, maybe renamed
+            out.append(views[0])
+            continue
         _check_cover(src, views)
         out.extend(sorted(views, key=lambda v: natural_key(v.name)))
     names = [v.name for v in out]
