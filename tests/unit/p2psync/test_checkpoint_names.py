@@ -87,3 +87,21 @@ def test_views_that_miss_or_repeat_elements_are_refused_naming_the_tensor():
         _check_cover("fused", strided)  # both hold the even columns, neither the odd ones
     _check_cover("fused", [View("even", "fused", (4, 2), (4, 2), 0, (4, 4)),
                            View("odd", "fused", (4, 2), (4, 2), 1, (4, 4))])
+
+
+def test_a_conversion_that_copies_keeps_the_in_memory_names(caplog):
+    """HRM-text saves q/k/v/gate fused (``attn.gqkv_proj``: a concatenation, not a view of one
+    parameter): those keep their in-memory names, with a warning; renamed tensors take the new name."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("hrm_text", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_layers_per_stack=1, num_attention_heads=2, head_dim=16, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(cfg)
+    tensors = unique_tensors(model)
+    with caplog.at_level("WARNING", logger="p2psync.checkpoint_names"):
+        views = checkpoint_views(model)
+    names = [v.name for v in views]
+    assert "model.L_module.layers.0.self_attn.q_proj.weight" in names  # kept: its checkpoint tensor is a copy
+    assert "model.L_module.layers.0.attn.o_proj.weight" in names  # renamed on save: a view (the tensor itself)
+    assert "gqkv_proj" in caplog.text and "q_proj" in caplog.text
+    assert all(v.whole for v in views) and sorted(v.source for v in views) == sorted(tensors)
