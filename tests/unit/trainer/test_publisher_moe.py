@@ -92,3 +92,31 @@ def test_dense_model_keeps_its_table_and_fingerprint(tmp_path):
         assert pub.fingerprints[1] == _old_table(model).fingerprint == bg.node.fingerprint
         ck = _saved(model, tmp_path / "ck")  # the trainer's checkpoint is the published version
         assert checkpoint.in_table(ck.state, bg.node.state.specs).fingerprint == pub.fingerprints[1]
+
+
+def test_cli_applies_a_published_moe_delta_to_the_trainers_checkpoint(tmp_path):
+    """``p2psync delta apply`` on the trainer's saved checkpoint of version 0 and the delta 0 -> 1 the
+    trainer published gives, bit for bit, the trainer's checkpoint of version 1."""
+    from safetensors.torch import load_file
+
+    from p2psync.artifact import write_file
+    from p2psync.cli import main
+
+    model = build_moe("qwen3_moe", seed=7)
+    w = Workload(model, lr=1e-3, batch=2, seq=16, seed=7)
+    with BackgroundNode(_trainer_config(tmp_path)) as bg:
+        pub = bg.publisher(model)
+        _saved(model, tmp_path / "v0")
+        w.step()
+        pub.publish_sync()
+        pub.close_sync()
+        art = bg.node.store.find("delta", 1)
+        write_file(tmp_path / "d.p2sa", art.manifest, bg.node.store.chunks(art.manifest.artifact_id))
+    _saved(model, tmp_path / "v1")
+    assert main(["delta", "apply", str(tmp_path / "v0"), str(tmp_path / "d.p2sa"), "-o", str(tmp_path / "out"),
+                 "--pubkey", str(tmp_path / "keys" / "trainer.pub")]) == 0
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    want = load_file(str(tmp_path / "v1" / "model.safetensors"))
+    assert sorted(got) == sorted(want) and any(".experts.3." in n for n in got)
+    for n, t in want.items():
+        assert torch.equal(got[n].view(torch.int16), t.view(torch.int16)), n
