@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,8 +13,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from p2psync.errors import ConfigError
-from p2psync.state import ModelState
+from p2psync.errors import ConfigError, TensorTableMismatch
+from p2psync.state import ModelState, TensorSpec, check_table
 
 INDEX = "model.safetensors.index.json"
 
@@ -73,6 +74,22 @@ def load(path: str | Path) -> Checkpoint:
         metadata[path.name] = meta
     state = ModelState((k, tensors[k]) for k in sorted(tensors))
     return Checkpoint(state, path, shards, metadata)
+
+
+def in_table(state: ModelState, specs: Sequence[TensorSpec]) -> ModelState:
+    """``state`` (a loaded checkpoint, ordered by name) in the order of a published tensor table,
+    sharing its memory: its fingerprint is then the one the trainer publishes for the same bits.
+    A checkpoint a trainer saved with ``save_pretrained`` (in the rollout dtype) is a valid
+    version 0 when the two fingerprints are equal. Raises :class:`TensorTableMismatch` naming
+    every tensor the two tables do not share."""
+    names = {s.name for s in specs}
+    unknown = [s.name for s in specs if s.name not in state.index]
+    missing = [n for n in state if n not in names]
+    if unknown or missing:
+        raise TensorTableMismatch(unknown=unknown, missing=missing)
+    ordered = ModelState((s.name, state.tensor(s.name)) for s in specs)
+    check_table(list(specs), ordered.specs)
+    return ordered
 
 
 def save(state: ModelState, out: str | Path, like: Checkpoint | None = None) -> None:

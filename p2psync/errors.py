@@ -159,3 +159,11 @@ class ProgressGap(P2PSyncError):
         self.response = response
         self.offset = offset
         self.have = have
+
+
+class CheckpointLayoutError(P2PSyncError):
+    """A checkpoint tensor cannot be mapped onto the model's memory; ``name`` is the checkpoint tensor."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.name = name

@@ -108,14 +108,15 @@ class InProcessRollouts:
         The node applies the next version in place from a worker thread, so a copy taken
         meanwhile can be torn: the audit catches that and the caller copies again.
         """
+        from p2psync.checkpoint_names import checkpoint_tensors
         from p2psync.state import ModelState
 
         state, version, fingerprint = self.node.state, self.node.version, self.node.fingerprint
-        params = dict(self.policy.state_dict(keep_vars=True))
+        params = checkpoint_tensors(self.policy)  # views of the policy's memory, under the table's names
         with torch.no_grad():
             for name in state:
-                params[name].data.copy_(state.tensor(name))
-        if ModelState((name, params[name].data) for name in state).audit() != fingerprint:
+                params[name].copy_(state.tensor(name))
+        if ModelState((name, params[name]) for name in state).audit() != fingerprint:
             return False
         self.version = version
         return True

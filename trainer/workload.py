@@ -44,6 +44,37 @@ def build_model(preset: str = "small", model_path: str | None = None, seed: int 
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
+MOE_FAMILIES: dict[str, dict] = {
+    # Tiny random-init mixture-of-experts models whose experts transformers holds fused in memory
+    # and saves one tensor per expert (tests of the checkpoint-named table).
+    "qwen3_moe": dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1),
+    "qwen2_moe": dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                      num_experts_per_tok=2),  # with a shared expert
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "olmoe": dict(num_experts=4, num_experts_per_tok=2, eos_token_id=2, pad_token_id=1),
+    "deepseek_v3": dict(num_key_value_heads=4, moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+                        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+                        qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1),  # shared experts, MLA
+}
+
+
+def build_moe(model_type: str = "qwen3_moe", seed: int = 0, **overrides: object) -> torch.nn.Module:
+    """fp32 tiny random-init MoE model of one of :data:`MOE_FAMILIES` (2 layers, 4 experts)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_type not in MOE_FAMILIES:
+        raise ValueError(f"model_type: unknown {model_type!r} (choose from {', '.join(MOE_FAMILIES)})")
+    kw: dict[str, object] = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                 max_position_embeddings=256, tie_word_embeddings=False)
+    if model_type == "deepseek_v3":
+        kw.pop("head_dim")
+    kw.update(MOE_FAMILIES[model_type])
+    kw.update(overrides)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw), dtype=torch.float32)
+
+
 @dataclass
 class StepInfo:
     step: int
@@ -85,13 +116,11 @@ class Workload:
         return StepInfo(self.steps, float(out.loss.detach()))
 
     def published(self) -> dict[str, torch.Tensor]:
-        """The rollout-dtype cast of every weight (tied weights appear once), as the engine holds it."""
-        out: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
+        """The rollout-dtype cast of every weight under its checkpoint name (tied weights appear once),
+        as the engine holds it: the publisher's table (:func:`trainer.pieces.published_table`)."""
+        from p2psync.checkpoint_names import checkpoint_views, unique_tensors
+
+        tensors = unique_tensors(self.model)
         with torch.no_grad():
-            for k, v in self.model.state_dict().items():
-                if v.data_ptr() in seen:  # tied (e.g. lm_head = embed_tokens): the engine holds it once
-                    continue
-                seen.add(v.data_ptr())
-                out[k] = v.detach().to(self.dtype).contiguous()
-        return out
+            return {v.name: v.of(tensors[v.source]).to(self.dtype).contiguous()
+                    for v in checkpoint_views(self.model, tensors)}

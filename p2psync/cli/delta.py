@@ -53,7 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--zstd-level", type=int, default=3)
     e.set_defaults(run=run_encode)
 
-    a = dsub.add_parser("apply", help="BASE DELTA -> OUT, bit-identical to the NEW the delta was made from")
+    a = dsub.add_parser("apply", help="BASE DELTA -> OUT, bit-identical to the NEW the delta was made from "
+                                      "(also a trainer's published delta on its saved checkpoint)")
     a.add_argument("base")
     a.add_argument("delta")
     a.add_argument("-o", "--output", required=True, help=".safetensors file or folder (keeps BASE's shard layout)")
@@ -120,8 +121,12 @@ def run_apply(args: argparse.Namespace) -> int:
         if art.manifest.kind != "delta":
             raise CodecError(f"{args.delta} is a {art.manifest.kind}, not a delta")
         ck = checkpoint.load(args.base)
+        state = ck.state  # ordered by name; a trainer's table is in its own order (same memory)
+        table = art.manifest.tensors
+        if [s.name for s in table] != list(state) and sorted(s.name for s in table) == list(state):
+            state = checkpoint.in_table(state, table)
         t0 = time.perf_counter()
-        fp = artifact.apply_file(ck.state, art, args.threads)
+        fp = artifact.apply_file(state, art, args.threads)
         t1 = time.perf_counter()
     checkpoint.save(ck.state, args.output, like=ck)
     print(f"{args.output}: version {art.manifest.target_version}, fingerprint {fp} verified, applied in {t1 - t0:.2f} s")

@@ -5,7 +5,9 @@ overwritten) and its parameters *are* the engine's :class:`ModelState`: the
 state is a view over the parameter tensors (same memory), in the trainer's
 tensor-table order, so applying an artifact writes straight into the weights
 the next forward pass reads and :meth:`HFEngine.audit` hashes exactly those
-weights. Tied weights (``lm_head.weight`` = ``model.embed_tokens.weight``) are
+weights. The table's names are the checkpoint's (:mod:`p2psync.checkpoint_names`):
+where transformers holds a MoE block's experts fused, each expert's
+``gate_proj``/``up_proj``/``down_proj`` is a view into the fused parameter. Tied weights (``lm_head.weight`` = ``model.embed_tokens.weight``) are
 one tensor in the model and one entry in the trainer's table (the first name
 in state-dict order); if the trainer's table names both, both entries view the
 same memory and a delta writes the same words twice.
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from p2psync.artifact import applier_for
+from p2psync.checkpoint_names import checkpoint_tensors
 from p2psync.errors import FingerprintMismatch, P2PSyncError, TensorTableMismatch
 from p2psync.state import ModelState, TensorSpec, check_table
 from rollout.engines.base import (
@@ -57,8 +60,9 @@ class HFEngine(RolloutEngine):
     def __init__(self, model: torch.nn.Module, device: str = "cpu") -> None:
         self.model = model.eval().requires_grad_(False)
         self.device = torch.device(device)
-        # Every name the model answers to (tied aliases included), sharing the parameters' memory.
-        self._named: dict[str, torch.Tensor] = dict(self.model.state_dict(keep_vars=False))
+        # Every checkpoint name the model answers to (tied aliases included), sharing the parameters'
+        # memory: an expert of a fused MoE parameter is a view into it.
+        self._named: dict[str, torch.Tensor] = checkpoint_tensors(self.model)
         self._state: ModelState | None = None
         self._epoch = 0
         """Bumped whenever the weights change; a generation whose cache is older rebuilds it."""

@@ -80,10 +80,13 @@ class Lineage:
         """A Hugging Face folder holding version ``version`` (bf16), for a fresh vLLM to load."""
         from transformers import AutoModelForCausalLM
 
+        from p2psync.checkpoint_names import checkpoint_tensors
+
         model = AutoModelForCausalLM.from_config(self.config, dtype=torch.bfloat16)
-        sd = model.state_dict()
-        for name in self.states[version]:
-            sd[name].copy_(self.states[version].tensor(name))
+        sd = checkpoint_tensors(model)  # the published table's names, views of the model's memory
+        with torch.no_grad():
+            for name in self.states[version]:
+                sd[name].copy_(self.states[version].tensor(name))
         if self.config.tie_word_embeddings:
             model.tie_weights()
         model.save_pretrained(directory)

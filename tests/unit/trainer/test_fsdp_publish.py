@@ -1,4 +1,5 @@
-"""FSDP2 on two CPU ranks (gloo): each rank publishes its own shard; a follower holds the full model bit-exactly."""
+"""FSDP2 on two CPU ranks (gloo): each rank publishes its own shard; a follower holds the full model bit-exactly
+(a dense model, and a MoE model whose fused experts are published one checkpoint tensor per expert)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,14 @@ TOKEN = "fsdp-test-token-0123"
 STEPS = 3
 
 
-def _model(seed: int) -> torch.nn.Module:
+def _model(seed: int, family: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
+    if family != "qwen3":
+        from trainer.workload import build_moe
+
+        # Three experts: the fused expert parameters split 2 + 1 over the two ranks.
+        return build_moe(family, seed=seed, vocab_size=515, num_experts=3)
     torch.manual_seed(seed)
     # Odd sizes: dim 0 of most weights does not split evenly over two ranks.
     cfg = Qwen3Config(vocab_size=515, hidden_size=64, intermediate_size=190, num_hidden_layers=2,
@@ -25,13 +31,14 @@ def _model(seed: int) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
 
 
-def _rank_main(rank: int, root: str) -> None:
+def _rank_main(rank: int, root: str, family: str) -> None:
     import numpy as np
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from p2psync import config, dtypes
+    from p2psync.checkpoint_names import checkpoint_views, unique_tensors
     from p2psync.node import Node
     from p2psync.state import ModelState
     from trainer.background import BackgroundNode
@@ -42,14 +49,18 @@ def _rank_main(rank: int, root: str) -> None:
     rootp = Path(root)
     dist.init_process_group("gloo", init_method=f"file://{rootp / 'pg'}", rank=rank, world_size=2)
     try:
-        model = _model(seed=11)
+        model = _model(seed=11, family=family)
         for layer in model.model.layers:
             fully_shard(layer)
         fully_shard(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         # The planner's flat ranges are the ones DTensor itself computes.
         specs, pieces = published_table(model)
+        in_memory = set(model.state_dict())
+        assert family == "qwen3" or any(s.name.endswith("experts.2.down_proj.weight") for s in specs)
         for piece in pieces:
+            if piece.spec.name not in in_memory:  # an expert of a fused parameter: checked below
+                continue
             t = piece.source
             shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
             row = piece.spec.numel // t.shape[0]
@@ -85,7 +96,9 @@ def _rank_main(rank: int, root: str) -> None:
                 opt.zero_grad()
                 assert pub.publish_sync() == v
             # Verification only: the full weights (this all-gather is the test's, not the publisher's).
-            full = {s.name: dict(model.state_dict())[s.name].full_tensor().to(torch.bfloat16) for s in specs}
+            whole = {n: t.full_tensor().detach() for n, t in unique_tensors(model).items()}
+            full = {v.name: v.of(whole[v.source]).to(torch.bfloat16) for v in checkpoint_views(model)}
+            assert list(full) == [s.name for s in specs]
             pub.flush_sync()
             if rank == 0:
                 bg.call(follower.wait_version(v), timeout=60)
@@ -105,14 +118,15 @@ def _rank_main(rank: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-def test_two_fsdp2_ranks_publish_their_shards_and_the_follower_holds_the_full_model(tmp_path):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_two_fsdp2_ranks_publish_their_shards_and_the_follower_holds_the_full_model(tmp_path, family):
     import torch.multiprocessing as mp
 
     from p2psync import keys
 
     keys.write_pair(keys.generate(), tmp_path / "keys")
     os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[2] / ".." / ".numba_cache"))
-    mp.spawn(_rank_main, args=(str(tmp_path),), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(str(tmp_path), family), nprocs=2, join=True)
     log = json.loads((tmp_path / "result.json").read_text())
     assert [e["version"] for e in log] == list(range(STEPS + 1))
     assert len({e["fingerprint"] for e in log}) == STEPS + 1
