@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_KINDS = ("WrongBase", "SignatureError", "ChunkHashMismatch", "FingerprintMismatch", "TensorTableMismatch",
+_KINDS = ("TransferInfoError", "WrongBase", "SignatureError", "ChunkHashMismatch", "FingerprintMismatch", "TensorTableMismatch",
           "UnwritableParameter", "LayoutError", "PeerUnreachable", "NotHeld", "TruncatedError", "CodecError",
           "FormatVersionError", "P2PSyncError")
 
