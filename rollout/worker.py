@@ -106,10 +106,11 @@ class RolloutWorker(EngineSync):
             await node.wait_version(0)
             if engine.pulls_artifacts:
                 # The engine (vLLM's p2psync backend) pulls the same verified artifacts from this node's
-                # server; attached once the node holds one, since the attach checks the key against it.
+                # server; attached once the node holds one, since the attach checks the key against it
+                # (in a thread: the check asks this node's server, which runs on this event loop).
                 cfg = node.config
-                engine.attach(ParentInfo(node.address, cfg.token(), str(Path(cfg.trainer_public_key).resolve()),
-                                         f"{cfg.id}-engine"))
+                await asyncio.to_thread(engine.attach, ParentInfo(
+                    node.address, cfg.token(), str(Path(cfg.trainer_public_key).resolve()), f"{cfg.id}-engine"))
             await self._load_from_node()
         except BaseException:
             self.close()

@@ -136,14 +136,21 @@ def test_bad_deltas_are_refused_and_the_engine_keeps_serving(qwen, tmp_path):
         _refused(engine, lin, N + 1, "WrongBase")
     finally:
         other.stop_all()
-    # Forged: the right artifacts signed by another key.
+    # Forged: the right artifacts signed by another key. Refused at attach already (the trainer's key
+    # verifies none of that parent's manifests); the engine keeps its version and serves.
+    from rollout.engines.vllm import UpdateRefused
+
     forger = Cluster(tmp_path / "c")
     try:
         lin.publish(forger.publish_dir, forger.priv, range(0, N + 2))
         c = forger.start("c", "trainer", publish=True)
         wait_for(lambda: at_version(c, N + 1), 60, "forged lineage published")
-        engine.attach(parent_of(cluster, c))
-        _refused(engine, lin, N + 1, "SignatureError")
+        with pytest.raises(UpdateRefused) as err:
+            engine.attach(parent_of(cluster, c))
+        assert err.value.kind == "SignatureError" and "init_info.public_key" in str(err.value), err.value
+        assert engine.version == N
+        assert_bits(engine, lin.states[N])
+        assert all(len(t) == 8 for t, _ in greedy(engine))
     finally:
         forger.stop_all()
     # Corrupt chunks: a relay that flips a byte of every chunk it serves.
