@@ -97,11 +97,6 @@ class RolloutWorker(EngineSync):
         if engine is None:
             engine = await asyncio.to_thread(build_engine, opts.engine_config())
         self = cls(node, opts, engine)
-        if engine.pulls_artifacts:
-            # The engine (vLLM's p2psync backend) pulls the same verified artifacts from this node's server.
-            cfg = node.config
-            engine.attach(ParentInfo(node.address, cfg.token(), str(Path(cfg.trainer_public_key).resolve()),
-                                     f"{cfg.id}-engine"))
         keep = getattr(node, "keep_decoded", None)
         if keep is not None:
             keep(_KEEP_DECODED)
@@ -109,6 +104,13 @@ class RolloutWorker(EngineSync):
             self._watch = asyncio.create_task(self._watch_applied(), name="rollout:watch-versions")
             await asyncio.sleep(0)  # let the watcher subscribe before we read the node's version
             await node.wait_version(0)
+            if engine.pulls_artifacts:
+                # The engine (vLLM's p2psync backend) pulls the same verified artifacts from this node's
+                # server; attached once the node holds one, since the attach checks the key against it
+                # (in a thread: the check asks this node's server, which runs on this event loop).
+                cfg = node.config
+                await asyncio.to_thread(engine.attach, ParentInfo(
+                    node.address, cfg.token(), str(Path(cfg.trainer_public_key).resolve()), f"{cfg.id}-engine"))
             await self._load_from_node()
         except BaseException:
             self.close()

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_KINDS = ("WrongBase", "SignatureError", "ChunkHashMismatch", "FingerprintMismatch", "TensorTableMismatch",
+_KINDS = ("TransferInfoError", "WrongBase", "SignatureError", "ChunkHashMismatch", "FingerprintMismatch", "TensorTableMismatch",
           "UnwritableParameter", "LayoutError", "PeerUnreachable", "NotHeld", "TruncatedError", "CodecError",
           "FormatVersionError", "P2PSyncError")
 
@@ -218,7 +218,11 @@ class VLLMEngine(RolloutEngine):
         try:
             with self.calling() as llm:
                 llm.start_weight_update()
-                llm.update_weights({"update_info": {"version": int(version)}})
+                try:
+                    llm.update_weights({"update_info": {"version": int(version)}})
+                except Exception:
+                    self._end_refused_session(llm)
+                    raise
                 llm.finish_weight_update(weight_version=str(version))
         except P2PSyncError:
             raise
@@ -233,6 +237,24 @@ class VLLMEngine(RolloutEngine):
         if self.version != version:
             raise UpdateRefused("P2PSyncError", f"backend is at version {self.version} after asking for {version}")
         return str(self._fingerprint)
+
+    @staticmethod
+    def _end_refused_session(llm: Any) -> None:
+        """After a refused update, end the update session on every tensor-parallel rank.
+
+        vLLM's worker ends the session of a rank whose ``update_weights`` raised; the backend raises
+        on the last rank only (see ``P2PSyncWeightTransfer._refuse``), so with more than one rank
+        the others still hold theirs and the next ``start_weight_update`` would fail there. A
+        ``finish_weight_update`` ends them; the last rank answers it with vLLM's "without a matching
+        start_weight_update", read after every other rank's answer, which is the expected outcome."""
+        parallel = getattr(getattr(getattr(llm, "llm_engine", None), "vllm_config", None), "parallel_config", None)
+        if int(getattr(parallel, "tensor_parallel_size", 1) or 1) <= 1:
+            return
+        try:
+            llm.finish_weight_update()
+        except Exception as exc:
+            if "without a matching start_weight_update" not in str(exc):
+                raise
 
     def _reset_cache(self) -> None:
         # Refused while requests run: then done before the next batch starts.

@@ -10,9 +10,16 @@ process with the loaded model. Turned on with ``weight_transfer_config=
   "public_key": ..., "version": ...}})``: the p2psync parent to pull from (any
   node's HTTP address, its cluster token), the trainer's Ed25519 public key (PEM
   text or a file path), and optionally the version of the weights vLLM loaded
-  (e.g. from the trainer's checkpoint), checked at once: every live word is
-  hashed and must give that version's signed fingerprint. Without it the first
-  update starts from a snapshot.
+  (e.g. from the trainer's checkpoint). Everything is checked before the init is
+  accepted: the fields (:mod:`rollout.engines.vllm_requests`), that the parent
+  answers with this token, and that the key verifies the parent's signed
+  manifests (with ``version``: that version's manifest, and every live word is
+  hashed and must give its signed fingerprint; without: the manifest of the
+  newest complete artifact the parent lists, so a parent that lists none yet is
+  refused). A refused init changes nothing: the previous accepted init (parent,
+  key, version) stays in effect, or none if there was none. An init without
+  ``version`` keeps the version the backend holds (re-pointing at another
+  parent); with none held, the first update starts from a snapshot.
 - ``update_weights({"update_info": {"version": v}})``: reach version ``v``. The
   backend asks the parent for its catalogue, plans the cheapest chain of
   artifacts (:func:`p2psync.store.plan_catchup`), and for each: fetches the
@@ -22,13 +29,24 @@ process with the loaded model. Turned on with ``weight_transfer_config=
   chunk is ``TruncatedError``), then applies it to the live
   parameters all-or-nothing (:class:`~rollout.engines.vllm_weights.LiveWeights`).
   Each artifact is one transaction: on any error the model keeps the last
-  version it fully reached (and keeps serving) and the error is raised with its
-  p2psync class name at the front of its message (``WrongBase: ...``), which is
-  what reaches an HTTP or ``collective_rpc`` caller.
+  version it fully reached (and keeps serving).
 
-``start_weight_update`` / ``finish_weight_update`` have nothing to do (the apply
-is in place); callers should reset vLLM's prefix cache after an update, since
-cached KV blocks were computed with the old weights.
+Every refusal is a :class:`~p2psync.errors.P2PSyncError` raised with its class
+name at the front of its message (``TransferInfoError: update_info.version:
+...``, ``WrongBase: ...``): that text is what reaches an HTTP or
+``collective_rpc`` caller, inside vLLM's own wrapper (``Call to collective_rpc
+method failed: Worker failed with error '<class>: <message>', ...``).
+
+Sessions. vLLM's worker ends the update session when ``update_weights`` raises:
+after a refusal the next call is ``start_weight_update`` (a ``finish`` answers
+vLLM's "without a matching start_weight_update"). ``start_weight_update`` /
+``finish_weight_update`` have nothing to do here (the apply is in place);
+callers should reset vLLM's prefix cache after an update, since cached KV blocks
+were computed with the old weights.
+
+Status. Calling the backend object returns :meth:`P2PSyncWeightTransfer.status`
+(version, fingerprint, timing): vLLM's development route ``POST /collective_rpc
+{"method": "weight_transfer_engine"}`` does exactly that on every worker.
 """
 
 from __future__ import annotations
@@ -37,8 +55,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import (
@@ -47,7 +64,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from p2psync.errors import P2PSyncError, TruncatedError, WrongBase, WrongSize
+from p2psync.errors import P2PSyncError, PeerUnreachable, SignatureError, TruncatedError, WrongBase, WrongSize
+from rollout.engines import vllm_requests
+from rollout.engines.vllm_requests import TransferInfoError, load_public_key
 from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, together, vllm_group
 from rollout.engines.vllm_weights import LiveWeights
 
@@ -71,22 +90,14 @@ class P2PSyncInitInfo(WeightTransferInitInfo):
     """Decode and hash threads."""
     timeout: float = 30.0
     """Seconds a parent may stall before the fetch fails."""
+    refusal: P2PSyncError | None = field(default=None, repr=False)
+    """Set by :meth:`P2PSyncWeightTransfer.parse_init_info` instead of raising (not a client field)."""
 
 
 @dataclass
 class P2PSyncUpdateInfo(WeightTransferUpdateInfo):
     version: int
     """The version to reach."""
-
-
-def load_public_key(text: str) -> Any:
-    from cryptography.hazmat.primitives import serialization
-
-    from p2psync import keys
-
-    if "BEGIN PUBLIC KEY" not in text:
-        return keys.load_public(text)
-    return serialization.load_pem_public_key(text.encode())
 
 
 async def fetch_artifact(url: str, token: str, node_id: str, aid: str, public_key: Any, timeout: float,
@@ -155,7 +166,51 @@ async def fetch_plan(url: str, token: str, node_id: str, current: int | None, ta
     client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1)
     async with client:
         cat = await client.call_head(url)
-    return plan_catchup(current, target, [a for a in cat.artifacts if a.complete])
+    held = [a for a in cat.artifacts if a.complete]
+    try:
+        return plan_catchup(current, target, held)
+    except P2PSyncError as exc:
+        newest = max((a.target for a in held), default=None)
+        raise TransferInfoError("update_info.version", f"{exc} at {url} (the newest complete version there is "
+                                f"{newest})") from None
+
+
+async def check_key(url: str, token: str, node_id: str, public_key: Any, timeout: float) -> int:
+    """Verify the manifest of the newest complete artifact ``url`` lists against ``public_key``; its version.
+
+    What an init without ``version`` checks, so that a wrong key is refused at init, not at the
+    first update."""
+    from p2psync.transport.client import PeerClient
+
+    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1)
+    async with client:
+        cat = await client.call_head(url)
+        held = [a for a in cat.artifacts if a.complete]
+        if not held:
+            raise TransferInfoError("init_info.url", f"{url} lists no complete artifact yet, so the trainer's key "
+                                    "cannot be checked against a signed manifest (init again once it has one)")
+        newest = max(held, key=lambda a: (a.target, a.kind == "delta"))  # a delta's manifest is the smaller
+        manifest = await client.call_manifest(url, newest.id)
+    try:
+        manifest.verify(public_key)
+    except SignatureError as exc:
+        raise SignatureError(f"init_info.public_key does not verify {url}'s artifact {newest.id}: {exc}") from None
+    return int(manifest.target_version)
+
+
+def _init_error(exc: P2PSyncError, url: str, version: int | None) -> P2PSyncError:
+    """An init's fetch error, named by the ``init_info`` field that caused it where one did."""
+    from p2psync.transport.client import NotHeld
+
+    if isinstance(exc, NotHeld) and version is not None:
+        return TransferInfoError("init_info.version", f"{url} holds no signed manifest of version {version}: {exc}")
+    if isinstance(exc, PeerUnreachable) and not isinstance(exc, WrongSize):
+        if any(f"HTTP {code}" in exc.reason for code in (401, 403)):
+            return TransferInfoError("init_info.token", f"{url} refused the cluster token: {exc}")
+        return TransferInfoError("init_info.url", f"{exc}")
+    if isinstance(exc, SignatureError) and "init_info.public_key" not in str(exc):
+        return SignatureError(f"init_info.public_key does not verify {url}'s manifest: {exc}")
+    return exc
 
 
 def _run(coro: Any) -> Any:
@@ -192,26 +247,66 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         self.group: RankGroup = vllm_group() if tp > 1 else Solo()
 
     # --- vLLM's contract ---------------------------------------------------------------------
-    def init_transfer_engine(self, init_info: P2PSyncInitInfo) -> None:
-        """Remember the parent; with a ``version``, check now that the loaded weights are that version.
+    def parse_init_info(self, init_dict: Any) -> P2PSyncInitInfo:
+        """The client's ``init_info``, checked (:func:`rollout.engines.vllm_requests.init_info`).
 
-        The check binds the trainer's tensor table to the model and hashes every live word (the
-        one full pass; later updates change the fingerprint from the changed words alone)."""
-        public_key = load_public_key(init_info.public_key)
-        if init_info.version is not None:
-            try:
-                manifest = self._together(lambda: _run(fetch_version_manifest(
-                    init_info.url, init_info.token, init_info.node_id, init_info.version, public_key,
-                    init_info.timeout)))
-                live = self.bind(manifest, init_info.threads)
+        Never raises: a refusal travels in ``refusal`` to :meth:`init_transfer_engine`, which raises
+        it from the last tensor-parallel rank only (see :meth:`_refuse`)."""
+        try:
+            return P2PSyncInitInfo(**asdict(vllm_requests.init_info(init_dict)))
+        except P2PSyncError as exc:
+            return P2PSyncInitInfo("", "", "", refusal=exc)
+
+    def parse_update_info(self, update_dict: Any) -> P2PSyncUpdateInfo:
+        """The client's ``update_info``, checked; raises :class:`TransferInfoError` naming the field."""
+        return P2PSyncUpdateInfo(vllm_requests.update_info(update_dict).version)
+
+    def update_weights(self, update_info: Any) -> None:
+        """vLLM's entry for one ``update_info``: checked, then :meth:`receive_weights` (refusals tagged)."""
+        try:
+            info = self.parse_update_info(update_info)
+        except P2PSyncError as exc:
+            self._refuse(exc, "p2psync update")
+            return
+        self.receive_weights(info)
+        import torch
+
+        torch.accelerator.synchronize()
+
+    def init_transfer_engine(self, init_info: P2PSyncInitInfo) -> None:
+        """Check the parent, the key and (with ``version``) the loaded weights, then adopt them (see module doc).
+
+        The check with ``version`` binds the trainer's tensor table to the model and hashes every
+        live word (the one full pass; later updates change the fingerprint from the changed words
+        alone). Nothing is adopted unless every check passed."""
+        if init_info.refusal is not None:
+            self._refuse(init_info.refusal, "p2psync init")
+            return
+        info = init_info
+        version, live = self.version, self.live
+        try:
+            public_key = self._together(lambda: load_public_key(info.public_key))
+            if info.version is not None:
+                manifest = self._together(lambda: self._at_init(fetch_version_manifest(
+                    info.url, info.token, info.node_id, info.version, public_key, info.timeout), info))
+                live = self.bound(manifest, info.threads)
                 if live.audit() != manifest.target_fingerprint:
-                    raise WrongBase(manifest.target_fingerprint, live.fingerprint, init_info.version)
-            except P2PSyncError as exc:
-                self._refuse(exc, f"p2psync init at version {init_info.version}")
-                return
-            self.version = init_info.version
-        self.public_key = public_key
-        self.info = init_info
+                    raise WrongBase(manifest.target_fingerprint, live.fingerprint, info.version)
+                version = info.version
+            else:
+                self._together(lambda: self._at_init(check_key(info.url, info.token, info.node_id, public_key,
+                                                               info.timeout), info))
+        except P2PSyncError as exc:
+            self._refuse(exc, f"p2psync init{'' if info.version is None else f' at version {info.version}'}")
+            return
+        self.public_key, self.info, self.version, self.live = public_key, info, version, live
+
+    @staticmethod
+    def _at_init(coro: Any, info: P2PSyncInitInfo) -> Any:
+        try:
+            return _run(coro)
+        except P2PSyncError as exc:
+            raise _init_error(exc, info.url, info.version) from None
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: artifacts are applied in place, each all-or-nothing."""
@@ -227,6 +322,10 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             self.reach(int(update_info.version))
         except P2PSyncError as exc:
             self._refuse(exc, f"p2psync update to version {update_info.version}")
+
+    def __call__(self) -> dict[str, Any]:
+        """:meth:`status` (what ``POST /collective_rpc {"method": "weight_transfer_engine"}`` returns)."""
+        return self.status()
 
     def _refuse(self, exc: P2PSyncError, what: str) -> None:
         """Raise ``exc`` (tagged) to vLLM's caller: from the last tensor-parallel rank only.
@@ -248,6 +347,9 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         info = self.info
         if info is None:
             raise P2PSyncError("init_weight_transfer_engine was not called (no p2psync parent)")
+        if self.version is not None and target < self.version:
+            raise TransferInfoError("update_info.version", f"{target} is below the version held ({self.version}): "
+                                    "updates only move forward")
         # Tensor-parallel ranks apply rank 0's plan together; each fetches and checks it itself.
         plan = self._together(lambda: [a.id for a in _run(fetch_plan(info.url, info.token, info.node_id,
                                                                      self.version, target, info.timeout))],
@@ -267,11 +369,15 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         got = together(self.group, fn, "another tensor-parallel rank could not fetch the update")
         return self.group.first(got) if share else got
 
-    def bind(self, manifest: Any, threads: int | None = None) -> LiveWeights:
+    def bound(self, manifest: Any, threads: int | None = None) -> LiveWeights:
+        """The live weights bound to ``manifest``'s tensor table (the current binding if it is that table)."""
         specs = list(manifest.tensors)
-        if self.live is None or self.live.specs != specs:
-            self.live = LiveWeights(self.model, specs, threads or (self.info.threads if self.info else 2),
-                                    group=self.group)
+        if self.live is not None and self.live.specs == specs:
+            return self.live
+        return LiveWeights(self.model, specs, threads or (self.info.threads if self.info else 2), group=self.group)
+
+    def bind(self, manifest: Any, threads: int | None = None) -> LiveWeights:
+        self.live = self.bound(manifest, threads)
         return self.live
 
     def apply(self, manifest: Any, chunks: list[Any]) -> str:

@@ -10,6 +10,12 @@ update could not reach them. Plain weights cost some CPU throughput (measured
 ``P2PSYNC_VLLM_KEEP_ONEDNN=1`` to keep repacking (the backend then refuses to
 bind those layers, naming them). GPU platforms are not touched.
 
+Quiet start. With ``skip_tokenizer_init`` (token ids in, token ids out, as
+p2psync runs vLLM) the API server's chat-template warmup fails by design and
+vLLM logs a WARNING with a traceback (``Chat template warmup failed ...
+Tokenizer not available``); :func:`register` installs
+:class:`SkippedTokenizerWarmup` on that logger, which drops exactly that record.
+
 Owner watch. vLLM's engine-core process does not notice that the process that
 built the ``LLM`` died without shutting it down (SIGKILL, OOM kill), and its
 workers only follow the engine core, so all of them would keep running,
@@ -58,7 +64,30 @@ def register() -> None:
         import vllm._custom_ops as ops
 
         ops._supports_onednn = False
+    quiet_skipped_tokenizer_warmup()
     watch_owner()
+
+
+class SkippedTokenizerWarmup(logging.Filter):
+    """Drops vLLM's "Chat template warmup failed" warning when its cause is ``skip_tokenizer_init`` (see
+    module doc); every other record passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith("Chat template warmup failed"):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, ValueError) and "skip_tokenizer_init" in str(exc))
+
+
+WARMUP_LOGGER = "vllm.renderers.base"
+"""The logger of vLLM 0.32's chat-template warmup."""
+
+
+def quiet_skipped_tokenizer_warmup() -> None:
+    """Install :class:`SkippedTokenizerWarmup` on :data:`WARMUP_LOGGER` (idempotent)."""
+    log = logging.getLogger(WARMUP_LOGGER)
+    if not any(isinstance(f, SkippedTokenizerWarmup) for f in log.filters):
+        log.addFilter(SkippedTokenizerWarmup())
 
 
 # --- owner watch ---------------------------------------------------------------------------

@@ -58,6 +58,9 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
                 relay.stop()
             assert engine.version == N and engine.audit() == lin.states[N].fingerprint
             assert greedy(engine, 6) == after  # still generating, with the same weights
+            # The refused update's session is over on both ranks: the next update from the trainer lands.
+            engine.attach(parent)
+            assert engine.reach(N + 1) == lin.states[N + 1].fingerprint
         finally:
             if engine is not None:
                 engine.close()

@@ -1,0 +1,103 @@
+"""What a client sends the p2psync vLLM backend: every malformed field is a TransferInfoError naming it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from p2psync import keys
+from p2psync.errors import ConfigError, P2PSyncError
+from rollout.engines.vllm_requests import TransferInfoError, init_info, load_public_key, update_info
+
+GOOD = {"url": "http://127.0.0.1:7001", "token": "t0k", "public_key": "keys/trainer.pub"}
+
+
+@pytest.mark.parametrize("given, field", [
+    ({"token": "t", "public_key": "k"}, "init_info.url"),
+    ({"url": "http://h:1", "public_key": "k"}, "init_info.token"),
+    ({**GOOD, "public_key": ""}, "init_info.public_key"),
+    ({**GOOD, "versoin": 0}, "init_info.versoin"),
+    ({**GOOD, "url": 7001}, "init_info.url"),
+    ({**GOOD, "url": "127.0.0.1:7001"}, "init_info.url"),
+    ({**GOOD, "version": "abc"}, "init_info.version"),
+    ({**GOOD, "version": "5"}, "init_info.version"),
+    ({**GOOD, "version": -1}, "init_info.version"),
+    ({**GOOD, "version": 1.5}, "init_info.version"),
+    ({**GOOD, "version": True}, "init_info.version"),
+    ({**GOOD, "threads": 0}, "init_info.threads"),
+    ({**GOOD, "timeout": "soon"}, "init_info.timeout"),
+    ({**GOOD, "timeout": 0}, "init_info.timeout"),
+    ({**GOOD, "node_id": 3}, "init_info.node_id"),
+    ("http://127.0.0.1:7001", "init_info"),
+])
+def test_malformed_init_info_names_the_field(given, field):
+    with pytest.raises(TransferInfoError) as err:
+        init_info(given)
+    assert err.value.field == field
+    assert str(err.value).startswith(field + ": ")
+    assert isinstance(err.value, ConfigError) and isinstance(err.value, P2PSyncError)
+
+
+@pytest.mark.parametrize("given, field", [
+    ({}, "update_info.version"),
+    ({"version": "abc"}, "update_info.version"),
+    ({"version": "5"}, "update_info.version"),
+    ({"version": -1}, "update_info.version"),
+    ({"version": 2.0}, "update_info.version"),
+    ({"version": None}, "update_info.version"),
+    ({"version": 5, "extra": 1}, "update_info.extra"),
+    ([{"version": 5}], "update_info"),
+])
+def test_malformed_update_info_names_the_field(given, field):
+    with pytest.raises(TransferInfoError) as err:
+        update_info(given)
+    assert err.value.field == field
+
+
+def test_well_formed_requests_parse():
+    got = init_info({**GOOD, "url": "http://127.0.0.1:7001/", "version": 0, "threads": 1, "timeout": 5})
+    assert (got.url, got.version, got.threads, got.timeout, got.node_id) == ("http://127.0.0.1:7001", 0, 1, 5.0, "vllm")
+    assert init_info({**GOOD, "version": None}).version is None
+    assert update_info({"version": 0}).version == 0
+
+
+def test_public_key_from_a_file_or_pem_text_or_a_typed_refusal(tmp_path):
+    keys.write_pair(keys.generate(), tmp_path / "keys")
+    pub = tmp_path / "keys" / "trainer.pub"
+    assert keys.key_id(load_public_key(str(pub))) == keys.key_id(load_public_key(pub.read_text()))
+    with pytest.raises(TransferInfoError) as err:
+        load_public_key(str(tmp_path / "missing.pub"))
+    assert err.value.field == "init_info.public_key" and "missing.pub" in str(err.value)
+    with pytest.raises(TransferInfoError) as err:
+        load_public_key("-----BEGIN PUBLIC KEY-----\nnot base64\n-----END PUBLIC KEY-----\n")
+    assert err.value.field == "init_info.public_key"
+    with pytest.raises(TransferInfoError):
+        load_public_key(str(tmp_path / "keys" / "trainer.key"))  # the private key file is not a public key
+
+
+def test_plugin_drops_only_the_skipped_tokenizer_warmup_warning():
+    from rollout.engines.vllm_plugin import WARMUP_LOGGER, quiet_skipped_tokenizer_warmup
+
+    quiet_skipped_tokenizer_warmup()
+    quiet_skipped_tokenizer_warmup()  # idempotent
+    log = logging.getLogger(WARMUP_LOGGER)
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    h = Keep()
+    log.addHandler(h)
+    try:
+        for cause in (ValueError("Tokenizer not available when `skip_tokenizer_init=True`"),
+                      ValueError("template syntax error")):
+            try:
+                raise cause
+            except ValueError:
+                log.warning("Chat template warmup failed", exc_info=True)
+        log.warning("something else")
+    finally:
+        log.removeHandler(h)
+    assert seen == ["Chat template warmup failed", "something else"]  # the second warmup failure is real
