@@ -142,8 +142,12 @@ class EngineSync:
         await task
 
     async def _load_from_node(self) -> None:
-        """Copy the node's current weights (retry if the node moved on during the copy)."""
+        """Copy the node's current weights (retry if the node moved on during the copy); from a
+        node that holds none (``store.hold_weights``), rebuild them from the artifacts it keeps."""
         await self._drain()
+        if getattr(self.node, "state", None) is None and self.node.version is not None:
+            await self._load_from_store()
+            return
         lock = getattr(self.node, "state_lock", None) or contextlib.nullcontext()
 
         def copy(state: Any, version: int, fp: str) -> str:
@@ -168,6 +172,30 @@ class EngineSync:
             self._switched(version, fp, t0, t0, "copy", fp=got)
             return
         raise P2PSyncError("could not copy a consistent version of the node's weights in 5 attempts")
+
+    async def _load_from_store(self) -> None:
+        """Load the newest snapshot the node's store keeps, then replay its delta chain (:meth:`sync`).
+
+        An engine that pulls artifacts itself (vLLM) reaches the snapshot's version from the
+        node's server; another decodes the snapshot here (a passing copy, freed once loaded)."""
+        store, target = self.node.store, self.node.version
+        plan = plan_catchup(None, target, store.catalogue())
+        snap = store.artifacts[plan[0].id].manifest
+        t0 = time.time()
+
+        def load() -> str:
+            if self.engine.pulls_artifacts:
+                return self.engine.load(None, snap.target_version, snap.target_fingerprint)
+            from p2psync.codec.decode import decode_state
+
+            state = decode_state(list(snap.tensors), enumerate(store.chunks(snap.artifact_id)), len(snap.chunks),
+                                 snap.target_fingerprint, self._threads())
+            return self.engine.load(state, snap.target_version, snap.target_fingerprint)
+
+        got = await asyncio.to_thread(load)
+        self._switched(snap.target_version, snap.target_fingerprint, t0, t0, "snapshot", fp=got)
+        if self._behind():
+            await self.sync()
 
     def _behind(self) -> bool:
         v = self.node.version

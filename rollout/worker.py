@@ -110,6 +110,9 @@ class RolloutWorker(EngineSync):
             await asyncio.sleep(0)  # let the watcher subscribe before we read the node's version
             await node.wait_version(0)
             await self._load_from_node()
+            release = getattr(node, "release_weights", None)
+            if release is not None:
+                release()  # the engine holds the weights now; the node keeps the artifacts (store.hold_weights)
         except BaseException:
             self.close()
             raise

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+
+ENGINE_PATHS = "rollout.engines.vllm_warm:exercise"
+"""The in-place apply of the vLLM backend: its kernels are built too (same distribution, imported by name)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -14,7 +18,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from p2psync.codec import precompile
 
-    took = precompile.warm([c.strip() for c in args.codes.split(",") if c.strip()])
+    codes = [c.strip() for c in args.codes.split(",") if c.strip()]
+    took = precompile.warm(codes)
+    mod, _, fn = ENGINE_PATHS.partition(":")
+    try:
+        exercise = getattr(importlib.import_module(mod), fn)
+    except ImportError:
+        exercise = None  # installed without the rollout package
+    if exercise is not None:
+        exercise(codes)
     hits, misses = precompile.cache_stats()
     print(f"codec kernels ready in {took:.1f} s: {misses} compiled, {hits} loaded from the cache "
           f"({precompile.cache_location()})")

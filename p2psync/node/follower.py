@@ -57,6 +57,10 @@ if TYPE_CHECKING:
     from p2psync.transport.metrics import Metrics
 
 
+def _nothing_with(i: int, data: bytes | memoryview) -> None:
+    """A chunk needs no decode here (a node without weights)."""
+
+
 async def _nothing() -> None:
     return None
 
@@ -300,9 +304,12 @@ class Follower:
     async def _receive_apply(self, art: Any, t0: float) -> None:
         manifest = art.manifest
         aid = manifest.artifact_id
-        applier = await asyncio.to_thread(Applier.onto, self.replica.state, manifest)
+        # Without weights (store.hold_weights) the node stores and relays the verified chunks only.
+        applier = await asyncio.to_thread(Applier.onto, self.replica.state, manifest) \
+            if self.replica.holds_weights else None
         # Chunks decode in worker threads while later ones download (bounded, so memory is too).
-        decode = Pipeline(applier.add_chunk, self.config.limits.parallel_streams + 2, self.replica.decode_pool)
+        decode = Pipeline(applier.add_chunk if applier is not None else _nothing_with,
+                          self.config.limits.parallel_streams + 2, self.replica.decode_pool)
         submitted: set[int] = set()
 
         async def submit(i: int, data: bytes | memoryview) -> None:
