@@ -13,11 +13,14 @@ adds the work (grants, batches, progress) on top. What it promises:
 - **Safe points only.** :meth:`EngineSync.sync` is the only place that writes
   the engine's weights; its caller runs it between two decode steps or between
   batches, never beside a generation step.
-- **One decode per node.** The node decodes each delta once, while it downloads
-  it, and keeps the decoded changes of the last few (``Node.keep_decoded``);
-  the engine adopts them (:meth:`RolloutEngine.prepare_decoded`: base check,
-  no decode). Artifacts the node no longer keeps, and snapshots, are decoded
-  from the node's store as before.
+- **One copy, one decode per machine.** Once the engine holds the weights, the
+  rollout worker has the node drop its own copy (``Node.release_weights``,
+  ``store.hold_weights``): the node keeps the verified artifacts and the engine
+  decodes them from the node's store. A node that keeps its copy (the trainer's,
+  or ``store.hold_weights = true``) decodes each delta once while it downloads
+  it and keeps the decoded changes of the last few (``Node.keep_decoded``); the
+  engine adopts them (:meth:`RolloutEngine.prepare_decoded`: base check, no
+  decode).
 - **Short pauses.** Preparing the next artifact reads the engine's weights
   only, so it runs while generation goes on; at the safe point only the
   commit (fingerprint check and the writes) pauses generation. The audit
