@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from p2psync import dtypes, wordops
-from p2psync.codec import segdecode, slabs
+from p2psync.codec import segdecode
 from p2psync.codec.decode import split_chunk
 from p2psync.codec.segment import KIND_DELTA, parse_head
 from p2psync.workers import run_ordered
@@ -107,7 +107,6 @@ class LiveWeights:
         self.specs = list(specs)
         self.table_hash = table_hash(self.specs)
         self.threads = max(1, threads)
-        self._arena: slabs.Arena | None = None
         self.cpus: set[int] | None = None
         """CPUs the helper threads run on (None: the caller's; see :mod:`rollout.engines.vllm_cpus`)."""
         params = dict(model.named_parameters())
@@ -244,13 +243,11 @@ class LiveWeights:
         elif failed is not None:
             raise failed
         order = sorted(range(len(heads)), key=lambda k: -len(heads[k].raw))
-        self._arena = slabs.Arena()  # outputs cut from kept slabs: fewer fresh pages per update
         if self.group.size == 1:
             out, _, err = run_ordered(len(heads), order, lambda k: self._decode_segment(heads[k]),
                                       min(self.threads, max(1, len(heads))), self.cpus)
         else:
             out, err = self._decode_ranks(heads, order)
-        self._arena.close()
         if err is not None:
             raise err
         by: dict[int, list[tuple[tuple[int, int], np.ndarray, np.ndarray]]] = {}
@@ -290,7 +287,7 @@ class LiveWeights:
         d, seed = dtypes.from_code(spec.dtype), np.uint64(self._seeds[p.tensor])
         if base is None and self.host_memory:  # the decoder also returns the sums' change
             pos, new, ab = segdecode.decode(p.raw, p.body_at, p.start, p.stop, d,
-                                            self.host_words(p.tensor, 0, spec.numel), seed, self._arena)
+                                            self.host_words(p.tensor, 0, spec.numel), seed)
             return p.tensor, (p.start, p.stop), pos, new, ab
         old = self.host_words(p.tensor, p.start, p.stop) if base is None else base
         rel, new, _ = segdecode.decode(p.raw, p.body_at, 0, p.stop - p.start, d, old, seed)
