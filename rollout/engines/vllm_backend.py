@@ -198,6 +198,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         vllm_warm.start(model)
         self.cpus = update_cpus(vllm_config)
         """CPUs the update's threads run on."""
+        logger.info("p2psync: updates run on CPUs %s", sorted(self.cpus))
 
     # --- vLLM's contract ---------------------------------------------------------------------
     def init_transfer_engine(self, init_info: P2PSyncInitInfo) -> None:
