@@ -177,18 +177,21 @@ class EngineSync:
         raise P2PSyncError("could not copy a consistent version of the node's weights in 5 attempts")
 
     async def _load_from_store(self) -> None:
-        """Load the newest snapshot the node's store keeps, then replay its delta chain (:meth:`sync`).
+        """Rebuild the engine from the artifacts the node keeps (the node holds no weights).
 
-        An engine that pulls artifacts itself (vLLM) reaches the snapshot's version from the
-        node's server; another decodes the snapshot here (a passing copy, freed once loaded)."""
-        store, target = self.node.store, self.node.version
+        An engine that pulls artifacts itself (vLLM) reaches the node's version from the node's
+        server; another loads the newest snapshot the store keeps, decoded here (a passing copy,
+        freed once loaded), then replays the deltas after it (:meth:`sync`)."""
+        store, target, t0 = self.node.store, self.node.version, time.time()
+        if self.engine.pulls_artifacts:
+            fp = self.node.fingerprint
+            got = await asyncio.to_thread(self.engine.load, None, target, fp)
+            self._switched(target, fp, t0, t0, "pulled", fp=got)
+            return
         plan = plan_catchup(None, target, store.catalogue())
         snap = store.artifacts[plan[0].id].manifest
-        t0 = time.time()
 
         def load() -> str:
-            if self.engine.pulls_artifacts:
-                return self.engine.load(None, snap.target_version, snap.target_fingerprint)
             from p2psync.codec.decode import decode_state
 
             state = decode_state(list(snap.tensors), enumerate(store.chunks(snap.artifact_id)), len(snap.chunks),

@@ -29,7 +29,8 @@ def main() -> int:
     src = Path(args.src)
 
     import numpy as np
-    from safetensors.numpy import load_file
+    import torch
+    from safetensors.torch import load_file
 
     from p2psync import dtypes, keys
     from p2psync.artifact import ArtifactFile
@@ -43,7 +44,7 @@ def main() -> int:
     delta = ArtifactFile(src / "publish" / "000001-delta.p2sa", keys.load_public(src / "keys" / "trainer.pub"))
     names = [t.name for t in delta.manifest.tensors]
     raw = load_file(str(src / "dense_v0.safetensors"))
-    words = [np.ascontiguousarray(raw[n]).reshape(-1).view(np.uint16) for n in names]
+    words = [raw[n].contiguous().view(torch.int16).reshape(-1).numpy().view(np.uint16) for n in names]
     chunks = [c for _, c in delta.chunks()]
     bf = dtypes.from_code("BF16")
     seeds = [np.uint64(tensor_seed(n)) for n in names]
