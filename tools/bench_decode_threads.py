@@ -44,7 +44,9 @@ def main() -> int:
     delta = ArtifactFile(src / "publish" / "000001-delta.p2sa", keys.load_public(src / "keys" / "trainer.pub"))
     names = [t.name for t in delta.manifest.tensors]
     raw = load_file(str(src / "dense_v0.safetensors"))
-    words = [raw[n].contiguous().view(torch.int16).reshape(-1).numpy().view(np.uint16) for n in names]
+    # Copies in this process's memory (the loaded file is mapped: its pages may be dropped and read again).
+    words = [raw[n].contiguous().view(torch.int16).reshape(-1).numpy().view(np.uint16).copy() for n in names]
+    del raw
     chunks = [c for _, c in delta.chunks()]
     bf = dtypes.from_code("BF16")
     seeds = [np.uint64(tensor_seed(n)) for n in names]
