@@ -121,6 +121,8 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=1200.0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--only-default", action="store_true",
+                    help="measure the default rollout node only (skip the holding node and the engine alone)")
     args = ap.parse_args()
     src = Path(args.src).resolve()
     if args.engine_only:
@@ -129,6 +131,9 @@ def main() -> int:
     res: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-rollout-mem-") as d:
         res["rollout"] = rollout(src, Path(d) / "drop", False, args.timeout)
+        if args.only_default:
+            print(json.dumps(res), flush=True)
+            return 0
         res["rollout_holding"] = rollout(src, Path(d) / "hold", True, args.timeout)
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--from", str(src), "--engine-only"],
                          stdout=subprocess.PIPE, text=True, check=True)
