@@ -123,6 +123,15 @@ class StoreConfig:
     """Chunk size of trainer-signed snapshots (raw, so any node holding the weights can rebuild them)."""
     materialise_snapshots: bool | None = None
     """Rebuild trainer-signed snapshots from the weights held; default: relays and the trainer."""
+    hold_weights: bool | None = None
+    """Apply every artifact to a decoded copy of the weights in this node's memory. Default: the
+    trainer and relays always do (they sign or rebuild snapshots from it); a rollout node does
+    until a rollout engine in its process has loaded them (``rollout.worker``), then drops its
+    copy. False: never (e.g. a vLLM server outside the process pulls from this node). Without
+    the copy the node's engine applies the verified artifacts itself, while the node keeps the
+    signed artifacts (on disk, bounded by retention), relays them and follows the version chain
+    by the manifests' signed fingerprints; late joiners take snapshots from the trainer, the
+    relays, or any node whose store still holds one."""
     snapshot_wait: float = 600.0
     """Longest a rebuilding node waits for the parent to list a signed snapshot manifest it
     announced as pending (the trainer signs one beside its next version: seconds per GB of
@@ -294,7 +303,12 @@ class NodeConfig:
     @property
     def materialise(self) -> bool:
         m = self.store.materialise_snapshots
-        return self.role != "rollout" if m is None else m
+        return self.role != "rollout" and self.holds_weights if m is None else m
+
+    @property
+    def holds_weights(self) -> bool:
+        """Whether the node starts with a decoded copy of the weights (see ``store.hold_weights``)."""
+        return self.store.hold_weights is not False
 
     def token(self) -> str:
         if self.cluster_token:
@@ -320,6 +334,8 @@ class NodeConfig:
             raise ConfigError("trainer_public_key", "is required: every node verifies manifests")
         if self.trainer_private_key and self.role != "trainer":
             raise ConfigError("trainer_private_key", "only the trainer may hold the signing key")
+        if self.store.hold_weights is False and (self.role == "trainer" or self.store.materialise_snapshots):
+            raise ConfigError("store.hold_weights", "the trainer, and a node that rebuilds snapshots, hold the weights")
         if self.role == "trainer" and self.parents:
             raise ConfigError("parents", "the trainer is the root and has no parents")
         if self.role != "trainer" and not self.parents:

@@ -332,6 +332,11 @@ class VersionStore:
         with FileWriter(self.root / STATE_FILE, m, fsync=self.fsync) as w:
             snapshot_chunks_to(state, m, opts, w.put)
 
+    def drop_state(self) -> None:
+        """Remove the weights' checkpoint (a node that no longer holds weights: it would only pin
+        the delta chain after it, see :meth:`prune`)."""
+        (self.root / STATE_FILE).unlink(missing_ok=True)
+
     def load_state(self) -> tuple[ModelState, int] | None:
         """The checkpointed weights and their version, audited against the recorded fingerprint."""
         from p2psync.artifact import ArtifactFile

@@ -24,15 +24,16 @@ few short jobs, as a look-ahead counted in jobs would (docs/CODEC.md, "Speed").
 from __future__ import annotations
 
 import _thread
+import os
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import TypeVar, cast
 
 T = TypeVar("T")
 
 
-def run_ordered(n: int, order: Sequence[int], work: Callable[[int], T], threads: int
-                ) -> tuple[list[T | None], int, BaseException | None]:
+def run_ordered(n: int, order: Sequence[int], work: Callable[[int], T], threads: int,
+                cpus: Collection[int] | None = None) -> tuple[list[T | None], int, BaseException | None]:
     """Run ``work(i)`` for each ``i`` in ``order`` (a permutation of ``range(n)``) on the calling
     thread and ``threads - 1`` helper threads, each taking the next item.
 
@@ -42,6 +43,12 @@ def run_ordered(n: int, order: Sequence[int], work: Callable[[int], T], threads:
     could not be used), and those with a smaller index still run, so ``f`` and ``error`` are
     those of running the items one after the other in index order and stopping at the first
     failure, whatever thread ran what.
+
+    ``cpus``: the CPUs the helper threads may run on (Linux; elsewhere, or if refused, they
+    inherit the caller's). A thread starts with its creator's CPU affinity: where the caller is
+    bound to one core (a vLLM CPU worker binds its OpenMP threads, the calling one included),
+    helpers without ``cpus`` would share that core with it. The caller's own affinity is left
+    as it is.
     """
     results: list[T | None] = [None] * n
     errors: dict[int, BaseException] = {}
@@ -69,6 +76,8 @@ def run_ordered(n: int, order: Sequence[int], work: Callable[[int], T], threads:
 
     def helper() -> None:
         try:
+            if cpus:
+                pin(cpus)
             worker()
         finally:
             finished.release()
@@ -81,6 +90,14 @@ def run_ordered(n: int, order: Sequence[int], work: Callable[[int], T], threads:
         for _ in range(helpers):
             finished.acquire()
     return results, failed[0], errors.get(failed[0])
+
+
+def pin(cpus: Collection[int]) -> None:
+    """Let the calling thread run on ``cpus`` (Linux; elsewhere, or if refused, nothing changes)."""
+    try:
+        os.sched_setaffinity(0, cpus)  # 0: the calling thread
+    except (AttributeError, OSError, ValueError):
+        pass
 
 
 def in_order(work: Callable[[int], T], sizes: Sequence[int], threads: int, window: int) -> Iterator[T]:

@@ -13,11 +13,14 @@ adds the work (grants, batches, progress) on top. What it promises:
 - **Safe points only.** :meth:`EngineSync.sync` is the only place that writes
   the engine's weights; its caller runs it between two decode steps or between
   batches, never beside a generation step.
-- **One decode per node.** The node decodes each delta once, while it downloads
-  it, and keeps the decoded changes of the last few (``Node.keep_decoded``);
-  the engine adopts them (:meth:`RolloutEngine.prepare_decoded`: base check,
-  no decode). Artifacts the node no longer keeps, and snapshots, are decoded
-  from the node's store as before.
+- **One copy, one decode per machine.** Once the engine holds the weights, the
+  rollout worker has the node drop its own copy (``Node.release_weights``,
+  ``store.hold_weights``): the node keeps the verified artifacts and the engine
+  decodes them from the node's store. A node that keeps its copy (the trainer's,
+  or ``store.hold_weights = true``) decodes each delta once while it downloads
+  it and keeps the decoded changes of the last few (``Node.keep_decoded``); the
+  engine adopts them (:meth:`RolloutEngine.prepare_decoded`: base check, no
+  decode).
 - **Short pauses.** Preparing the next artifact reads the engine's weights
   only, so it runs while generation goes on; at the safe point only the
   commit (fingerprint check and the writes) pauses generation. The audit
@@ -142,8 +145,12 @@ class EngineSync:
         await task
 
     async def _load_from_node(self) -> None:
-        """Copy the node's current weights (retry if the node moved on during the copy)."""
+        """Copy the node's current weights (retry if the node moved on during the copy); from a
+        node that holds none (``store.hold_weights``), rebuild them from the artifacts it keeps."""
         await self._drain()
+        if getattr(self.node, "state", None) is None and self.node.version is not None:
+            await self._load_from_store()
+            return
         lock = getattr(self.node, "state_lock", None) or contextlib.nullcontext()
 
         def copy(state: Any, version: int, fp: str) -> str:
@@ -168,6 +175,33 @@ class EngineSync:
             self._switched(version, fp, t0, t0, "copy", fp=got)
             return
         raise P2PSyncError("could not copy a consistent version of the node's weights in 5 attempts")
+
+    async def _load_from_store(self) -> None:
+        """Rebuild the engine from the artifacts the node keeps (the node holds no weights).
+
+        An engine that pulls artifacts itself (vLLM) reaches the node's version from the node's
+        server; another loads the newest snapshot the store keeps, decoded here (a passing copy,
+        freed once loaded), then replays the deltas after it (:meth:`sync`)."""
+        store, target, t0 = self.node.store, self.node.version, time.time()
+        if self.engine.pulls_artifacts:
+            fp = self.node.fingerprint
+            got = await asyncio.to_thread(self.engine.load, None, target, fp)
+            self._switched(target, fp, t0, t0, "pulled", fp=got)
+            return
+        plan = plan_catchup(None, target, store.catalogue())
+        snap = store.artifacts[plan[0].id].manifest
+
+        def load() -> str:
+            from p2psync.codec.decode import decode_state
+
+            state = decode_state(list(snap.tensors), enumerate(store.chunks(snap.artifact_id)), len(snap.chunks),
+                                 snap.target_fingerprint, self._threads())
+            return self.engine.load(state, snap.target_version, snap.target_fingerprint)
+
+        got = await asyncio.to_thread(load)
+        self._switched(snap.target_version, snap.target_fingerprint, t0, t0, "snapshot", fp=got)
+        if self._behind():
+            await self.sync()
 
     def _behind(self) -> bool:
         v = self.node.version

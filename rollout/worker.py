@@ -112,6 +112,9 @@ class RolloutWorker(EngineSync):
                 await asyncio.to_thread(engine.attach, ParentInfo(
                     node.address, cfg.token(), str(Path(cfg.trainer_public_key).resolve()), f"{cfg.id}-engine"))
             await self._load_from_node()
+            release = getattr(node, "release_weights", None)
+            if release is not None:
+                release()  # the engine holds the weights now; the node keeps the artifacts (store.hold_weights)
         except BaseException:
             self.close()
             raise

@@ -39,6 +39,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,6 +70,14 @@ def rpc_mem_start(worker) -> int:
 
 def rpc_mem_peak(worker) -> int:
     return _rss()[1]
+
+
+def rpc_rusage(worker) -> tuple[int, float]:
+    """(minor page faults, CPU seconds) of the worker process so far."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_minflt, r.ru_utime + r.ru_stime
 
 
 def rpc_dense(worker, source: str) -> dict:
@@ -193,6 +203,9 @@ def main() -> int:
     ap.add_argument("--link-mbit", type=float, default=0,
                     help="cap the links between the node and the engine at this rate (needs root); 0: loopback")
     ap.add_argument("--json", default=None, help="append the result line to this file")
+    ap.add_argument("--repeats", type=int, default=1, help="repeated p2psync updates (each after a dense reload)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse the model, checkpoint and artifacts already in --out (built by an earlier run)")
     ap.add_argument("--engine-part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dense", default=None, help=argparse.SUPPRESS)
@@ -202,6 +215,13 @@ def main() -> int:
         return run_engine(json.loads(Path(args.engine_part).read_text()), args.url, args.dense)
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-vllm-"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.reuse and (out / "context.json").exists():
+        ctx = json.loads((out / "context.json").read_text())
+        ctx.update(link_mbit=args.link_mbit, repeats=args.repeats,
+                   json=str(Path(args.json).resolve()) if args.json else None)
+        (out / "context.json").write_text(json.dumps(ctx))
+        shutil.rmtree(out / "node", ignore_errors=True)
+        return serve_and_run(ctx, args.link_mbit)
 
     import numpy as np
     import torch
@@ -245,16 +265,22 @@ def main() -> int:
     del enc
     ctx = {"params": nparams, "changed": nchanged, "delta_bytes": delta_bytes, "v0": s0.fingerprint,
            "v1": s1.fingerprint, "target": dm.target_fingerprint, "ck": str(ck), "keydir": str(keydir),
-           "out": str(out), "link_mbit": args.link_mbit,
+           "out": str(out), "link_mbit": args.link_mbit, "repeats": args.repeats,
            "json": str(Path(args.json).resolve()) if args.json else None}
     (out / "context.json").write_text(json.dumps(ctx))
     del s0, s1, changed
+    return serve_and_run(ctx, args.link_mbit)
+
+
+def serve_and_run(ctx: dict, link_mbit: float) -> int:
+    """A trainer node serving the artifacts of ``ctx``, and the engine's part against it."""
+    out, keydir, pub = Path(ctx["out"]), Path(ctx["keydir"]), Path(ctx["out"]) / "publish"
     node_argv = [sys.executable, "-m", "p2psync.cli", "node", "--role", "trainer", "--id", "trainer",
                  f"--data_dir={out / 'node'}", f"--cluster_token={TOKEN}",
                  f"--trainer_public_key={keydir / 'trainer.pub'}", f"--trainer_private_key={keydir / 'trainer.key'}",
                  f"--publish-dir={pub}", "--listen.port=0"]
-    if args.link_mbit:
-        return run_linked(ctx, node_argv, args.link_mbit)
+    if link_mbit:
+        return run_linked(ctx, node_argv, link_mbit)
     node = subprocess.Popen(node_argv, stdout=subprocess.PIPE, stderr=open(out / "node.log", "ab"), text=True)
     try:
         url = node.stdout.readline().strip()
@@ -318,19 +344,39 @@ def run_engine(ctx: dict, url: str, dense: str) -> int:
         res = {}
         rpc(rpc_mem_start)
         base = rpc(rpc_mem_start)[0]
+        f0, c0 = rpc(rpc_rusage)[0]
         t = time.perf_counter()
         fp = eng.reach(1)
         res["p2psync"] = {"s": time.perf_counter() - t, "extra_bytes": rpc(rpc_mem_peak)[0] - base,
                           **eng.status()["timing"]}
+        f1, c1 = rpc(rpc_rusage)[0]
+        res["p2psync"].update(minflt=f1 - f0, cpu_s=c1 - c0)
         assert fp == ctx["target"]
         res["dense"] = rpc(rpc_dense, args=(dense,))[0]
         if eng.audit() != ctx["v0"]:
             raise SystemExit("dense reload did not restore version 0")
         # p2psync again from version 0 (told so: init checks it), then the dense reload fetched as the delta is
         eng.attach(ParentInfo(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench"), version=0)
+        f0, c0 = rpc(rpc_rusage)[0]
         t = time.perf_counter()
         assert eng.reach(1) == ctx["target"]
         res["p2psync_again"] = {"s": time.perf_counter() - t, **eng.status()["timing"]}
+        f1, c1 = rpc(rpc_rusage)[0]
+        res["p2psync_again"].update(minflt=f1 - f0, cpu_s=c1 - c0)
+        again, dense_s = [res["p2psync_again"]], [res["dense"]["s"]]
+        for _ in range(int(ctx.get("repeats", 1)) - 1):  # more repeated updates: dense back to v0, then v1
+            dense_s.append(rpc(rpc_dense, args=(dense,))[0]["s"])
+            eng.attach(ParentInfo(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench"), version=0)
+            f0, c0 = rpc(rpc_rusage)[0]
+            t = time.perf_counter()
+            assert eng.reach(1) == ctx["target"]
+            again.append({"s": time.perf_counter() - t, **eng.status()["timing"]})
+            f1, c1 = rpc(rpc_rusage)[0]
+            again[-1].update(minflt=f1 - f0, cpu_s=c1 - c0)
+        res["p2psync_repeats"] = {"s": [round(a["s"], 4) for a in again],
+                                  "decode_s": [a["decode_s"] for a in again],
+                                  "commit_s": [a["commit_s"] for a in again],
+                                  "cpu_s": [round(a["cpu_s"], 3) for a in again], "dense_s": dense_s}
         res["dense_fetched"] = rpc(rpc_dense_fetched, args=(url, (keydir / "trainer.pub").read_text()))[0]
         if eng.audit() != ctx["v0"]:
             raise SystemExit("dense reload (fetched) did not restore version 0")
@@ -341,9 +387,13 @@ def run_engine(ctx: dict, url: str, dense: str) -> int:
             res["sparse_patch"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         p = res["p2psync"]["s"]
         summary = {k: ctx[k] for k in ("params", "changed", "delta_bytes", "link_mbit")}
+        summary["loadavg"] = [round(x, 2) for x in os.getloadavg()]
         summary.update({k: {kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()}
                         for k, v in res.items()})
         summary["p2psync_over_dense"] = round(p / res["dense"]["s"], 4)
+        again_s, dense_med = statistics.median(a["s"] for a in again), statistics.median(dense_s)
+        summary["first_over_again"] = round(p / again_s, 4)
+        summary["again_over_dense"] = round(again_s / dense_med, 4)
         if "s_with_transfer" in res["dense"]:
             summary["p2psync_over_dense_with_transfer"] = round(p / res["dense"]["s_with_transfer"], 4)
         summary["p2psync_over_dense_fetched"] = round(p / res["dense_fetched"]["s_with_transfer"], 4)

@@ -13,5 +13,5 @@ bash tools/ensure_chromium.sh || echo "tools/test.sh: could not install chromium
 # of all compiling them at once (7 node processes compiling on 2 cores outlasted the first test's
 # 150 s wait for version 0).
 export NUMBA_CACHE_DIR="${NUMBA_CACHE_DIR:-$PWD/.numba_cache}"
-.venv/bin/python -c "from p2psync.codec.decode import warm_up; warm_up()"
+.venv/bin/python -m p2psync.cli warm
 exec .venv/bin/python -m pytest -q "$@"

@@ -63,7 +63,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -73,9 +73,10 @@ import torch
 
 from p2psync import dtypes
 from p2psync.artifact import Manifest, build_manifest
+from p2psync.codec import precompile
 from p2psync.codec.encode import CodecOptions, EncodedArtifact, element_ranges, pack_chunks
 from p2psync.codec.segment import SegmentStats, encode_raw_segment, shift_segment
-from p2psync.errors import ConfigError, P2PSyncError
+from p2psync.errors import CodecError, ConfigError, P2PSyncError
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
 from trainer.pieces import Piece, published_table
 from trainer.publish_record import PublishError, PublishRecord
@@ -90,6 +91,17 @@ class _Pending:
     started: float
     extracted: Future
     """-> (list of (piece, pos, vals, encode futures), extract seconds)."""
+
+
+def _codes(torch_dtypes: Iterable[torch.dtype]) -> tuple[str, ...]:
+    """The codec's codes of ``torch_dtypes`` (an unsupported one is refused later, by ``start_sync``)."""
+    codes = set()
+    for d in torch_dtypes:
+        try:
+            codes.add(dtypes.from_torch(d).code)
+        except CodecError:
+            pass
+    return tuple(sorted(codes))
 
 
 class Publisher(ShardIO):
@@ -156,6 +168,9 @@ class Publisher(ShardIO):
         self._error: PublishError | None = None
         self._hook: Any = None
         self._closed = False
+        # Load the codec's compiled kernels now, beside the model's setup and version 0, so that the
+        # first delta does not wait for them (p2psync.codec.precompile).
+        precompile.start(_codes((dtype, *self.dtype_overrides.values())))
 
     # --- async facade ---------------------------------------------------------------------
     @classmethod

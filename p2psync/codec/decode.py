@@ -445,3 +445,8 @@ def warm_up(codes: Iterable[str] = ("BF16", "F16", "F32")) -> None:
                      target_fingerprint=delta.target_fingerprint, base_fingerprint=delta.base_fingerprint)
         ap.add_chunks(enumerate(delta.chunks), 1)
         ap.commit()
+        # The trainer node's path: the publisher's extracted changes adopted instead of decoded.
+        back = Applier(got, kind="delta", specs=got.specs, n_chunks=len(delta.chunks),
+                       target_fingerprint=snap.target_fingerprint, base_fingerprint=delta.target_fingerprint)
+        back.adopt({0: (pos, old.words("w")[pos])})
+        back.commit()

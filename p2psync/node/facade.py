@@ -200,6 +200,11 @@ class Node:
         """Set once the checkpoint and the local delta chain are applied."""
         return self.replica.loaded
 
+    def release_weights(self) -> bool:
+        """Drop this node's decoded copy of the weights once an engine holds them (see
+        ``store.hold_weights``); returns whether the node holds none now."""
+        return self.replica.release_weights()
+
     @property
     def state_lock(self) -> threading.Lock:
         """Held while the node writes ``state`` in place: a reader that holds it sees one version's words."""

@@ -58,6 +58,10 @@ if TYPE_CHECKING:
     from p2psync.transport.metrics import Metrics
 
 
+def _nothing_with(i: int, data: bytes | memoryview) -> None:
+    """A chunk needs no decode here (a node without weights)."""
+
+
 async def _nothing() -> None:
     return None
 
@@ -303,11 +307,13 @@ class Follower:
         aid = manifest.artifact_id
         order = self.replica.decode_order()
         self.log.info("decoding %s: %s", aid, order.why)
-        applier = await asyncio.to_thread(Applier.onto, self.replica.state, manifest)
+        # Without weights (store.hold_weights) the node stores and relays the verified chunks only.
+        applier = await asyncio.to_thread(Applier.onto, self.replica.state, manifest) \
+            if self.replica.holds_weights else None
         # Chunks decode in worker threads while later ones download (bounded, so memory is too;
         # deeper than the threads, so that fetching, and forwarding, do not wait for each decode).
-        decode = Pipeline(applier.add_chunk, self.config.limits.parallel_streams + 2,
-                          self.replica.pool(order.nice, order.threads))
+        decode = Pipeline(applier.add_chunk if applier is not None else _nothing_with,
+                          self.config.limits.parallel_streams + 2, self.replica.pool(order.nice, order.threads))
         submitted: set[int] = set()
 
         async def submit(i: int, data: bytes | memoryview) -> None:

@@ -55,6 +55,20 @@ def _lower_thread_priority(steps: int) -> None:
         pass
 
 
+def _give_back_memory() -> None:
+    """Return freed heap memory to the system (glibc's ``malloc_trim``; elsewhere nothing): the
+    dropped weights and the received chunks leave free pages inside the allocator's heaps, which
+    it would otherwise keep resident."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 class Replica:
     """The weights and versions of one node; the only writer of its state."""
 
@@ -69,6 +83,8 @@ class Replica:
         self._stop = stop
         self._spawn = spawn
         self.state: ModelState | None = None
+        """The decoded weights; always None where the node does not hold them (``store.hold_weights``)."""
+        self.holds_weights = config.holds_weights
         self.version: int | None = None
         self.fingerprint: str | None = None
         self.loaded = asyncio.Event()
@@ -144,7 +160,7 @@ class Replica:
             self.warm.set()
 
         self._spawn(warm_up(), "warm-up")
-        loaded = await asyncio.to_thread(self.store.load_state)
+        loaded = await asyncio.to_thread(self.store.load_state) if self.holds_weights else None
         if loaded is not None:
             self.state, self.version = loaded
             self.fingerprint = self.state.fingerprint
@@ -158,7 +174,7 @@ class Replica:
                 plan = []
             for info in plan:
                 art = self.store.artifacts[info.id]
-                chunks = await asyncio.to_thread(self.store.chunks, info.id)
+                chunks = await asyncio.to_thread(self.store.chunks, info.id) if self.holds_weights else None
                 await self.commit(art.manifest, chunks)
         self.metrics.set("p2psync_version", -1 if self.version is None else self.version)
         self.loaded.set()
@@ -174,6 +190,10 @@ class Replica:
         First waits for the previous version's housekeeping: it reads the weights this changes."""
         await self.settle()
         order = order or self.decode_order()
+        if not self.holds_weights:
+            self._follow(manifest)
+            self._committed(manifest, manifest.target_fingerprint)
+            return
 
         def work() -> tuple[ModelState, str]:
             if changes is not None:
@@ -193,7 +213,24 @@ class Replica:
             return ap.state, fp
 
         state, fp = await asyncio.get_running_loop().run_in_executor(self.pool(order.nice, order.threads), work)
-        self.state, self.version, self.fingerprint = state, manifest.target_version, fp
+        if self.holds_weights:  # not dropped meanwhile (release_weights)
+            self.state = state
+        self._committed(manifest, fp)
+
+    def _follow(self, manifest: Manifest) -> None:
+        """Without weights: take ``manifest``'s version if it continues the signed chain.
+
+        Its chunks were checked against the signed manifest as they arrived; the decode and the
+        fingerprint check happen in the engine, which applies the same artifacts (all or
+        nothing). What is checked here is the chain: a delta's signed base must be the version
+        held, as a node with weights checks it against its own."""
+        from p2psync.errors import WrongBase
+
+        if manifest.kind == "delta" and manifest.base_fingerprint != self.fingerprint:
+            raise WrongBase(str(manifest.base_fingerprint), str(self.fingerprint), manifest.base_version)
+
+    def _committed(self, manifest: Manifest, fp: str) -> None:
+        self.version, self.fingerprint = manifest.target_version, fp
         self.metrics.inc("p2psync_versions_applied_total")
         self.metrics.set("p2psync_version", manifest.target_version)
         self._applied.append(manifest)
@@ -204,6 +241,24 @@ class Replica:
         self.heads.bump()  # the catalogue names the applied version: event streams announce it now
         self.log.info("applied %s (%d bytes) -> version %d fingerprint %s", manifest.artifact_id,
                       manifest.payload_bytes, manifest.target_version, fp)
+
+    def release_weights(self) -> bool:
+        """Drop the decoded copy of the weights, unless ``store.hold_weights`` keeps it (True), the
+        node is the trainer, or it rebuilds snapshots; from now on artifacts are stored, relayed
+        and followed (:meth:`_follow`), not decoded. Returns whether the node holds none now."""
+        if self.config.store.hold_weights or self.config.role == "trainer" or self.config.materialise:
+            return not self.holds_weights
+        with self.state_lock:
+            self.holds_weights = False
+            self.state = None
+        with self._decoded_lock:
+            self._decoded.clear()
+        with self._checkpoint_lock:
+            self.store.drop_state()
+            self.checkpointed = None
+        _give_back_memory()
+        self.log.info("weights dropped: the engine holds them; this node keeps the signed artifacts")
+        return True
 
     def checkpoint(self) -> None:
         # One writer at a time: a stop cancels the task awaiting an interval checkpoint, not its

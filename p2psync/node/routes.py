@@ -80,6 +80,7 @@ class NodeRoutes:
             "node": self.config.id, "role": self.config.role, "region": self.config.region,
             "address": self.address, "loaded": self.replica.loaded.is_set(),
             "version": self.replica.version, "fingerprint": self.replica.fingerprint,
+            "holds_weights": self.replica.state is not None,
             "head": up.head if up else self.store.head,
             "versions": [a.to_json() for a in self.catalogue().artifacts],
             "parent": parents.current(asyncio.get_running_loop().time()) if parents else None,

@@ -30,9 +30,9 @@ _freeze_lock = threading.Lock()
 
 def _warm_and_freeze() -> None:
     global _frozen
-    from p2psync.codec.decode import warm_up
+    from p2psync.codec import precompile
 
-    warm_up()
+    precompile.warm()
     with _freeze_lock:
         if not _frozen:
             # Once per process: objects alive now (imports, caches) are never garbage.

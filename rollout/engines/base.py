@@ -191,8 +191,9 @@ class RolloutEngine(ABC):
         return self.state.audit(threads)
 
     @abstractmethod
-    def load(self, source: ModelState, version: int, expected_fingerprint: str | None = None) -> str:
+    def load(self, source: ModelState | None, version: int, expected_fingerprint: str | None = None) -> str:
         """Copy every weight from ``source`` (same tensor table), audit, and adopt ``version``.
+        ``None``: an engine that pulls artifacts itself reaches ``version`` from its parent.
 
         Raises :class:`~p2psync.errors.FingerprintMismatch` (and keeps the old version number) if
         the copy does not hash to ``expected_fingerprint`` (e.g. ``source`` changed during the copy).

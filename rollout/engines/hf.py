@@ -113,7 +113,9 @@ class HFEngine(RolloutEngine):
                 raise RuntimeError(f"{s.name}: the state would copy the weight instead of viewing it")
         return state
 
-    def load(self, source: ModelState, version: int, expected_fingerprint: str | None = None) -> str:
+    def load(self, source: ModelState | None, version: int, expected_fingerprint: str | None = None) -> str:
+        if source is None:
+            raise P2PSyncError("engine 'hf' copies weights from a state; none given")
         if self._state is None or self._state.specs != source.specs:
             self._state = self.bind(source.specs)
         state = self._state

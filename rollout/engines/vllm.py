@@ -280,9 +280,15 @@ class VLLMEngine(RolloutEngine):
             raise RuntimeError("the engine holds no weights yet (call load() first)")
         return fp
 
-    def load(self, source: ModelState, version: int, expected_fingerprint: str | None = None) -> str:
-        """Reach ``version`` from the parent (``source`` is the node's copy: only its fingerprint is used)."""
-        want = expected_fingerprint if expected_fingerprint is not None else source.fingerprint
+    def load(self, source: ModelState | None, version: int, expected_fingerprint: str | None = None) -> str:
+        """Reach ``version`` from the parent (``source`` is the node's copy, if it holds one: only its
+        fingerprint is used)."""
+        if expected_fingerprint is not None:
+            want = expected_fingerprint
+        elif source is not None:
+            want = source.fingerprint
+        else:
+            raise P2PSyncError("engine 'vllm': load needs the expected fingerprint or the node's state")
         fp = self.reach(version)
         if fp != want:
             raise FingerprintMismatch(want, fp)

@@ -65,7 +65,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from p2psync.errors import P2PSyncError, PeerUnreachable, SignatureError, TruncatedError, WrongBase, WrongSize
-from rollout.engines import vllm_requests
+from rollout.engines import vllm_requests, vllm_warm
+from rollout.engines.vllm_cpus import update_cpus
 from rollout.engines.vllm_requests import TransferInfoError, load_public_key
 from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, together, vllm_group
 from rollout.engines.vllm_weights import LiveWeights
@@ -86,8 +87,9 @@ class P2PSyncInitInfo(WeightTransferInitInfo):
     version: int | None = None
     """Version of the weights the model holds now (None: unknown, the first update loads a snapshot)."""
     node_id: str = "vllm"
-    threads: int = 2
-    """Decode and hash threads."""
+    threads: int = 0
+    """Decode, write and hash threads; 0: one per CPU the update may use, the worker's own cores and
+    those vLLM's thread binding leaves free (:mod:`rollout.engines.vllm_cpus`)."""
     timeout: float = 30.0
     """Seconds a parent may stall before the fetch fails."""
     refusal: P2PSyncError | None = field(default=None, repr=False)
@@ -245,6 +247,12 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             # A pipeline stage holds some layers only; the fingerprint covers the whole model.
             raise P2PSyncError(f"the p2psync backend needs pipeline_parallel_size=1 (got {pp})")
         self.group: RankGroup = vllm_group() if tp > 1 else Solo()
+        # The codec's kernels and the apply path load now, beside the engine's start, not in the
+        # first update (rollout.engines.vllm_warm).
+        vllm_warm.start(model)
+        self.cpus = update_cpus(vllm_config)
+        """CPUs the update's threads run on."""
+        logger.info("p2psync: updates run on CPUs %s", sorted(self.cpus))
 
     # --- vLLM's contract ---------------------------------------------------------------------
     def parse_init_info(self, init_dict: Any) -> P2PSyncInitInfo:
@@ -374,7 +382,10 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         specs = list(manifest.tensors)
         if self.live is not None and self.live.specs == specs:
             return self.live
-        return LiveWeights(self.model, specs, threads or (self.info.threads if self.info else 2), group=self.group)
+        live = LiveWeights(self.model, specs, threads or (self.info.threads if self.info else 0) or len(self.cpus),
+                           group=self.group)
+        live.cpus = self.cpus
+        return live
 
     def bind(self, manifest: Any, threads: int | None = None) -> LiveWeights:
         self.live = self.bound(manifest, threads)

@@ -107,6 +107,8 @@ class LiveWeights:
         self.specs = list(specs)
         self.table_hash = table_hash(self.specs)
         self.threads = max(1, threads)
+        self.cpus: set[int] | None = None
+        """CPUs the helper threads run on (None: the caller's; see :mod:`rollout.engines.vllm_cpus`)."""
         params = dict(model.named_parameters())
         self.pieces: list[Piece] = []
         self.flat: list[torch.Tensor] = []
@@ -178,7 +180,7 @@ class LiveWeights:
             return s
 
         order = sorted(range(len(self.specs)), key=lambda i: -self.flat[i].numel())
-        out, _, err = run_ordered(len(self.specs), order, one, self.threads)
+        out, _, err = run_ordered(len(self.specs), order, one, self.threads, self.cpus)
         if err is not None:
             raise err
         return self._group_sums([o if o is not None else (0, 0) for o in out])
@@ -243,7 +245,7 @@ class LiveWeights:
         order = sorted(range(len(heads)), key=lambda k: -len(heads[k].raw))
         if self.group.size == 1:
             out, _, err = run_ordered(len(heads), order, lambda k: self._decode_segment(heads[k]),
-                                      min(self.threads, max(1, len(heads))))
+                                      min(self.threads, max(1, len(heads))), self.cpus)
         else:
             out, err = self._decode_ranks(heads, order)
         if err is not None:
@@ -346,7 +348,7 @@ class LiveWeights:
         failed: BaseException | None = None
         try:
             _, _, failed = run_ordered(len(items), order, lambda j: write(j, items[j], undo, lanes),
-                                       min(self.threads, max(1, len(items))))
+                                       min(self.threads, max(1, len(items))), self.cpus)
         except BaseException as exc:
             failed = exc
         if not self.group.all_true(failed is None):

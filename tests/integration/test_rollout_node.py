@@ -1,5 +1,6 @@
 """A real ``p2psync node --role rollout --job rollout.worker:run`` process following a real trainer node:
-the engine inside the rollout process holds the trainer's bits at every version, and SIGTERM ends it cleanly."""
+the engine inside the rollout process holds the trainer's bits at every version (the node itself keeps no
+second copy of the weights once the engine has them), and SIGTERM ends it cleanly."""
 
 from __future__ import annotations
 
@@ -60,7 +61,11 @@ def test_rollout_engine_in_a_node_process_tracks_every_version(cluster, tmp_path
         return sw if sw and sw[-1]["version"] == 4 else None
 
     switches = wait_for(engine_at_4, 120, "engine serving version 4")
-    assert rollout.status()["fingerprint"] == fps[4]
+    status = rollout.status()
+    assert status["fingerprint"] == fps[4]
+    # The engine holds the weights: the node keeps the signed artifacts, not a second copy.
+    assert status["holds_weights"] is False
+    assert "weights dropped" in rollout.log.read_text()
     for s in switches:
         assert s["ok"] and s["fingerprint"] == s["expected"] == fps[s["version"]]
     assert [s["version"] for s in switches] == sorted(s["version"] for s in switches)

@@ -430,3 +430,36 @@ def test_copy_of_the_node_weights_is_one_version_while_the_node_applies_the_next
         finally:
             await node.close()
     asyncio.run(go())
+
+
+def test_behind_a_rollout_node_the_engine_keeps_the_only_copy_and_rebuilds_from_the_store(tmp_path, versions,
+                                                                                         engine_factory):
+    """The worker's node drops its weights once the engine holds them; the engine then follows from the
+    node's store, and where it cannot replay it rebuilds from the newest snapshot the store keeps."""
+    async def go():
+        tr = await _node(tmp_path, versions)
+        kd = tmp_path / "keys"
+        cfg = NodeConfig(id="r", role="rollout", data_dir=str(tmp_path / "r"), cluster_token="unit-test-token-42",
+                         trainer_public_key=str(kd / "trainer.pub"), parents=[tr.address])
+        node = await Node.create(cfg)
+        try:
+            eng = engine_factory()
+            w = await RolloutWorker.create(node, _opts(tmp_path), eng)
+            assert node.state is None  # dropped: the engine holds the weights
+            for m, chunks in versions.deltas[:2]:
+                await tr.publish(m, chunks)
+            await asyncio.wait_for(node.wait_version(2), 30)
+            await w.reach(2)
+            assert node.state is None and bits_equal(versions.states[2], eng.model.state_dict()) == []
+            await tr.publish(*versions.deltas[2])
+            await asyncio.wait_for(node.wait_version(3), 30)
+            await w._load_from_node()  # the fallback: snapshot 0 from the store, then deltas 1-3
+            await w._audit_done()
+            assert eng.version == 3 and bits_equal(versions.states[3], eng.model.state_dict()) == []
+            sw = [e for e in _events(tmp_path) if e["event"] == "switch"]
+            assert all(e["ok"] for e in sw) and sw[-1]["version"] == 3
+        finally:
+            w.close()
+            await node.close()
+            await tr.close()
+    asyncio.run(go())
