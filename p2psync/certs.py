@@ -173,3 +173,26 @@ def identity_from_peercert(peercert: dict | None) -> Identity | None:
     if not cn:
         return None
     return Identity(cn, unit, int(peercert.get("serialNumber", "0"), 16), unit == CLIENT_UNIT)
+
+
+class Authority:
+    """A cluster CA in a folder, made on first use: for harnesses that start a whole cluster on
+    one machine (the demo, the WAN testbed, benchmarks, tests). Operators use ``p2psync keygen``
+    and ``p2psync cert issue`` instead, and keep the CA's key away from the nodes."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        if not (self.directory / CA_CERT).exists():
+            create_ca(self.directory)
+
+    def node(self, node_id: str, region: str, out_dir: Path) -> Path:
+        """Issue ``node_id``'s certificate into ``out_dir`` (a node's default: ``<data_dir>/tls``)."""
+        issue(self.directory, node_id, region, Path(out_dir))
+        return Path(out_dir)
+
+    def client(self, name: str = "operator") -> Path:
+        """A client-only certificate folder (issued once, kept under the CA's folder)."""
+        out = self.directory / "clients" / name
+        if not (out / NODE_CERT).exists():
+            issue(self.directory, name, CLIENT_UNIT, out, client_only=True)
+        return out

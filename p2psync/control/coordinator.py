@@ -54,7 +54,7 @@ from p2psync.control.bodies import (
 )
 from p2psync.control.lease_core import CoordinatorCore, Waiter
 from p2psync.errors import LeaseExpired, ProgressGap, UnknownWork
-from p2psync.transport.tls import claim_refused
+from p2psync.transport.peers import claim_refused
 
 logger = logging.getLogger(__name__)
 

@@ -47,8 +47,8 @@ from p2psync.gossip.messages import Delta, Message, dumps, loads
 from p2psync.gossip.signing import signer, verifier
 from p2psync.transport.client import cancel_quietly
 from p2psync.transport.messages import API
+from p2psync.transport.peers import claim_refused
 from p2psync.transport.revocation import RevocationFile
-from p2psync.transport.tls import claim_refused
 
 if TYPE_CHECKING:
     from p2psync.control.live_plan import LivePlanner

@@ -11,6 +11,11 @@ read from its first stdout line. Nodes log JSON lines (``--log-json``) to
 (rollouts: their region's relay, then the trainer; relays: the trainer); when
 the control plane is live the coordinator's plan takes over. The trainer runs
 the training job (``--job``), every rollout node the rollout worker.
+
+Every link is mutually authenticated TLS, as in production: the cluster CA is made
+under ``keys/`` beside the trainer key, each node's certificate (its id and region)
+is issued into ``nodes/<name>/tls`` before it starts, and the demo's own requests
+present the client certificate ``keys/clients/operator``.
 """
 
 from __future__ import annotations
@@ -80,8 +85,13 @@ class LocalCluster:
         self.root = root
         self.spec = spec
         self.root.mkdir(parents=True, exist_ok=True)
+        from p2psync.certs import Authority
+        from p2psync.transport.tls import Tls
+
         self.keydir = root / "keys"
         keys.write_pair(keys.generate(), self.keydir)
+        self.authority = Authority(self.keydir)
+        self.tls = Tls.for_client(self.authority.client())
         self.token = secrets.token_hex(16)
         (root / "cluster.token").write_text(self.token)
         os.chmod(root / "cluster.token", 0o600)
@@ -118,6 +128,7 @@ class LocalCluster:
               job: str | None = None, job_config: dict[str, Any] | None = None,
               env: dict[str, str] | None = None, timeout: float = 120.0) -> Proc:
         args = self._args(name, role, region, list(parents), list(seeds))
+        self.authority.node(name, region, self.root / "nodes" / name / "tls")
         if job:
             cfg_path = self.root / "jobs" / f"{name}.json"
             cfg_path.parent.mkdir(parents=True, exist_ok=True)
@@ -195,7 +206,7 @@ class LocalCluster:
     # ------------------------------------------------------------------ HTTP
     def get_json(self, url: str, timeout: float = 2.0) -> dict:
         req = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.token}"})
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with self.tls.urlopen(req, timeout) as resp:
             return json.loads(resp.read())
 
     def status(self, proc: Proc, timeout: float = 2.0) -> dict | None:

@@ -38,7 +38,8 @@ from p2psync.errors import IntegrityError
 from p2psync.transport.messages import API, NODE_HEADER, valid_artifact_id
 from p2psync.transport.metrics import Metrics
 from p2psync.transport.push import serve_stream
-from p2psync.transport.tls import PEER_KEY, Tls, claim_refused
+from p2psync.transport.peers import PEER_KEY, claim_refused
+from p2psync.transport.tls import Tls
 from p2psync.transport.view import HeadSignal, NodeView
 
 CONTROL_PREFIX = f"{API}/control/"
@@ -84,7 +85,8 @@ class Server:
         if isinstance(peer, str):
             self.view.metrics.inc("p2psync_requests_total", code="403")
             return _error(403, peer)
-        request[PEER_KEY] = peer
+        if peer is not None:
+            request[PEER_KEY] = peer
         auth = request.headers.get("Authorization", "")
         presented = auth[7:].encode() if auth.startswith("Bearer ") else b""
         if not presented and (request.path == "/ui" or request.path.startswith("/ui/")):

@@ -178,28 +178,6 @@ def connector(tls: Tls | None, **kwargs: Any) -> aiohttp.TCPConnector:
     return aiohttp.TCPConnector(**kwargs)
 
 
-PEER_KEY = "p2psync.peer"
-"""Where the server's guard leaves the authenticated peer's :class:`Identity` on each request."""
-
-
-def peer_of(request: web.BaseRequest) -> Identity | None:
-    """The authenticated peer of a request the guard admitted (None on plain HTTP)."""
-    return request.get(PEER_KEY)
-
-
-def claim_refused(request: web.BaseRequest, claimed: str, what: str) -> str | None:
-    """Why the peer may not act as node ``claimed`` (its certificate names another node, or it holds a
-    client-only certificate); None when it may (or on plain HTTP, where nothing names the peer)."""
-    peer = peer_of(request)
-    if peer is None:
-        return None
-    if peer.client_only:
-        return f"{what}: a client certificate ({peer.id!r}) cannot act as a node"
-    if peer.id != claimed:
-        return f"{what} claims node {claimed!r} but the client's certificate names {peer.id!r}"
-    return None
-
-
 _CONNECTOR: type | None = None
 
 
