@@ -98,10 +98,12 @@ class RolloutWorker(EngineSync):
             engine = await asyncio.to_thread(build_engine, opts.engine_config())
         self = cls(node, opts, engine)
         if engine.pulls_artifacts:
-            # The engine (vLLM's p2psync backend) pulls the same verified artifacts from this node's server.
+            # The engine (vLLM's p2psync backend) pulls the same verified artifacts from this node's server,
+            # presenting the node's own certificate (mutual TLS).
             cfg = node.config
+            tls_dir = node.tls.directory
             engine.attach(ParentInfo(node.address, cfg.token(), str(Path(cfg.trainer_public_key).resolve()),
-                                     f"{cfg.id}-engine"))
+                                     f"{cfg.id}/engine", str(tls_dir.resolve()) if tls_dir else ""))
         keep = getattr(node, "keep_decoded", None)
         if keep is not None:
             keep(_KEEP_DECODED)

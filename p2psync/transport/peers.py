@@ -17,14 +17,18 @@ def peer_of(request: web.BaseRequest) -> Identity | None:
     return request.get(PEER_KEY)
 
 
-def claim_refused(request: web.BaseRequest, claimed: str, what: str) -> str | None:
+def claim_refused(request: web.BaseRequest, claimed: str, what: str, parts: bool = False) -> str | None:
     """Why the peer may not act as node ``claimed`` (its certificate names another node, or it holds a
-    client-only certificate); None when it may (or on plain HTTP, where nothing names the peer)."""
+    client-only certificate); None when it may (or on plain HTTP, where nothing names the peer).
+    ``parts``: ``<id>/<part>`` (a node's own engine, presenting the node's certificate) counts as ``<id>``
+    (node ids hold no slash)."""
     peer = peer_of(request)
     if peer is None:
         return None
     if peer.client_only:
         return f"{what}: a client certificate ({peer.id!r}) cannot act as a node"
+    if parts:
+        claimed = claimed.split("/", 1)[0]
     if peer.id != claimed:
         return f"{what} claims node {claimed!r} but the client's certificate names {peer.id!r}"
     return None

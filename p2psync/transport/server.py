@@ -105,7 +105,7 @@ class Server:
             resp.force_close()
             return resp
         child = request.headers.get(NODE_HEADER)
-        refused = claim_refused(request, child, NODE_HEADER) if child else None
+        refused = claim_refused(request, child, NODE_HEADER, parts=True) if child else None
         if refused:
             self.view.metrics.inc("p2psync_requests_total", code="403")
             return _error(403, refused)

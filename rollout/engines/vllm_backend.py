@@ -7,8 +7,9 @@ process with the loaded model. Turned on with ``weight_transfer_config=
 '{"backend": "p2psync"}'`` (``vllm serve``), then:
 
 - ``init_weight_transfer_engine({"init_info": {"url": ..., "token": ...,
-  "public_key": ..., "version": ...}})``: the p2psync parent to pull from (any
-  node's HTTP address, its cluster token), the trainer's Ed25519 public key (PEM
+  "public_key": ..., "version": ..., "tls_dir": ...}})``: the p2psync parent to pull
+  from (any node's address, its cluster token, and the certificate folder to present
+  to it over mutual TLS: the node's own), the trainer's Ed25519 public key (PEM
   text or a file path), and optionally the version of the weights vLLM loaded
   (e.g. from the trainer's checkpoint), checked at once: every live word is
   hashed and must give that version's signed fingerprint. Without it the first
@@ -71,6 +72,8 @@ class P2PSyncInitInfo(WeightTransferInitInfo):
     """Decode and hash threads."""
     timeout: float = 30.0
     """Seconds a parent may stall before the fetch fails."""
+    tls_dir: str = ""
+    """Certificate folder presented to an ``https://`` parent (the node's own ``tls.dir``; mutual TLS)."""
 
 
 @dataclass
@@ -89,14 +92,20 @@ def load_public_key(text: str) -> Any:
     return serialization.load_pem_public_key(text.encode())
 
 
+def _tls(tls_dir: str) -> Any:
+    from p2psync.transport.tls import Tls
+
+    return Tls.for_client(tls_dir) if tls_dir else None
+
+
 async def fetch_artifact(url: str, token: str, node_id: str, aid: str, public_key: Any, timeout: float,
-                         parallel: int = 4) -> tuple[Any, list[memoryview]]:
+                         parallel: int = 4, tls_dir: str = "") -> tuple[Any, list[memoryview]]:
     """The manifest (signature checked) and every chunk (hash checked) of artifact ``aid`` at ``url``."""
     from p2psync.artifact import verify_chunk
     from p2psync.transport.client import ChunkBuffer, PeerClient
 
     client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0,
-                                     parallel_streams=parallel)
+                                     parallel_streams=parallel, tls=_tls(tls_dir))
     async with client:
         manifest = await client.call_manifest(url, aid)
         manifest.verify(public_key)
@@ -132,11 +141,12 @@ def short_answer(exc: WrongSize, what: str) -> TruncatedError | None:
 
 
 async def fetch_version_manifest(url: str, token: str, node_id: str, version: int, public_key: Any,
-                                 timeout: float) -> Any:
+                                 timeout: float, tls_dir: str = "") -> Any:
     """The signed manifest of an artifact reaching ``version`` (a delta, else a snapshot), signature checked."""
     from p2psync.transport.client import NotHeld, PeerClient
 
-    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1)
+    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
+                                     tls=_tls(tls_dir))
     async with client:
         try:
             m = await client.call_version_manifest(url, version, "delta")
@@ -146,13 +156,14 @@ async def fetch_version_manifest(url: str, token: str, node_id: str, version: in
     return m
 
 
-async def fetch_plan(url: str, token: str, node_id: str, current: int | None, target: int, timeout: float
-                     ) -> list[Any]:
+async def fetch_plan(url: str, token: str, node_id: str, current: int | None, target: int, timeout: float,
+                     tls_dir: str = "") -> list[Any]:
     """The artifacts to apply, in order, to go from ``current`` to ``target`` with what ``url`` holds."""
     from p2psync.store import plan_catchup
     from p2psync.transport.client import PeerClient
 
-    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1)
+    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
+                                     tls=_tls(tls_dir))
     async with client:
         cat = await client.call_head(url)
     return plan_catchup(current, target, [a for a in cat.artifacts if a.complete])
@@ -202,7 +213,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             try:
                 manifest = self._together(lambda: _run(fetch_version_manifest(
                     init_info.url, init_info.token, init_info.node_id, init_info.version, public_key,
-                    init_info.timeout)))
+                    init_info.timeout, init_info.tls_dir)))
                 live = self.bind(manifest, init_info.threads)
                 if live.audit() != manifest.target_fingerprint:
                     raise WrongBase(manifest.target_fingerprint, live.fingerprint, init_info.version)
@@ -250,12 +261,13 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             raise P2PSyncError("init_weight_transfer_engine was not called (no p2psync parent)")
         # Tensor-parallel ranks apply rank 0's plan together; each fetches and checks it itself.
         plan = self._together(lambda: [a.id for a in _run(fetch_plan(info.url, info.token, info.node_id,
-                                                                     self.version, target, info.timeout))],
+                                                                     self.version, target, info.timeout,
+                                                                     info.tls_dir))],
                               share=True)
         for aid in plan:
             t = time.perf_counter()
             manifest, chunks = self._together(lambda: _run(fetch_artifact(
-                info.url, info.token, info.node_id, aid, self.public_key, info.timeout)))
+                info.url, info.token, info.node_id, aid, self.public_key, info.timeout, tls_dir=info.tls_dir)))
             fetched = time.perf_counter() - t
             self.apply(manifest, chunks)
             self.timing = {"fetch_s": round(fetched, 4), **(self.live.timing if self.live else {}),

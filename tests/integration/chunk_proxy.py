@@ -7,7 +7,8 @@ body it serves cut short according to :attr:`ChunkProxy.mode`:
 - ``"cut"``: the full size is announced (``Content-Length``), half the body is
   sent, then the connection is closed (the answer never completes);
 - ``"chunked"``: half the body in a well-formed chunked answer (it completes);
-- ``"short"``: half the body with a ``Content-Length`` that says so (it completes).
+- ``"short"``: half the body with a ``Content-Length`` that says so (it completes);
+- ``"pass"``: nothing is cut (a plain forwarding proxy).
 
 With ``tls`` (a :class:`~p2psync.transport.tls.Tls` of a node certificate) it serves and
 calls the node over mutual TLS like any cluster member (a misbehaving node); it does
@@ -26,7 +27,7 @@ from aiohttp import ClientSession, web
 
 from p2psync.transport.tls import Tls, connector
 
-MODES = ("cut", "chunked", "short")
+MODES = ("cut", "chunked", "short", "pass")
 _CHUNK0 = re.compile(r"/artifacts/[^/]+/chunks/0$")
 
 
@@ -39,15 +40,18 @@ class ChunkProxy:
         self.url = ""
         self.cut = 0
         """How many chunk answers were cut short so far."""
+        self.requests = 0
+        """Requests that reached the proxy's handler (past its TLS handshake)."""
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.requests += 1
         drop = ("host", "content-length", "x-p2psync-node")
         headers = {k: v for k, v in request.headers.items() if k.lower() not in drop}
         async with ClientSession(auto_decompress=False, connector=connector(self.tls)) as s, \
                 s.get(self.upstream + request.path_qs, headers=headers) as up:
             body = await up.read()
             status, ctype = up.status, up.headers.get("Content-Type", "application/octet-stream")
-        if status != 200 or not _CHUNK0.search(request.path):
+        if status != 200 or not _CHUNK0.search(request.path) or self.mode == "pass":
             return web.Response(status=status, body=body, content_type=ctype.split(";")[0])
         self.cut += 1
         half = body[: len(body) // 2]
