@@ -20,7 +20,7 @@ What rides on it, per node:
   (:meth:`p2psync.node.Node.set_planned_parent`), the configured parents follow;
 - revocation: the trainer re-reads ``tls.revoked`` every round; when it changes it
   enforces the list, writes the signed entry ``revoked`` and pushes it at once to
-  every live member (one message each, not left to epidemic spread), so each node
+  every member that has not left (one message each, not left to epidemic spread), so each node
   cuts the revoked ids off (:meth:`p2psync.transport.tls.Tls.revoke`) within one
   gossip round; revoked nodes leave the plan. A message whose sender is not the
   node its TLS certificate names is refused (403).
@@ -272,8 +272,9 @@ class GossipService:
         entry = g.publish("revoked", {"ids": sorted(ids)}, now)
         me = self.host.config.id
         msg = Delta(me, coord=(entry,))
+        # Every member that has not left, also one suspected or declared dead (it may only be slow).
         self.send([(e.address, msg) for e in g.members.entries.values()
-                   if e.live and e.id != me and e.id not in ids])
+                   if e.status != "left" and e.id != me and e.id not in ids])
 
     def _follow_revoked(self) -> None:
         """Every node: enforce the coordinator's latest ``revoked`` entry."""

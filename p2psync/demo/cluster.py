@@ -69,6 +69,8 @@ class ClusterSpec:
     """Chunk size of trainer-signed snapshots (the publisher picks its delta chunk size)."""
     extra_args: list[str] = field(default_factory=list)
     """Extra ``--section.field=value`` overrides for every node."""
+    host: str = "127.0.0.1"
+    """Loopback address every node listens on."""
     log_json: bool = True
     """Nodes log JSON lines with their own timestamps (:mod:`p2psync.demo.timeline` reads them)."""
 
@@ -101,7 +103,7 @@ class LocalCluster:
     def _args(self, name: str, role: str, region: str, parents: list[str], seeds: list[str]) -> list[str]:
         data_dir = self.root / "nodes" / name
         args = ["--log-json"] if self.spec.log_json else []
-        args += ["node", "--role", role, "--id", name, f"--region={region}", "--listen.host=127.0.0.1",
+        args += ["node", "--role", role, "--id", name, f"--region={region}", f"--listen.host={self.spec.host}",
                 "--listen.port=0", f"--data_dir={data_dir}",
                 f"--cluster_token_file={self.root / 'cluster.token'}",
                 f"--trainer_public_key={self.keydir / 'trainer.pub'}",

@@ -84,7 +84,9 @@ class Server:
         peer = self.tls.admit(request) if self.tls is not None else None
         if isinstance(peer, str):
             self.view.metrics.inc("p2psync_requests_total", code="403")
-            return _error(403, peer)
+            resp = _error(403, peer)
+            resp.force_close()
+            return resp
         if peer is not None:
             request[PEER_KEY] = peer
         auth = request.headers.get("Authorization", "")

@@ -147,9 +147,7 @@ class Tls:
         if ident is None:
             return "no client certificate"  # cannot happen with CERT_REQUIRED; refuse if it does
         if ident.id in self.revoked:
-            if request.transport is not None:
-                request.transport.abort()
-            return f"node {ident.id!r} is revoked"
+            return f"node {ident.id!r} is revoked"  # answered 403, then the connection is closed
         conns = self._open.setdefault(ident.id, set())
         if len(conns) > 64:
             conns.difference_update([t for t in conns if t.is_closing()])

@@ -196,7 +196,7 @@ def test_a_revoked_node_is_cut_off_by_every_node(cluster: Cluster, tmp_path):
     bad = cluster.start("bad", "rollout", [relay.url, tr.url], extra=join)
     good = cluster.start("good", "rollout", [relay.url, tr.url], extra=join)
     for p in (relay, bad, good):
-        wait_for(lambda p=p: at_version(p, 0), 60, f"{p.name} at version 0")
+        wait_for(lambda p=p: at_version(p, 0), 120, f"{p.name} at version 0")
     as_bad = Tls.for_client(bad.data_dir / "tls").client_context
     assert _answer(relay.url + "/v1/head", as_bad, {"X-P2PSync-Node": "bad"}) == 200
 
@@ -204,13 +204,13 @@ def test_a_revoked_node_is_cut_off_by_every_node(cluster: Cluster, tmp_path):
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     # The trainer reads the list at its next gossip round and pushes it to every member at once.
-    wait_for(lambda: _answer(relay.url + "/v1/head", as_bad, {"X-P2PSync-Node": "bad"}) == 403, 30,
+    wait_for(lambda: _answer(relay.url + "/v1/head", as_bad, {"X-P2PSync-Node": "bad"}) == 403, 60,
              "the relay refusing the revoked node")
     assert _answer(tr.url + "/v1/head", as_bad, {"X-P2PSync-Node": "bad"}) == 403
     assert _answer(good.url + "/v1/head", as_bad) == 403
     # A new version reaches every node but the revoked one, whose open streams were cut.
     w.step(cluster.publish_dir)
     for p in (relay, good):
-        wait_for(lambda p=p: at_version(p, 1), 60, f"{p.name} at version 1")
+        wait_for(lambda p=p: at_version(p, 1), 120, f"{p.name} at version 1")
     assert bad.status()["version"] == 0
     assert "revoked" in bad.log.read_text() or "403" in bad.log.read_text()
