@@ -64,6 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1",
                    help="loopback address the nodes listen on (default 127.0.0.1; any 127.x.y.z, e.g. to capture "
                         "only the demo's traffic)")
+    p.add_argument("--capture", metavar="DIR",
+                   help="record every byte between the nodes (a relay in front of each node) into DIR/<node>.bin")
     p.add_argument("--out", default="p2psync-demo", help="working directory (default ./p2psync-demo)")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
     p.add_argument("--plain", action="store_true", help="one line per step instead of the live dashboard")

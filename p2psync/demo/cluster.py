@@ -71,6 +71,8 @@ class ClusterSpec:
     """Extra ``--section.field=value`` overrides for every node."""
     host: str = "127.0.0.1"
     """Loopback address every node listens on."""
+    capture: str = ""
+    """Folder: put a recording relay in front of every node (:mod:`p2psync.demo.capture`)."""
     log_json: bool = True
     """Nodes log JSON lines with their own timestamps (:mod:`p2psync.demo.timeline` reads them)."""
 
@@ -98,6 +100,11 @@ class LocalCluster:
         (root / "cluster.token").write_text(self.token)
         os.chmod(root / "cluster.token", 0o600)
         self.procs: list[Proc] = []
+        self.recorder = None
+        if spec.capture:
+            from p2psync.demo.capture import Recorder
+
+            self.recorder = Recorder(Path(spec.capture))
 
     # ------------------------------------------------------------------ processes
     def _args(self, name: str, role: str, region: str, parents: list[str], seeds: list[str]) -> list[str]:
@@ -131,6 +138,12 @@ class LocalCluster:
               env: dict[str, str] | None = None, timeout: float = 120.0) -> Proc:
         args = self._args(name, role, region, list(parents), list(seeds))
         self.authority.node(name, region, self.root / "nodes" / name / "tls")
+        if self.recorder is not None:
+            from p2psync.demo.capture import free_port
+
+            port = free_port(self.spec.host)
+            front = self.recorder.front(name, self.spec.host, port)
+            args += [f"--listen.port={port}", f"--listen.advertise=https://{self.spec.host}:{front}"]
         if job:
             cfg_path = self.root / "jobs" / f"{name}.json"
             cfg_path.parent.mkdir(parents=True, exist_ok=True)
@@ -185,6 +198,9 @@ class LocalCluster:
         for p in self.procs:
             if p.popen.stdout:
                 p.popen.stdout.close()
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None
         return codes
 
     def wait_planned(self, names: list[str], timeout: float = 30.0) -> bool:

@@ -78,26 +78,30 @@ def order(parents: Mapping[str, Sequence[str]], root: str) -> list[str]:
 
 
 def start(tb: Testbed, parents: Mapping[str, Sequence[str]], workdir: Path, keydir: Path, token: str,
-          publish_dir: Path, extra: Sequence[str] = (), log_level: str = "WARNING") -> NodeSet:
-    """One node per machine of ``parents`` (child -> candidate parents, best first) plus the trainer."""
+          publish_dir: Path, extra: Sequence[str] = (), log_level: str = "WARNING", tls: bool = True) -> NodeSet:
+    """One node per machine of ``parents`` (child -> candidate parents, best first) plus the trainer.
+    ``tls=False``: plain HTTP (``tls.enabled = false``), to measure what TLS costs."""
     from p2psync.certs import Authority
 
     ca = Authority(keydir)
-    ns = NodeSet(tb, token, ca.client())
+    ns = NodeSet(tb, token, ca.client() if tls else None)
     root = tb.trainer.id
+    scheme = "https" if tls else "http"
     try:
         for name in order(parents, root):
             m = tb.machines[name]
-            url = f"https://{m.ip}:{PORT}"
-            ca.node(name, m.region, workdir / name / "tls")
+            url = f"{scheme}://{m.ip}:{PORT}"
+            if tls:
+                ca.node(name, m.region, workdir / name / "tls")
             args = [*CLI, "--log-level", log_level, "node", "--role", "trainer" if name == root else "rollout",
                     "--id", name, f"--region={m.region}", f"--listen.host={m.ip}", f"--listen.port={PORT}",
                     f"--data_dir={workdir / name}", f"--cluster_token={token}",
-                    f"--trainer_public_key={keydir / 'trainer.pub'}", *extra]
+                    f"--trainer_public_key={keydir / 'trainer.pub'}", f"--tls.enabled={'true' if tls else 'false'}",
+                    *extra]
             if name == root:
                 args += [f"--trainer_private_key={keydir / 'trainer.key'}", f"--publish-dir={publish_dir}"]
             else:
-                cands = [f"https://{tb.machines[p].ip}:{PORT}" for p in parents[name]]
+                cands = [f"{scheme}://{tb.machines[p].ip}:{PORT}" for p in parents[name]]
                 args.append("--parents=" + ",".join(cands))
             with open(workdir / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
                 p = tb.spawn(name, args, stdout=subprocess.PIPE, stderr=log, text=True)
