@@ -13,7 +13,7 @@ import logging
 import sys
 
 # Subcommand modules under p2psync.cli, in help order.
-COMMANDS = ["cert", "demo", "delta", "keygen", "node", "plan", "testbed", "viz"]
+COMMANDS = ["cert", "demo", "delta", "keygen", "node", "plan", "testbed", "ui", "viz"]
 
 
 def build_parser() -> argparse.ArgumentParser:
