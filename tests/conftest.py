@@ -26,11 +26,15 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 @pytest.fixture(autouse=True)
-def _node_certificates(monkeypatch):
+def _node_certificates(monkeypatch, request):
     """A node built in the test's own process (``Node.create``) gets a certificate of the tests' CA
     (:mod:`tlsutil`) in its ``tls.dir`` when it has none, so every in-process node serves and calls
-    over mutual TLS as in production. Nodes started as processes get theirs from :mod:`nodeproc`."""
+    over mutual TLS as in production. Nodes started as processes get theirs from :mod:`nodeproc`.
+    A test module that checks what a node without a certificate does sets ``OWN_CERTIFICATES = True``."""
     from pathlib import Path
+
+    if getattr(request.module, "OWN_CERTIFICATES", False):
+        return
 
     import tlsutil
     from p2psync.transport.tls import Tls

@@ -60,7 +60,7 @@ class Tls:
         if directory is None:
             return
         ca, cert, key = directory / certs.CA_CERT, directory / certs.NODE_CERT, directory / certs.NODE_KEY
-        for path in (ca, cert, key):
+        for path in (cert, key, ca):
             if not path.is_file():
                 raise ConfigError("tls.dir", f"{path} is missing: issue this node's certificate with "
                                              "`p2psync cert issue --id ID --region REGION --ca CA_DIR -o DIR` "
@@ -122,7 +122,8 @@ class Tls:
         """An aiohttp connector that presents this side's certificate and checks the server's."""
         import aiohttp
 
-        return _connector_class()(self, ssl=self.client_context or False, **kwargs)
+        # Without a certificate of our own (plain HTTP), an https URL still gets the default checks.
+        return _connector_class()(self, ssl=self.client_context or True, **kwargs)
 
     def urlopen(self, request: Any, timeout: float) -> Any:
         """``urllib.request.urlopen`` with this side's certificate (for stdlib-only callers)."""
