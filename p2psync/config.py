@@ -15,6 +15,9 @@ Layout of the TOML file (every key optional except where a role needs it)::
     port = 7070                    # 0: pick a free port (printed on stdout)
     advertise = "http://10.0.0.3:7070"
 
+    [tls]                          # mutually authenticated TLS on every link (on by default)
+    dir = "tls"                    # ca.crt, node.crt, node.key from `p2psync cert issue`; default <data_dir>/tls
+
     [limits]
     parallel_streams = 4
     stall_timeout = 10.0
@@ -59,6 +62,22 @@ class ListenConfig:
     """TCP port; 0 lets the OS choose (the node prints the bound address on stdout)."""
     advertise: str = ""
     """URL other nodes use to reach this one; empty: ``http://host:bound_port``."""
+
+
+@dataclass
+class TlsSettings:
+    """Mutually authenticated TLS (:mod:`p2psync.transport.tls`, :mod:`p2psync.certs`)."""
+
+    enabled: bool = True
+    """Serve and call over TLS, presenting this node's certificate and requiring the peer's (both
+    issued by the cluster CA). False: plain HTTP, logged as a warning at start; only on a trusted host."""
+    dir: str = ""
+    """Folder with ``ca.crt``, ``node.crt`` and ``node.key`` (``p2psync cert issue -o DIR``); the
+    certificate must name this node's id and region. Empty: ``<data_dir>/tls``."""
+    revoked: str = ""
+    """Trainer: a file of revoked node ids, one a line (``p2psync cert revoke`` appends to it),
+    re-read every gossip round; the coordinator gossips the list and every node refuses and cuts
+    off the revoked ids. Empty: none."""
 
 
 @dataclass
@@ -293,6 +312,7 @@ class NodeConfig:
     """Announce artifacts while still fetching them and serve each chunk once verified (off: only
     complete artifacts are announced; for benchmarks)."""
     listen: ListenConfig = field(default_factory=ListenConfig)
+    tls: TlsSettings = field(default_factory=TlsSettings)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     store: StoreConfig = field(default_factory=StoreConfig)
     testing: TestingConfig = field(default_factory=TestingConfig)
@@ -318,6 +338,12 @@ class NodeConfig:
         except OSError as exc:
             raise ConfigError("cluster_token_file", f"cannot read {self.cluster_token_file}: {exc.strerror}") from None
 
+    def _check_url(self, name: str, url: str) -> None:
+        scheme = "https://" if self.tls.enabled else "http://"
+        if not url.startswith(scheme):
+            why = "TLS is on (tls.enabled)" if self.tls.enabled else "TLS is off (tls.enabled = false)"
+            raise ConfigError(name, f"{url!r} must be an {scheme} URL: {why}")
+
     def validate(self) -> NodeConfig:
         """Raise :class:`ConfigError` for the first invalid field; return self."""
         if not self.id or any(c.isspace() or c in "/\\" for c in self.id):
@@ -341,12 +367,13 @@ class NodeConfig:
         if self.role != "trainer" and not self.parents:
             raise ConfigError("parents", f"a {self.role} needs at least one candidate parent")
         for p in self.parents:
-            if not p.startswith(("http://", "https://")):
-                raise ConfigError("parents", f"{p!r} is not an http(s) URL")
+            self._check_url("parents", p)
         if not 0 <= self.listen.port <= 65535:
             raise ConfigError("listen.port", f"must be 0..65535, got {self.listen.port}")
-        if self.listen.advertise and not self.listen.advertise.startswith(("http://", "https://")):
-            raise ConfigError("listen.advertise", "must be an http(s) URL")
+        if self.listen.advertise:
+            self._check_url("listen.advertise", self.listen.advertise)
+        if not isinstance(self.tls.enabled, bool):
+            raise ConfigError("tls.enabled", f"must be true or false, got {self.tls.enabled!r}")
         lim = self.limits
         for name in ("max_header_bytes", "max_body_bytes", "parallel_streams"):
             if getattr(lim, name) < 1:
@@ -383,8 +410,7 @@ class NodeConfig:
             raise ConfigError("store.cache_bytes", f"must be between 0 and 1 TiB, got {st.cache_bytes}")
         g = self.gossip
         for url in g.seeds:
-            if not url.startswith(("http://", "https://")):
-                raise ConfigError("gossip.seeds", f"{url!r} is not an http(s) URL")
+            self._check_url("gossip.seeds", url)
         if g.node_class not in ("reserved", "on-demand", "preemptible"):
             raise ConfigError("gossip.node_class", f"must be reserved, on-demand or preemptible, got {g.node_class!r}")
         if any(c.isspace() or c in "/\\" for c in g.coordinator):
@@ -406,8 +432,8 @@ class NodeConfig:
                               "must be >= 0")
         if not 64 << 10 <= c.max_body_bytes <= 1 << 30:
             raise ConfigError("control.max_body_bytes", f"must be 64 KiB..1 GiB, got {c.max_body_bytes}")
-        if c.coordinator_url and not c.coordinator_url.startswith(("http://", "https://")):
-            raise ConfigError("control.coordinator_url", "must be an http(s) URL")
+        if c.coordinator_url:
+            self._check_url("control.coordinator_url", c.coordinator_url)
         self.probe.validate()
         return self
 
@@ -426,6 +452,11 @@ def load(path: str | Path | None = None, overrides: list[str] | dict[str, Any] |
         for key in ("data_dir", "trainer_public_key", "trainer_private_key", "cluster_token_file"):
             if isinstance(data.get(key), str) and data[key] and not Path(data[key]).is_absolute():
                 data[key] = str(base / data[key])
+        tls = data.get("tls")
+        if isinstance(tls, dict):
+            for key in ("dir", "revoked"):
+                if isinstance(tls.get(key), str) and tls[key] and not Path(tls[key]).is_absolute():
+                    tls[key] = str(base / tls[key])
         probe = data.get("probe")
         if isinstance(probe, dict) and isinstance(probe.get("measurements"), str) and probe["measurements"] \
                 and not Path(probe["measurements"]).is_absolute():

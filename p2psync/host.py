@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
     from p2psync.config import NodeConfig
     from p2psync.transport.metrics import Metrics
+    from p2psync.transport.tls import Tls
 
 
 class Host(Protocol):
@@ -29,6 +30,11 @@ class Host(Protocol):
 
     @property
     def metrics(self) -> Metrics: ...
+
+    @property
+    def tls(self) -> Tls:
+        """The node's certificates and contexts: every client a service opens uses :meth:`Tls.connector`."""
+        ...
 
     @property
     def address(self) -> str:

@@ -44,6 +44,7 @@ from aiohttp import web
 
 from p2psync.config import ProbeSettings
 from p2psync.errors import CodecError, PeerUnreachable
+from p2psync.transport.tls import Tls, connector
 
 if TYPE_CHECKING:
     from p2psync.host import Host
@@ -190,10 +191,12 @@ class ProbeClient:
         self.settings = settings
 
     @classmethod
-    async def create(cls, token: str, connections: int = 64, settings: ProbeSettings = _DEFAULTS) -> ProbeClient:
+    async def create(cls, token: str, connections: int = 64, settings: ProbeSettings = _DEFAULTS,
+                     tls: Tls | None = None) -> ProbeClient:
+        """``tls``: present that certificate and accept only servers of the cluster CA (None: plain HTTP)."""
         # No NODE_HEADER: a prober must not show up in the target's list of children.
-        connector = aiohttp.TCPConnector(limit=connections, limit_per_host=2, enable_cleanup_closed=True)
-        session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}, connector=connector,
+        conn = connector(tls, limit=connections, limit_per_host=2, enable_cleanup_closed=True)
+        session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}, connector=conn,
                                         auto_decompress=False)
         return cls(session, settings)
 
@@ -313,7 +316,7 @@ class ProbeService:
     async def start(self) -> None:
         self._pool = os.urandom(POOL_BYTES)
         self._client = await ProbeClient.create(self.host.config.token(), connections=2 * self.settings.max_targets,
-                                                settings=self.settings)
+                                                settings=self.settings, tls=self.host.tls)
 
     async def stop(self) -> None:
         if self._client is not None:

@@ -107,10 +107,13 @@ class RolloutWorker(EngineSync):
             if engine.pulls_artifacts:
                 # The engine (vLLM's p2psync backend) pulls the same verified artifacts from this node's
                 # server; attached once the node holds one, since the attach checks the key against it
-                # (in a thread: the check asks this node's server, which runs on this event loop).
+                # (in a thread: the check asks this node's server, which runs on this event loop). It
+                # presents the node's own certificate (mutual TLS).
                 cfg = node.config
+                tls_dir = node.tls.directory
                 await asyncio.to_thread(engine.attach, ParentInfo(
-                    node.address, cfg.token(), str(Path(cfg.trainer_public_key).resolve()), f"{cfg.id}-engine"))
+                    node.address, cfg.token(), str(Path(cfg.trainer_public_key).resolve()), f"{cfg.id}/engine",
+                    str(tls_dir.resolve()) if tls_dir else ""))
             await self._load_from_node()
             release = getattr(node, "release_weights", None)
             if release is not None:

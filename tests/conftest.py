@@ -23,3 +23,28 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_exit_status)
+
+
+@pytest.fixture(autouse=True)
+def _node_certificates(monkeypatch, request):
+    """A node built in the test's own process (``Node.create``) gets a certificate of the tests' CA
+    (:mod:`tlsutil`) in its ``tls.dir`` when it has none, so every in-process node serves and calls
+    over mutual TLS as in production. Nodes started as processes get theirs from :mod:`nodeproc`.
+    A test module that checks what a node without a certificate does sets ``OWN_CERTIFICATES = True``."""
+    from pathlib import Path
+
+    if getattr(request.module, "OWN_CERTIFICATES", False):
+        return
+
+    import tlsutil
+    from p2psync.transport.tls import Tls
+
+    original = Tls.for_node.__func__
+
+    def for_node(cls, cfg):
+        folder = Path(cfg.tls.dir or Path(cfg.data_dir) / "tls")
+        if cfg.tls.enabled and not (folder / "node.crt").exists():
+            tlsutil.authority().node(cfg.id, cfg.region, folder)
+        return original(cls, cfg)
+
+    monkeypatch.setattr(Tls, "for_node", classmethod(for_node))

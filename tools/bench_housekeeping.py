@@ -76,6 +76,11 @@ async def run(args: argparse.Namespace) -> list[dict]:
     del states
     store = {"snapshot_interval": args.interval, "checkpoint_interval": args.interval}
     common = {"cluster_token": TOKEN, "trainer_public_key": str(tmp / "keys" / "trainer.pub"), "store": store}
+    from p2psync.certs import Authority
+
+    ca = Authority(tmp / "keys")  # mutual TLS, as in production: each node's certificate in <data_dir>/tls
+    for name, sub in (("trainer", "t"), ("relay", "r"), ("rollout", "l")):
+        ca.node(name, "default", tmp / sub / "tls")
     tr = await Node.create(config.load(overrides={
         **common, "id": "trainer", "role": "trainer", "data_dir": str(tmp / "t"),
         "trainer_private_key": str(tmp / "keys" / "trainer.key")}))

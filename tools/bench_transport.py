@@ -21,8 +21,9 @@ SIGTERM -> exit time of idle nodes (``--idle-shutdown``). Topologies:
 - ``chain``: trainer -> relay -> rollout (depth 2)
 - ``tree``:  trainer -> 2 relays -> 2 rollouts each (6 nodes below the trainer)
 
-each with cut-through on and off. Every configuration runs ``--repeat`` times;
-the table shows medians, the JSON lines every run.
+each with cut-through on and off, and with mutual TLS on (the default of every
+node) and off (``--tls on,off``: plain HTTP, to measure what TLS costs). Every
+configuration runs ``--repeat`` times; the table shows medians, the JSON lines every run.
 
 On uncapped loopback every node's CPU is the bottleneck (and all nodes share
 the host's cores). ``--link-mbit M`` (root) runs each node on its own emulated
@@ -59,17 +60,30 @@ TOPOLOGIES = {"hop": {"r0": None}, "chain": {"relay": None, "r0": "relay"},
               "tree": {"relay-a": None, "relay-b": None, "ra0": "relay-a", "ra1": "relay-a",
                        "rb0": "relay-b", "rb1": "relay-b"}}
 _TICK = os.sysconf("SC_CLK_TCK")
+CA_DIR: Path | None = None
+"""The cluster CA the nodes' certificates come from (beside the trainer key; made in :func:`main`)."""
+
+
+def _context(url: str):
+    """The client TLS context for an https node (a client certificate of the CA), else None."""
+    if not url.startswith("https://"):
+        return None
+    from p2psync.certs import Authority
+    from p2psync.transport.tls import Tls
+
+    ca = Path(os.environ.get("P2PSYNC_BENCH_CA", str(CA_DIR)))
+    return Tls.for_client(Authority(ca).client()).client_context
 
 
 def status(url: str) -> dict:
     req = urllib.request.Request(url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"})
-    with urllib.request.urlopen(req, timeout=10) as r:
+    with urllib.request.urlopen(req, timeout=10, context=_context(url)) as r:
         return json.loads(r.read())
 
 
 def metrics(url: str) -> str:
     req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
-    with urllib.request.urlopen(req, timeout=10) as r:
+    with urllib.request.urlopen(req, timeout=10, context=_context(url)) as r:
         return r.read().decode()
 
 
@@ -96,7 +110,9 @@ class Watch:
 
     def __init__(self, url: str) -> None:
         host, port = url.split("//", 1)[1].rsplit(":", 1)
-        self.conn = http.client.HTTPConnection(host, int(port), timeout=600)
+        ctx = _context(url)
+        self.conn = http.client.HTTPSConnection(host, int(port), timeout=600, context=ctx) if ctx is not None \
+            else http.client.HTTPConnection(host, int(port), timeout=600)
         self.seen: dict[int, float] = {}
         """version -> when the node first announced it as applied"""
         self.heads: dict[int, float] = {}
@@ -144,8 +160,13 @@ class Watch:
 
 
 def start(root: Path, keydir: Path, name: str, role: str, parent: str | None, cut_through: bool,
-          streams: int, publish: Path | None = None) -> tuple[subprocess.Popen, str]:
+          streams: int, publish: Path | None = None, tls: bool = True) -> tuple[subprocess.Popen, str]:
+    if tls:
+        from p2psync.certs import Authority
+
+        Authority(keydir).node(name, "default", root / name / "tls")
     args = ["node", "--role", role, "--id", name, "--listen.port=0", f"--data_dir={root / name}",
+            f"--tls.enabled={'true' if tls else 'false'}",
             f"--cluster_token={TOKEN}", f"--trainer_public_key={keydir / 'trainer.pub'}",
             f"--cut_through={'true' if cut_through else 'false'}", f"--limits.parallel_streams={streams}",
             "--store.snapshot_interval=0", "--store.checkpoint_interval=0", "--limits.sse_keepalive=1"]
@@ -218,19 +239,20 @@ def unspy(spies: list[subprocess.Popen]) -> None:
 
 
 def run_one(topology: str, cut_through: bool, artifact: Path, warm: Path, keydir: Path, streams: int,
-            timeout: float, sigterm: bool = True, profile: Path | None = None, tag: str = "") -> dict:
+            timeout: float, sigterm: bool = True, profile: Path | None = None, tag: str = "",
+            tls: bool = True) -> dict:
     root = Path(tempfile.mkdtemp(prefix=f"bench-{topology}-"))
     publish = root / "publish"
     publish.mkdir()
     procs: dict[str, subprocess.Popen] = {}
     watches: dict[str, Watch] = {}
     try:
-        procs["trainer"], turl = start(root, keydir, "trainer", "trainer", None, cut_through, streams, publish)
+        procs["trainer"], turl = start(root, keydir, "trainer", "trainer", None, cut_through, streams, publish, tls)
         urls = {"trainer": turl}
         for name, parent in TOPOLOGIES[topology].items():
             role = "relay" if name.startswith("relay") else "rollout"
             procs[name], urls[name] = start(root, keydir, name, role, urls[parent or "trainer"], cut_through,
-                                            streams)
+                                            streams, tls=tls)
         for u in urls.values():  # loaded, and the codec warm (as in a node that has run for a while)
             wait_ready(u, timeout)
         watches = {name: Watch(u) for name, u in urls.items()}
@@ -291,7 +313,7 @@ def link_testbed(mbit: float, machines: int):
 
 
 def run_one_linked(tb, topology: str, cut_through: bool, artifact: Path, warm: Path, keydir: Path,
-                   streams: int, timeout: float) -> dict:
+                   streams: int, timeout: float, tls: bool = True) -> dict:
     """:func:`run_one` with each node on its own capped machine of ``tb`` (see :func:`link_testbed`).
     Times come from the testbed's observer (the nodes' event streams, read from the core namespace):
     trainer's announcement -> each node's version applied."""
@@ -307,12 +329,13 @@ def run_one_linked(tb, topology: str, cut_through: bool, artifact: Path, warm: P
                      extra=[f"--cut_through={'true' if cut_through else 'false'}",
                             f"--limits.parallel_streams={streams}", "--store.snapshot_interval=0",
                             "--store.checkpoint_interval=0", "--store.checkpoint_on_exit=false",
-                            "--limits.sse_keepalive=1"])
+                            "--limits.sse_keepalive=1"], tls=tls)
     try:
         ready = tb.run("core", [sys.executable, "-c",
                                 "import sys; sys.path.insert(0, 'tools'); import bench_transport as b; "
                                 "[b.wait_ready(u, float(sys.argv[1])) for u in sys.argv[2:]]",
-                                str(timeout), *ns.urls.values()], capture_output=True, text=True)
+                                str(timeout), *ns.urls.values()], capture_output=True, text=True,
+                       env={**os.environ, "P2PSYNC_BENCH_CA": str(keydir)})
         if ready.returncode != 0:
             raise RuntimeError(f"nodes not ready: {ready.stderr[-2000:]}")
         ns.watch(0, timeout, then=lambda: os.link(warm, publish / warm.name))
@@ -371,13 +394,14 @@ def idle_shutdown(warm: Path, keydir: Path, timeout: float) -> dict[str, float]:
 def summarise(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["mb"], r["topology"], r["cut_through"]), []).append(r)
+        groups.setdefault((r["mb"], r["topology"], r["cut_through"], r.get("tls", True)), []).append(r)
     out = []
-    for (mb, topo, ct), rs in groups.items():
+    for (mb, topo, ct, tls), rs in groups.items():
         last = statistics.median(r["publish_to_last_s"] for r in rs)
         payload = rs[0]["payload"]
         followers = [c for r in rs for n, c in r["cpu_s"].items() if n != "trainer"]
-        out.append({"mb": mb, "topology": topo, "cut_through": ct, "nodes": rs[0]["nodes"], "runs": len(rs),
+        out.append({"mb": mb, "topology": topo, "cut_through": ct, "tls": tls, "nodes": rs[0]["nodes"], "runs": len(rs),
+                    "cpu_node_per_gb": statistics.median(followers) / (payload / 1e9),
                     "last_s": last, "min_s": min(r["publish_to_last_s"] for r in rs),
                     "max_s": max(r["publish_to_last_s"] for r in rs),
                     "mb_per_s": payload / 1e6 / last,
@@ -399,6 +423,7 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--topologies", default="hop,chain,tree")
     ap.add_argument("--cut-through", default="on,off", help="on, off or on,off")
+    ap.add_argument("--tls", default="on", help="mutual TLS on every link: on, off (plain HTTP) or on,off")
     ap.add_argument("--repeat", type=int, default=3, help="runs per configuration (the table shows medians)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for one version")
     ap.add_argument("--json", help="append every run as a JSON line to this file")
@@ -411,7 +436,9 @@ def main() -> int:
     ap.add_argument("--profile", type=Path, help="sample every node with py-spy during the measured window; "
                                                 "collapsed stacks to DIR/<MB>-<topology>-<on|off>-<run>-<node>.txt")
     args = ap.parse_args()
+    global CA_DIR
     work = Path(tempfile.mkdtemp(prefix="bench-keys-"))
+    CA_DIR = work
     tb = None
     try:
         priv = keys.generate()
@@ -432,33 +459,35 @@ def main() -> int:
             art = work / "000001-snapshot.p2sa"
             payload = make_artifact(art, priv, mb * 10**6, args.chunk_size, 1)
             for topo in args.topologies.split(","):
-                for ct in (c == "on" for c in args.cut_through.split(",")):
-                    for k in range(args.repeat):
-                        if tb is not None:
-                            r = run_one_linked(tb, topo, ct, art, warm, work, args.streams, args.timeout)
-                        else:
-                            r = run_one(topo, ct, art, warm, work, args.streams, args.timeout,
-                                        sigterm=mb <= args.sigterm_max_mb, profile=args.profile,
-                                        tag=f"{mb}-{topo}-{'on' if ct else 'off'}-{k}")
-                        r.update(mb=mb, payload=payload, chunk_size=args.chunk_size, streams=args.streams,
-                                 link_mbit=args.link_mbit)
-                        rows.append(r)
-                        print(json.dumps(r), flush=True)
-                        if args.json:
-                            with open(args.json, "a") as f:
-                                f.write(json.dumps(r) + "\n")
+                for ct, tls, k in ((c == "on", t == "on", k) for c in args.cut_through.split(",")
+                                   for k in range(args.repeat) for t in args.tls.split(",")):
+                    # TLS on and off alternate inside each repeat, so that load drifts hit both alike.
+                    if tb is not None:
+                        r = run_one_linked(tb, topo, ct, art, warm, work, args.streams, args.timeout, tls)
+                    else:
+                        r = run_one(topo, ct, art, warm, work, args.streams, args.timeout,
+                                    sigterm=mb <= args.sigterm_max_mb, profile=args.profile,
+                                    tag=f"{mb}-{topo}-{'on' if ct else 'off'}-{k}", tls=tls)
+                    r.update(mb=mb, payload=payload, chunk_size=args.chunk_size, streams=args.streams,
+                             link_mbit=args.link_mbit, tls=tls)
+                    rows.append(r)
+                    print(json.dumps(r), flush=True)
+                    if args.json:
+                        with open(args.json, "a") as f:
+                            f.write(json.dumps(r) + "\n")
             art.unlink()
     finally:
         if tb is not None:
             tb.down()
         shutil.rmtree(work, ignore_errors=True)
-    print("\n| MB | topology | nodes | cut-through | runs | publish -> last node, median (min-max) s "
-          "| MB/s per node | CPU s trainer | CPU s per node | slowest SIGTERM -> exit s |")
-    print("|---:|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| MB | topology | nodes | cut-through | TLS | runs | publish -> last node, median (min-max) s "
+          "| MB/s per node | CPU s trainer | CPU s per node | CPU s per GB per node | slowest SIGTERM -> exit s |")
+    print("|---:|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for s in summarise(rows):
-        print(f"| {s['mb']} | {s['topology']} | {s['nodes']} | {'on' if s['cut_through'] else 'off'} | {s['runs']} "
+        print(f"| {s['mb']} | {s['topology']} | {s['nodes']} | {'on' if s['cut_through'] else 'off'} "
+              f"| {'on' if s['tls'] else 'off'} | {s['runs']} "
               f"| {s['last_s']:.3f} ({s['min_s']:.3f}-{s['max_s']:.3f}) | {s['mb_per_s']:.0f} | {s['cpu_trainer']:.2f} "
-              f"| {s['cpu_node']:.2f} | {s['shutdown_max']:.2f} |")
+              f"| {s['cpu_node']:.2f} | {s['cpu_node_per_gb']:.1f} | {s['shutdown_max']:.2f} |")
     if idle:
         every = sorted(v for d in idle for v in d.values())
         print(f"\nidle SIGTERM -> exit ({len(every)} nodes): median {statistics.median(every):.3f} s, "

@@ -88,6 +88,11 @@ def _first_line(p: subprocess.Popen, timeout: float) -> str:
 
 
 def _node_args(name: str, m, port: int, d: Path, keydir: Path, extra: list[str]) -> list[str]:
+    from p2psync.certs import Authority
+
+    # Mutual TLS as in production: the cluster CA beside the trainer key, each node's certificate in
+    # its data dir (the default tls.dir).
+    Authority(keydir).node(name, m.region, d / "nodes" / name / "tls")
     return [*CLI, "--log-level", "WARNING", "node", "--role", m.role, "--id", name, f"--region={m.region}",
             f"--listen.host={m.ip}", f"--listen.port={port}", f"--data_dir={d / 'nodes' / name}",
             f"--cluster_token={TOKEN}", f"--trainer_public_key={keydir / 'trainer.pub'}",
@@ -101,7 +106,7 @@ def start_mode(tb, mode: str, args: argparse.Namespace, d: Path, keydir: Path, p
     """Spawn the trainer and every rollout node at once (each imports torch: start-up dominates small runs);
     ``procs`` gets every process as soon as it exists (the caller stops them, also on failure)."""
     t = tb.trainer
-    turl = f"http://{t.ip}:{port}"
+    turl = f"https://{t.ip}:{port}"
     jobs = d / "jobs"
     jobs.mkdir(parents=True)
     (d / "events").mkdir()
@@ -163,19 +168,27 @@ def _lines(path: Path) -> list[dict]:
 def node_status(tb, urls: dict[str, str]) -> dict[str, dict]:
     """Every node's /v1/status, read from the core namespace (the host cannot reach the testbed)."""
     r = tb.run("core", [PY, str(Path(__file__).resolve()), "_status", *(f"{n}={u}" for n, u in urls.items())],
-               capture_output=True, text=True, timeout=60)
+               capture_output=True, text=True, timeout=60, env={**os.environ, "P2PSYNC_BENCH_CA": _CA[0]})
     if r.returncode != 0:
         raise RuntimeError(f"status poll failed: {r.stderr[-2000:]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+_CA = [""]
+"""The cluster CA's folder (set in main; the status poller presents its client certificate)."""
+
+
 def _poll_status(pairs: list[str]) -> int:
+    from p2psync.certs import Authority
+    from p2psync.transport.tls import Tls
+
+    ctx = Tls.for_client(Authority(Path(os.environ["P2PSYNC_BENCH_CA"])).client()).client_context
     out = {}
     for pair in pairs:
         name, url = pair.split("=", 1)
         req = urllib.request.Request(url + "/v1/status", headers={"Authorization": f"Bearer {TOKEN}"})
         try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
+            with urllib.request.urlopen(req, timeout=10, context=ctx) as resp:
                 s = json.loads(resp.read())
             out[name] = {k: s.get(k) for k in ("version", "fingerprint", "bytes_in", "bytes_out", "parent", "region")}
         except OSError as exc:
@@ -371,6 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     work.mkdir(parents=True)
     keydir = work / "keys"
     keys.write_pair(keys.generate(), keydir)
+    _CA[0] = str(keydir)
     modes = [m for m in args.modes.split(",") if m]
     for m in modes:
         if m not in MODES:

@@ -30,6 +30,7 @@ from typing import Any
 from p2psync.config import ProbeSettings
 from p2psync.errors import ConfigError, PeerUnreachable
 from p2psync.probe import MeasureRequest, ProbeClient, TargetResult
+from p2psync.transport.tls import Tls
 from topology.model import Defaults, Measurement, NetworkModel, model_from_measurements
 from topology.probeplan import Member, Pair, choose_pairs, node_specs, schedule_rounds
 
@@ -159,15 +160,16 @@ async def measure_pair(client: ProbeClient, addresses: dict[str, str], pair: Pai
 
 async def probe(urls: Sequence[str], token: str, options: ProbeOptions | None = None, *,
                 defaults: Defaults | None = None,
-                on_round: Callable[[int, int, int, float], None] | None = None) -> ProbeRun:
-    """Run the whole probe (see the module doc). ``on_round(index, rounds, pairs, seconds)`` reports progress."""
+                on_round: Callable[[int, int, int, float], None] | None = None, tls: Tls | None = None) -> ProbeRun:
+    """Run the whole probe (see the module doc). ``on_round(index, rounds, pairs, seconds)`` reports progress;
+    ``tls``: the client certificate presented to the nodes (None: plain HTTP)."""
     options = options or ProbeOptions()
     defaults = defaults or Defaults()
     if options.bytes <= 0:
         raise ConfigError("bytes", "a probe run needs bytes > 0 to measure throughput")
     t0 = time.perf_counter()
     async with await ProbeClient.create(token, connections=max(8, 2 * options.parallel),
-                                        settings=options.client_settings()) as client:
+                                        settings=options.client_settings(), tls=tls) as client:
         members, addresses, unreachable = await discover(client, urls, options.status_timeout)
         region_of = {m.id: m.region for m in members}
         pairs = choose_pairs(members, intra_peers=options.intra_peers,

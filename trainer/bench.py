@@ -25,7 +25,10 @@ async def _node(root: Path):
     from p2psync import config, keys
     from p2psync.node import Node
 
+    from p2psync.certs import Authority
+
     keys.write_pair(keys.generate(), root / "keys")
+    Authority(root / "keys").node("trainer", "default", root / "t" / "tls")  # mutual TLS, as in production
     cfg = config.load(overrides={"id": "trainer", "role": "trainer", "data_dir": str(root / "t"),
                                  "cluster_token": "bench-token-0123",
                                  "trainer_public_key": str(root / "keys/trainer.pub"),

@@ -13,7 +13,7 @@ import logging
 import sys
 
 # Subcommand modules under p2psync.cli, in help order.
-COMMANDS = ["demo", "delta", "keygen", "node", "plan", "testbed", "viz", "warm"]
+COMMANDS = ["cert", "demo", "delta", "keygen", "node", "plan", "testbed", "ui", "viz", "warm"]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -61,6 +61,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-sync", action="store_true",
                    help="do not publish after step 0 (rollouts keep the initial weights: the no-sync baseline)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="loopback address the nodes listen on (default 127.0.0.1; any 127.x.y.z, e.g. to capture "
+                        "only the demo's traffic)")
+    p.add_argument("--capture", metavar="DIR",
+                   help="record every byte between the nodes (a relay in front of each node) into DIR/<node>.bin")
     p.add_argument("--out", default="p2psync-demo", help="working directory (default ./p2psync-demo)")
     p.add_argument("--timeout", type=float, default=900.0, help="give up after this many seconds (default 900)")
     p.add_argument("--plain", action="store_true", help="one line per step instead of the live dashboard")

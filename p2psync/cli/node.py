@@ -163,15 +163,19 @@ async def _main(cfg, publish_dir: str | None, job=None) -> int:
     import signal
 
     from p2psync.transport.listen import advertised, bind
+    from p2psync.transport.tls import Tls
 
+    # The certificates are checked before the address is printed: a node that cannot serve TLS
+    # says why instead of starting.
+    tls = Tls.for_node(cfg)
     # Listen and say where before the heavy imports (aiohttp, numba, torch): connections made
     # meanwhile wait in the accept backlog, so the address is usable from this line on.
     sock = bind(cfg.listen.host, cfg.listen.port)
-    print(advertised(sock, cfg.listen.host, cfg.listen.advertise), flush=True)
+    print(advertised(sock, cfg.listen.host, cfg.listen.advertise, cfg.tls.enabled), flush=True)
 
     from p2psync.node import Node
 
-    node = await Node.create(cfg, publish_dir=publish_dir, sock=sock)
+    node = await Node.create(cfg, publish_dir=publish_dir, sock=sock, tls=tls)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):

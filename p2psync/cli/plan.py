@@ -47,6 +47,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("probing (with --probe or --cluster)")
     g.add_argument("--token-file", metavar="FILE", help="file holding the cluster token (preferred over --token)")
     g.add_argument("--token", help="cluster token (visible in the process list; prefer --token-file)")
+    g.add_argument("--tls-dir", metavar="DIR",
+                   help="certificate folder to present to https:// nodes (`p2psync cert issue --client`)")
     g.add_argument("--save-measurements", metavar="FILE", default="measurements.json",
                    help="write the measured model here, reusable by --from (default measurements.json)")
     g.add_argument("--config", metavar="NODE.toml",
@@ -99,13 +101,19 @@ def _probe(args: argparse.Namespace):
     for u in urls:
         if not u.startswith(("http://", "https://")):
             raise ConfigError("probe", f"{u!r} is not an http(s) URL")
+    if any(u.startswith("https://") for u in urls) and not args.tls_dir:
+        raise ConfigError("tls-dir", "https:// nodes need a client certificate: --tls-dir DIR "
+                                     "(`p2psync cert issue --client --id operator --ca CA_DIR -o DIR`)")
+    from p2psync.transport.tls import Tls
+
+    tls = Tls.for_client(args.tls_dir)
     options = ProbeOptions.from_settings(settings, seed=args.seed)
 
     def progress(i: int, n: int, pairs: int, seconds: float) -> None:
         print(f"probe round {i + 1}/{n}: {pairs} pairs in {seconds:.2f} s", file=sys.stderr, flush=True)
 
     print(f"probing {len(urls)} nodes ...", file=sys.stderr, flush=True)
-    run_ = asyncio.run(probe(urls, _token(args), options, on_round=progress))
+    run_ = asyncio.run(probe(urls, _token(args), options, on_round=progress, tls=tls))
     for url, err in run_.unreachable:
         print(f"unreachable, left out: {url}: {err}", file=sys.stderr)
     for s, d, err in run_.failed:

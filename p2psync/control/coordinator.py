@@ -54,6 +54,7 @@ from p2psync.control.bodies import (
 )
 from p2psync.control.lease_core import CoordinatorCore, Waiter
 from p2psync.errors import LeaseExpired, ProgressGap, UnknownWork
+from p2psync.transport.peers import claim_refused
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +107,11 @@ class Coordinator(CoordinatorCore):
     async def _handle(self, request: web.Request, fn: Any) -> web.Response:
         try:
             body = await self._body(request)
+            # The node named in the body is the one the client's certificate names: results, leases
+            # and progress are attributed to the authenticated node, never to a claim.
+            refused = claim_refused(request, body["node"], "node")
+            if refused:
+                return self._error(403, refused)
             return web.json_response(await fn(body))
         except BadRequest as exc:
             return self._error(400, str(exc))

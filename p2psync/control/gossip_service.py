@@ -17,7 +17,13 @@ What rides on it, per node:
   quiet). Every coordinator entry is signed with the trainer key and every node
   refuses entries whose signature does not verify, so relays cannot forge them;
 - on every other node: the planned parent becomes its first candidate parent
-  (:meth:`p2psync.node.Node.set_planned_parent`), the configured parents follow.
+  (:meth:`p2psync.node.Node.set_planned_parent`), the configured parents follow;
+- revocation: the trainer re-reads ``tls.revoked`` every round; when it changes it
+  enforces the list, writes the signed entry ``revoked`` and pushes it at once to
+  every member that has not left (one message each, not left to epidemic spread), so each node
+  cuts the revoked ids off (:meth:`p2psync.transport.tls.Tls.revoke`) within one
+  gossip round; revoked nodes leave the plan. A message whose sender is not the
+  node its TLS certificate names is refused (403).
 
 Contracts: the timer task and the sender tasks are owned by the service and
 cancelled in :meth:`stop`; :meth:`stop` sends the leave tombstone first (best
@@ -29,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -36,10 +43,12 @@ from aiohttp import web
 
 from p2psync.errors import CodecError
 from p2psync.gossip import DetectorConfig, GossipConfig, GossipNode, MemberEntry
-from p2psync.gossip.messages import Message, dumps, loads
+from p2psync.gossip.messages import Delta, Message, dumps, loads
 from p2psync.gossip.signing import signer, verifier
 from p2psync.transport.client import cancel_quietly
 from p2psync.transport.messages import API
+from p2psync.transport.peers import claim_refused
+from p2psync.transport.revocation import RevocationFile
 
 if TYPE_CHECKING:
     from p2psync.control.live_plan import LivePlanner
@@ -74,6 +83,8 @@ class GossipService:
         self._bw = (0.0, 0.0)  # (time, bytes_in) at the last bandwidth sample
         self.bandwidth = 0.0
         self.dropped = 0
+        self._revocations: RevocationFile | None = None
+        self._revoked_seen = 0  # version of the last ``revoked`` entry enforced here
 
     # --- lifecycle -----------------------------------------------------------------------------
     def routes(self) -> list[web.RouteDef]:
@@ -109,7 +120,10 @@ class GossipService:
                    "Content-Type": "application/json"}
         self._session = aiohttp.ClientSession(
             headers=headers, timeout=aiohttp.ClientTimeout(total=s.send_timeout),
-            connector=aiohttp.TCPConnector(limit=128, limit_per_host=8))
+            connector=host.tls.connector(limit=128, limit_per_host=8))
+        if cfg.role == "trainer" and cfg.tls.revoked:
+            self._revocations = RevocationFile(Path(cfg.tls.revoked))
+            self._check_revocations(time.time())
         self._spawn(self._timer(), "gossip-timer")
         if self.planner is not None or cfg.role != "trainer":
             self._spawn(self._react(), "gossip-plan")
@@ -165,6 +179,9 @@ class GossipService:
             msg = loads(await request.read())
         except CodecError as exc:
             return web.json_response({"error": str(exc), "status": 400}, status=400)
+        refused = claim_refused(request, msg.sender, "gossip sender")
+        if refused:
+            return web.json_response({"error": refused, "status": 403}, status=403)
         g = self.gossip
         if g is None or g.stopped:
             return web.json_response({"error": "gossip is not running", "status": 503}, status=503)
@@ -179,6 +196,7 @@ class GossipService:
         while True:
             now = time.time()
             self._update_self(now)
+            self._check_revocations(now)
             self.send(g.tick(now))
             self._changed.set()
             await asyncio.sleep(max(0.01, min(g.next_wakeup() - time.time(), g.config.interval)))
@@ -211,6 +229,7 @@ class GossipService:
                 await asyncio.sleep(delay)  # let a burst of joins or failures settle into one plan
                 await self._replan()
             else:
+                self._follow_revoked()
                 self._follow_plan()
 
     def _publish_head(self) -> None:
@@ -226,8 +245,9 @@ class GossipService:
         g, planner = self.gossip, self.planner
         assert g is not None and planner is not None
         members = []
+        revoked = self.host.tls.revoked
         for e in g.members.entries.values():
-            if e.status != "alive":
+            if e.status != "alive" or e.id in revoked:
                 continue
             rep = g.report_of(e.id)
             members.append(PlanMember(e.id, e.role, e.region, rep.bandwidth if rep else 0.0))
@@ -237,6 +257,34 @@ class GossipService:
         g.publish("plan", {"epoch": new.epoch, "root": new.root, "parents": dict(new.parents)}, time.time())
         self.host.log.info("plan epoch %d: %d nodes, %s", new.epoch, len(new.nodes),
                            {c: p for c, p in sorted(new.parents.items())} if len(new.parents) <= 16 else "...")
+
+    def _check_revocations(self, now: float) -> None:
+        """Trainer: enforce and gossip the revocation file when it changed (pushed to every live member)."""
+        g, rf = self.gossip, self._revocations
+        if rf is None or g is None:
+            return
+        ids = rf.poll()
+        if ids is None:
+            return
+        self.host.tls.revoke(ids)
+        if g.coord.sign is None:
+            return
+        entry = g.publish("revoked", {"ids": sorted(ids)}, now)
+        me = self.host.config.id
+        msg = Delta(me, coord=(entry,))
+        # Every member that has not left, also one suspected or declared dead (it may only be slow).
+        self.send([(e.address, msg) for e in g.members.entries.values()
+                   if e.status != "left" and e.id != me and e.id not in ids])
+
+    def _follow_revoked(self) -> None:
+        """Every node: enforce the coordinator's latest ``revoked`` entry."""
+        g = self.gossip
+        assert g is not None
+        e = g.coord.get("revoked")
+        if e is None or e.version == self._revoked_seen:
+            return
+        self._revoked_seen = e.version
+        self.host.tls.revoke(set(e.value["ids"]))
 
     def _follow_plan(self) -> None:
         g = self.gossip

@@ -82,7 +82,8 @@ class WorkClient:
     async def start(self) -> None:
         cfg = self.host.config
         self._session = aiohttp.ClientSession(headers={"Authorization": f"Bearer {cfg.token()}",
-                                                       "Content-Type": "application/json"})
+                                                       "Content-Type": "application/json"},
+                                              connector=self.host.tls.connector())
         self._renewer = asyncio.create_task(self._renew_loop(), name=f"{cfg.id}:lease-renewal")
 
     async def stop(self) -> None:

@@ -11,6 +11,11 @@ read from its first stdout line. Nodes log JSON lines (``--log-json``) to
 (rollouts: their region's relay, then the trainer; relays: the trainer); when
 the control plane is live the coordinator's plan takes over. The trainer runs
 the training job (``--job``), every rollout node the rollout worker.
+
+Every link is mutually authenticated TLS, as in production: the cluster CA is made
+under ``keys/`` beside the trainer key, each node's certificate (its id and region)
+is issued into ``nodes/<name>/tls`` before it starts, and the demo's own requests
+present the client certificate ``keys/clients/operator``.
 """
 
 from __future__ import annotations
@@ -64,6 +69,10 @@ class ClusterSpec:
     """Chunk size of trainer-signed snapshots (the publisher picks its delta chunk size)."""
     extra_args: list[str] = field(default_factory=list)
     """Extra ``--section.field=value`` overrides for every node."""
+    host: str = "127.0.0.1"
+    """Loopback address every node listens on."""
+    capture: str = ""
+    """Folder: put a recording relay in front of every node (:mod:`p2psync.demo.capture`)."""
     log_json: bool = True
     """Nodes log JSON lines with their own timestamps (:mod:`p2psync.demo.timeline` reads them)."""
 
@@ -80,18 +89,28 @@ class LocalCluster:
         self.root = root
         self.spec = spec
         self.root.mkdir(parents=True, exist_ok=True)
+        from p2psync.certs import Authority
+        from p2psync.transport.tls import Tls
+
         self.keydir = root / "keys"
         keys.write_pair(keys.generate(), self.keydir)
+        self.authority = Authority(self.keydir)
+        self.tls = Tls.for_client(self.authority.client())
         self.token = secrets.token_hex(16)
         (root / "cluster.token").write_text(self.token)
         os.chmod(root / "cluster.token", 0o600)
         self.procs: list[Proc] = []
+        self.recorder = None
+        if spec.capture:
+            from p2psync.demo.capture import Recorder
+
+            self.recorder = Recorder(Path(spec.capture))
 
     # ------------------------------------------------------------------ processes
     def _args(self, name: str, role: str, region: str, parents: list[str], seeds: list[str]) -> list[str]:
         data_dir = self.root / "nodes" / name
         args = ["--log-json"] if self.spec.log_json else []
-        args += ["node", "--role", role, "--id", name, f"--region={region}", "--listen.host=127.0.0.1",
+        args += ["node", "--role", role, "--id", name, f"--region={region}", f"--listen.host={self.spec.host}",
                 "--listen.port=0", f"--data_dir={data_dir}",
                 f"--cluster_token_file={self.root / 'cluster.token'}",
                 f"--trainer_public_key={self.keydir / 'trainer.pub'}",
@@ -118,6 +137,13 @@ class LocalCluster:
               job: str | None = None, job_config: dict[str, Any] | None = None,
               env: dict[str, str] | None = None, timeout: float = 120.0) -> Proc:
         args = self._args(name, role, region, list(parents), list(seeds))
+        self.authority.node(name, region, self.root / "nodes" / name / "tls")
+        if self.recorder is not None:
+            from p2psync.demo.capture import free_port
+
+            port = free_port(self.spec.host)
+            front = self.recorder.front(name, self.spec.host, port)
+            args += [f"--listen.port={port}", f"--listen.advertise=https://{self.spec.host}:{front}"]
         if job:
             cfg_path = self.root / "jobs" / f"{name}.json"
             cfg_path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +198,9 @@ class LocalCluster:
         for p in self.procs:
             if p.popen.stdout:
                 p.popen.stdout.close()
+        if self.recorder is not None:
+            self.recorder.close()
+            self.recorder = None
         return codes
 
     def wait_planned(self, names: list[str], timeout: float = 30.0) -> bool:
@@ -195,7 +224,7 @@ class LocalCluster:
     # ------------------------------------------------------------------ HTTP
     def get_json(self, url: str, timeout: float = 2.0) -> dict:
         req = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.token}"})
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with self.tls.urlopen(req, timeout) as resp:
             return json.loads(resp.read())
 
     def status(self, proc: Proc, timeout: float = 2.0) -> dict | None:

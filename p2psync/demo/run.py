@@ -94,7 +94,8 @@ def start_cluster(args: argparse.Namespace, out: Path) -> tuple[LocalCluster, di
     """
     apply_profile(args)
     spec = ClusterSpec(regions=args.regions, rollouts_per_region=args.rollouts_per_region,
-                       relays_per_region=args.relays_per_region)
+                       relays_per_region=args.relays_per_region, host=getattr(args, "host", "127.0.0.1"),
+                       capture=str(Path(args.capture).resolve()) if getattr(args, "capture", None) else "")
     cluster = LocalCluster(out / "cluster", spec)
     (out / "events").mkdir(parents=True, exist_ok=True)
     env = {"OMP_NUM_THREADS": "1"}

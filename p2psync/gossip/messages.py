@@ -171,7 +171,7 @@ class MemberEntry:
         )
 
 
-COORD_NAMES = ("plan", "head")
+COORD_NAMES = ("plan", "head", "revoked")
 LEASES_PREFIX = "leases/"
 
 
@@ -188,6 +188,11 @@ def _check_coord_value(name: str, value: Any) -> None:
     elif name == "head":
         _want(isinstance(value, dict) and set(value) == {"version"}, "head value must be {version}")
         _int(value, "version")
+    elif name == "revoked":
+        _want(isinstance(value, dict) and set(value) == {"ids"}, "revoked value must be {ids}")
+        ids = value["ids"]
+        _want(isinstance(ids, list) and len(ids) <= MAX_ITEMS
+              and all(isinstance(i, str) and 0 < len(i) <= MAX_ID for i in ids), "revoked ids must be node ids")
     elif name.startswith(LEASES_PREFIX) and 0 < len(name) - len(LEASES_PREFIX) <= MAX_ID:
         _want(isinstance(value, list) and len(value) <= MAX_ITEMS, "leases value must be a list")
         for item in value:
@@ -200,7 +205,7 @@ def _check_coord_value(name: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class CoordEntry:
-    """A coordinator-owned entry: ``plan``, ``head`` or ``leases/<node id>``.
+    """A coordinator-owned entry: ``plan``, ``head``, ``revoked`` (node ids cut off) or ``leases/<node id>``.
 
     ``leases/<node>`` with an empty list is a tombstone: the node holds nothing, and
     every node drops the entry ``tombstone_ttl`` after it was written (its version

@@ -41,6 +41,7 @@ from p2psync.transport.board import Board
 from p2psync.transport.listen import advertised, bind
 from p2psync.transport.metrics import Metrics
 from p2psync.transport.server import serve
+from p2psync.transport.tls import Tls
 from p2psync.transport.view import HeadSignal
 
 if TYPE_CHECKING:
@@ -67,10 +68,14 @@ def _slow_start_after_idle() -> bool:
 class Node:
     """One peer. Build with ``await Node.create(config)`` (or ``async with``); stop with :meth:`close`."""
 
-    def __init__(self, config: NodeConfig) -> None:
-        """The parts that need no event-loop work; :meth:`create` builds the rest and starts them."""
+    def __init__(self, config: NodeConfig, tls: Tls | None = None) -> None:
+        """The parts that need no event-loop work; :meth:`create` builds the rest and starts them.
+
+        ``tls``: the node's TLS (default: :meth:`Tls.for_node` of ``config``)."""
         self.config = config
         self.log = NodeAdapter(logger, {"node": config.id, "region": config.region})
+        self.tls = tls if tls is not None else Tls.for_node(config)
+        """Certificates, contexts and revoked ids of every link this node serves or opens."""
         self.public_key = keys.load_public(config.trainer_public_key)
         self.private_key = keys.load_private(config.trainer_private_key) if config.trainer_private_key else None
         self.store = VersionStore.open(Path(config.data_dir), self.public_key, fsync=config.store.fsync,
@@ -100,12 +105,13 @@ class Node:
     # --- lifecycle ---------------------------------------------------------------------------
     @classmethod
     async def create(cls, config: NodeConfig, *, publish_dir: str | None = None,
-                     sock: socket.socket | None = None) -> Node:
+                     sock: socket.socket | None = None, tls: Tls | None = None) -> Node:
         """Serving on return; weights load in the background (:attr:`loaded` is set after).
 
         ``sock``: an already listening socket (from :func:`p2psync.transport.server.bind`).
+        ``tls``: the node's TLS, if already built (default: from ``config``).
         """
-        node = cls(config)
+        node = cls(config, tls)
         try:
             await node._start(publish_dir, sock or bind(config.listen.host, config.listen.port))
         except BaseException:
@@ -117,7 +123,7 @@ class Node:
         cfg = self.config
         if publish_dir is not None and cfg.role != "trainer":
             raise P2PSyncError("only the trainer node publishes (--publish-dir needs --role trainer)")
-        self.address = advertised(sock, cfg.listen.host, cfg.listen.advertise)
+        self.address = advertised(sock, cfg.listen.host, cfg.listen.advertise, cfg.tls.enabled)
         parts = build_services(self)
         self.services, self.gossip, self.coordinator, self.work = parts.started, parts.gossip, parts.coordinator, \
             parts.work
@@ -127,10 +133,10 @@ class Node:
         else:
             self.follower = await Follower.create(cfg, self.log, self.store, self.board, self.metrics, self.heads,
                                                   self.public_key, self.replica, self._tasks.stop,
-                                                  self._tasks.spawn)
+                                                  self._tasks.spawn, self.tls)
         self.routes = NodeRoutes(cfg, self.store, self.board, self.metrics, self.heads, self.replica, self.follower,
                                  self.address, self.extra_routes)
-        self._runner = await serve(self.routes, sock)
+        self._runner = await serve(self.routes, sock, self.tls)
         for svc in self.services:
             await svc.start()
         self._tasks.spawn(self.replica.load(), "load")

@@ -41,6 +41,7 @@ from p2psync.errors import ChunkHashMismatch, CodecError, P2PSyncError, PeerUnre
 from p2psync.node.priority import FORWARD_WAIT
 from p2psync.store import ArtifactInfo, VersionStore, plan_catchup
 from p2psync.transport.client import PeerClient, cancel_quietly
+from p2psync.transport.tls import Tls
 from p2psync.transport.fetch import Pipeline, Upstream, fetch_chunks
 from p2psync.transport.messages import Catalogue
 from p2psync.transport.parents import ParentSet
@@ -102,10 +103,11 @@ class Follower:
     @classmethod
     async def create(cls, config: NodeConfig, log: NodeAdapter, store: VersionStore, board: Board,
                      metrics: Metrics, heads: HeadSignal, public_key: Ed25519PublicKey, replica: Replica,
-                     stop: asyncio.Event, spawn: Spawn) -> Follower:
+                     stop: asyncio.Event, spawn: Spawn, tls: Tls | None = None) -> Follower:
         lim = config.limits
         client = await PeerClient.create(config.token(), config.id, stall_timeout=lim.stall_timeout,
-                                         sse_keepalive=lim.sse_keepalive, parallel_streams=lim.parallel_streams)
+                                         sse_keepalive=lim.sse_keepalive, parallel_streams=lim.parallel_streams,
+                                         tls=tls)
         return cls(config, log, store, board, metrics, heads, public_key, replica, stop, spawn, client)
 
     def start(self) -> None:

@@ -3,7 +3,10 @@
 Every machine runs one node listening on its own address (``--listen.host``,
 a fixed port: each machine has its own IP), with the parents a plan gives it
 (and its fallbacks after them); the trainer publishes artifact files dropped
-into ``publish_dir``. The processes run inside the testbed's namespaces, so
+into ``publish_dir``. Every link is mutually authenticated TLS: the cluster CA
+lives beside the trainer key (made there if missing), each node's certificate
+(its id and region) is issued into ``<workdir>/<name>/tls`` and the observer
+presents the CA's client certificate. The processes run inside the testbed's namespaces, so
 ``Testbed.down`` ends them even if the caller dies; normally
 :meth:`NodeSet.stop` ends them by pid.
 """
@@ -28,6 +31,8 @@ CLI = [sys.executable, "-c", "import sys; from p2psync.cli import main; sys.exit
 class NodeSet:
     tb: Testbed
     token: str
+    tls_dir: Path | None = None
+    """The client certificate the observer presents (None: the nodes serve plain HTTP)."""
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     urls: dict[str, str] = field(default_factory=dict)
 
@@ -39,6 +44,7 @@ class NodeSet:
         the observer is polling every node (publish there, so nothing happens before it looks)."""
         args = [sys.executable, "-m", "p2psync.testbed.observe", "--token", self.token, "--version", str(version),
                 "--timeout", str(timeout), "--interval", str(interval),
+                *([f"--tls-dir={self.tls_dir}"] if self.tls_dir else []),
                 *(f"{n}={u}" for n, u in self.urls.items())]
         p = self.tb.spawn("core", args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
@@ -87,22 +93,30 @@ def order(parents: Mapping[str, Sequence[str]], root: str) -> list[str]:
 
 
 def start(tb: Testbed, parents: Mapping[str, Sequence[str]], workdir: Path, keydir: Path, token: str,
-          publish_dir: Path, extra: Sequence[str] = (), log_level: str = "WARNING") -> NodeSet:
-    """One node per machine of ``parents`` (child -> candidate parents, best first) plus the trainer."""
-    ns = NodeSet(tb, token)
+          publish_dir: Path, extra: Sequence[str] = (), log_level: str = "WARNING", tls: bool = True) -> NodeSet:
+    """One node per machine of ``parents`` (child -> candidate parents, best first) plus the trainer.
+    ``tls=False``: plain HTTP (``tls.enabled = false``), to measure what TLS costs."""
+    from p2psync.certs import Authority
+
+    ca = Authority(keydir)
+    ns = NodeSet(tb, token, ca.client() if tls else None)
     root = tb.trainer.id
+    scheme = "https" if tls else "http"
     try:
         for name in order(parents, root):
             m = tb.machines[name]
-            url = f"http://{m.ip}:{PORT}"
+            url = f"{scheme}://{m.ip}:{PORT}"
+            if tls:
+                ca.node(name, m.region, workdir / name / "tls")
             args = [*CLI, "--log-level", log_level, "node", "--role", "trainer" if name == root else "rollout",
                     "--id", name, f"--region={m.region}", f"--listen.host={m.ip}", f"--listen.port={PORT}",
                     f"--data_dir={workdir / name}", f"--cluster_token={token}",
-                    f"--trainer_public_key={keydir / 'trainer.pub'}", *extra]
+                    f"--trainer_public_key={keydir / 'trainer.pub'}", f"--tls.enabled={'true' if tls else 'false'}",
+                    *extra]
             if name == root:
                 args += [f"--trainer_private_key={keydir / 'trainer.key'}", f"--publish-dir={publish_dir}"]
             else:
-                cands = [f"http://{tb.machines[p].ip}:{PORT}" for p in parents[name]]
+                cands = [f"{scheme}://{tb.machines[p].ip}:{PORT}" for p in parents[name]]
                 args.append("--parents=" + ",".join(cands))
             with open(workdir / f"{name}.log", "ab") as log:  # the child keeps its own descriptor
                 p = tb.spawn(name, args, stdout=subprocess.PIPE, stderr=log, text=True)

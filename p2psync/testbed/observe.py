@@ -26,16 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import ssl
 import sys
 import threading
 import time
 import urllib.request
 
 
-def _events(url: str, token: str, timeout: float):
+def _events(url: str, token: str, timeout: float, context: ssl.SSLContext | None = None):
     """Catalogues from a node's server-sent event stream, as they arrive."""
     req = urllib.request.Request(url + "/v1/events", headers={"Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
+    with urllib.request.urlopen(req, timeout=timeout, context=context) as r:
         data: list[str] = []
         for raw in r:
             line = raw.decode("utf-8", "replace").rstrip("\r\n")
@@ -46,8 +47,10 @@ def _events(url: str, token: str, timeout: float):
                 data = []
 
 
-def watch(urls: dict[str, str], token: str, version: int, timeout: float, on_ready=None) -> dict:
-    """Follow every node until it applied ``version``; ``on_ready()`` runs once every node sent a first catalogue."""
+def watch(urls: dict[str, str], token: str, version: int, timeout: float, on_ready=None,
+          context: ssl.SSLContext | None = None) -> dict:
+    """Follow every node until it applied ``version``; ``on_ready()`` runs once every node sent a first catalogue.
+    ``context``: the TLS client context (a client certificate of the cluster CA) for https nodes."""
     first = threading.Barrier(len(urls), action=on_ready) if on_ready else None
     out: dict[str, dict] = {n: {"announced": None, "received": None, "applied": None, "version": None,
                                 "fingerprint": None} for n in urls}
@@ -58,7 +61,7 @@ def watch(urls: dict[str, str], token: str, version: int, timeout: float, on_rea
         waiting = first
         while time.monotonic() < deadline:
             try:
-                for cat in _events(url, token, max(1.0, deadline - time.monotonic())):
+                for cat in _events(url, token, max(1.0, deadline - time.monotonic()), context):
                     now = time.monotonic()
                     if waiting is not None:
                         waiting.wait(max(1.0, deadline - now))
@@ -89,15 +92,17 @@ def watch(urls: dict[str, str], token: str, version: int, timeout: float, on_rea
     return {"nodes": out, "timed_out": sorted(n for n, r in out.items() if r["applied"] is None)}
 
 
-def warm(urls: dict[str, str], token: str, timeout: float, interval: float = 0.2) -> list[str]:
-    """Poll every node's metrics until its codec is warm; the nodes still cold at ``timeout``."""
+def warm(urls: dict[str, str], token: str, timeout: float, interval: float = 0.2,
+         context: ssl.SSLContext | None = None) -> list[str]:
+    """Poll every node's metrics until its codec is warm; the nodes still cold at ``timeout``.
+    ``context``: the TLS client context for https nodes."""
     cold = dict(urls)
     deadline = time.monotonic() + timeout
     while cold and time.monotonic() < deadline:
         for name, url in list(cold.items()):
             req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {token}"})
             try:
-                with urllib.request.urlopen(req, timeout=5) as r:
+                with urllib.request.urlopen(req, timeout=5, context=context) as r:
                     if b"\np2psync_codec_warm_seconds" in b"\n" + r.read():
                         del cold[name]
             except OSError:
@@ -114,15 +119,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", action="store_true", help="wait until every node's codec is warm instead")
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--interval", type=float, default=0.01, help="ignored (the observer follows event streams)")
+    ap.add_argument("--tls-dir", default="", help="client certificate folder for https nodes")
     ap.add_argument("nodes", nargs="+", metavar="NAME=URL")
     a = ap.parse_args(argv)
     urls = dict(n.split("=", 1) for n in a.nodes)
+    from p2psync.transport.tls import Tls
+
+    ctx = Tls.for_client(a.tls_dir or None).client_context
     if a.warm:
-        print(json.dumps({"cold": warm(urls, a.token, a.timeout)}), flush=True)
+        print(json.dumps({"cold": warm(urls, a.token, a.timeout, context=ctx)}), flush=True)
         return 0
     if a.version is None:
         ap.error("--version or --warm is required")
-    result = watch(urls, a.token, a.version, a.timeout, on_ready=lambda: print("ready", flush=True))
+    result = watch(urls, a.token, a.version, a.timeout, on_ready=lambda: print("ready", flush=True), context=ctx)
     print(json.dumps(result), flush=True)
     return 0
 

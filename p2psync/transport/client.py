@@ -18,6 +18,7 @@ import numpy as np
 from p2psync.artifact import Manifest
 from p2psync.errors import CodecError, PeerUnreachable, WrongSize
 from p2psync.transport.messages import API, NODE_HEADER, Catalogue
+from p2psync.transport.tls import Tls, connector
 
 _MAX_CATALOGUE = 16 << 20
 
@@ -65,10 +66,11 @@ class PeerClient:
 
     @classmethod
     async def create(cls, token: str, node_id: str, *, stall_timeout: float, sse_keepalive: float,
-                     parallel_streams: int) -> PeerClient:
+                     parallel_streams: int, tls: Tls | None = None) -> PeerClient:
+        """``tls``: present that certificate and accept only servers of the cluster CA (None: plain HTTP)."""
         headers = {"Authorization": f"Bearer {token}", NODE_HEADER: node_id}
-        connector = aiohttp.TCPConnector(limit_per_host=parallel_streams + 4, enable_cleanup_closed=True)
-        session = aiohttp.ClientSession(headers=headers, connector=connector, auto_decompress=False)
+        conn = connector(tls, limit_per_host=parallel_streams + 4, enable_cleanup_closed=True)
+        session = aiohttp.ClientSession(headers=headers, connector=conn, auto_decompress=False)
         return cls(session, stall_timeout, max(stall_timeout, 3 * sse_keepalive))
 
     async def close(self) -> None:

@@ -17,10 +17,12 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def advertised(sock: socket.socket, host: str, advertise: str) -> str:
+def advertised(sock: socket.socket, host: str, advertise: str, tls: bool = True) -> str:
+    """The URL peers use: ``advertise`` if set, else ``https://host:port`` (``http://`` without TLS)."""
     if advertise:
         return advertise.rstrip("/")
     port = sock.getsockname()[1]
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if tls else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"

@@ -10,8 +10,11 @@
 ``GET /v1/status``                        JSON: role, region, versions, parent, children, transfers, bytes
 ``GET /metrics``                          Prometheus text
 
-Contract: every request without the cluster token gets 401 before any other
-work (routing included); a declared body above the limit gets 413 unread; a
+Contract: with TLS on (the default) a client without a certificate of the
+cluster CA is refused in the handshake; a request from a revoked node id, or one
+whose ``X-P2PSync-Node`` header names another node than its certificate, gets
+403 (:mod:`p2psync.transport.tls`); every request without the cluster token gets
+401 before any other work (routing included); a declared body above the limit gets 413 unread; a
 request line or header field above ``limits.max_header_bytes`` gets 431; a
 chunk leaves this node only after it matched the signed manifest (re-checked
 on every read from disk; recent chunks are served from the store's memory copy
@@ -37,6 +40,8 @@ from p2psync.errors import IntegrityError
 from p2psync.transport.messages import API, NODE_HEADER, valid_artifact_id
 from p2psync.transport.metrics import Metrics
 from p2psync.transport.push import serve_stream
+from p2psync.transport.peers import PEER_KEY, claim_refused
+from p2psync.transport.tls import Tls
 from p2psync.transport.view import HeadSignal, NodeView
 
 CONTROL_PREFIX = f"{API}/control/"
@@ -54,8 +59,9 @@ def _error(status: int, message: str) -> web.Response:
 class Server:
     """Request handlers (``rpc_<verb>``) bound to one node."""
 
-    def __init__(self, view: NodeView) -> None:
+    def __init__(self, view: NodeView, tls: Tls | None = None) -> None:
         self.view = view
+        self.tls = tls
         self.token = view.config.token().encode()
         self.limits = view.config.limits
         self.control_body_limit = view.config.control.max_body_bytes
@@ -77,6 +83,14 @@ class Server:
 
     @web.middleware
     async def guard(self, request: web.Request, handler) -> web.StreamResponse:
+        peer = self.tls.admit(request) if self.tls is not None else None
+        if isinstance(peer, str):
+            self.view.metrics.inc("p2psync_requests_total", code="403")
+            resp = _error(403, peer)
+            resp.force_close()
+            return resp
+        if peer is not None:
+            request[PEER_KEY] = peer
         auth = request.headers.get("Authorization", "")
         presented = auth[7:].encode() if auth.startswith("Bearer ") else b""
         if not presented and (request.path == "/ui" or request.path.startswith("/ui/")):
@@ -95,6 +109,10 @@ class Server:
             resp.force_close()
             return resp
         child = request.headers.get(NODE_HEADER)
+        refused = claim_refused(request, child, NODE_HEADER, parts=True) if child else None
+        if refused:
+            self.view.metrics.inc("p2psync_requests_total", code="403")
+            return _error(403, refused)
         if child:
             peer = request.transport.get_extra_info("peername") if request.transport else None
             self.view.note_child(child[:64], f"{peer[0]}:{peer[1]}" if peer else "?")
@@ -297,10 +315,11 @@ class _Connections(web_server.Server):
         return conn
 
 
-async def serve(view: NodeView, sock: socket.socket) -> web.AppRunner:
-    """Serve on ``sock`` (from :func:`bind`); returns the runner (for cleanup)."""
+async def serve(view: NodeView, sock: socket.socket, tls: Tls | None = None) -> web.AppRunner:
+    """Serve on ``sock`` (from :func:`bind`), over mutually authenticated TLS when ``tls`` has a server
+    context; returns the runner (for cleanup)."""
     lim = view.config.limits
-    runner = web.AppRunner(Server(view).app(), access_log=None, handle_signals=False,
+    runner = web.AppRunner(Server(view, tls).app(), access_log=None, handle_signals=False,
                            keepalive_timeout=lim.idle_timeout, max_line_size=lim.max_header_bytes,
                            max_field_size=lim.max_header_bytes, shutdown_timeout=1.0)
     await runner.setup()
@@ -309,7 +328,8 @@ async def serve(view: NodeView, sock: socket.socket) -> web.AppRunner:
     server.__class__ = _Connections  # same object and layout, different protocol factory
     assert isinstance(server, _Connections)
     server.metrics = view.metrics
-    await web.SockSite(runner, sock).start()
+    ctx = tls.server_context if tls is not None else None
+    await web.SockSite(runner, sock, ssl_context=ctx).start()
     return runner
 
 

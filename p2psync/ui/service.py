@@ -76,7 +76,7 @@ class UiService:
     async def start(self) -> None:
         self._session = aiohttp.ClientSession(
             headers={"Authorization": f"Bearer {self.host.config.token()}"},
-            connector=aiohttp.TCPConnector(limit=_PARALLEL, enable_cleanup_closed=True))
+            connector=self.host.tls.connector(limit=_PARALLEL, enable_cleanup_closed=True))
 
     async def stop(self) -> None:
         if self._refresh is not None:

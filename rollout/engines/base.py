@@ -163,6 +163,9 @@ class ParentInfo:
     public_key: str
     """The trainer's Ed25519 public key: PEM text or a file path."""
     node_id: str = "engine"
+    """Named in the child header; ``<node id>/engine`` for a node's own engine (its certificate is the node's)."""
+    tls_dir: str = ""
+    """Certificate folder to present over mutual TLS (the node's ``tls.dir``); empty: plain HTTP."""
 
 
 class RolloutEngine(ABC):

@@ -174,7 +174,7 @@ class VLLMEngine(RolloutEngine):
     def attach(self, parent: ParentInfo, version: int | None = None) -> None:
         """Point the backend at ``parent``; ``version``: what the loaded weights are (None: unknown)."""
         info: dict[str, Any] = {"url": parent.url, "token": parent.token, "public_key": parent.public_key,
-                "node_id": parent.node_id}
+                "node_id": parent.node_id, "tls_dir": parent.tls_dir}
         if version is not None:
             info["version"] = version
         try:

@@ -7,8 +7,9 @@ process with the loaded model. Turned on with ``weight_transfer_config=
 '{"backend": "p2psync"}'`` (``vllm serve``), then:
 
 - ``init_weight_transfer_engine({"init_info": {"url": ..., "token": ...,
-  "public_key": ..., "version": ...}})``: the p2psync parent to pull from (any
-  node's HTTP address, its cluster token), the trainer's Ed25519 public key (PEM
+  "public_key": ..., "version": ..., "tls_dir": ...}})``: the p2psync parent to pull
+  from (any node's address, its cluster token, and the certificate folder to present
+  to it over mutual TLS: the node's own), the trainer's Ed25519 public key (PEM
   text or a file path), and optionally the version of the weights vLLM loaded
   (e.g. from the trainer's checkpoint). Everything is checked before the init is
   accepted: the fields (:mod:`rollout.engines.vllm_requests`), that the parent
@@ -94,6 +95,8 @@ class P2PSyncInitInfo(WeightTransferInitInfo):
     """Seconds a parent may stall before the fetch fails."""
     refusal: P2PSyncError | None = field(default=None, repr=False)
     """Set by :meth:`P2PSyncWeightTransfer.parse_init_info` instead of raising (not a client field)."""
+    tls_dir: str = ""
+    """Certificate folder presented to an ``https://`` parent (the node's own ``tls.dir``; mutual TLS)."""
 
 
 @dataclass
@@ -102,14 +105,20 @@ class P2PSyncUpdateInfo(WeightTransferUpdateInfo):
     """The version to reach."""
 
 
+def _tls(tls_dir: str) -> Any:
+    from p2psync.transport.tls import Tls
+
+    return Tls.for_client(tls_dir) if tls_dir else None
+
+
 async def fetch_artifact(url: str, token: str, node_id: str, aid: str, public_key: Any, timeout: float,
-                         parallel: int = 4) -> tuple[Any, list[memoryview]]:
+                         parallel: int = 4, tls_dir: str = "") -> tuple[Any, list[memoryview]]:
     """The manifest (signature checked) and every chunk (hash checked) of artifact ``aid`` at ``url``."""
     from p2psync.artifact import verify_chunk
     from p2psync.transport.client import ChunkBuffer, PeerClient
 
     client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0,
-                                     parallel_streams=parallel)
+                                     parallel_streams=parallel, tls=_tls(tls_dir))
     async with client:
         manifest = await client.call_manifest(url, aid)
         manifest.verify(public_key)
@@ -145,11 +154,12 @@ def short_answer(exc: WrongSize, what: str) -> TruncatedError | None:
 
 
 async def fetch_version_manifest(url: str, token: str, node_id: str, version: int, public_key: Any,
-                                 timeout: float) -> Any:
+                                 timeout: float, tls_dir: str = "") -> Any:
     """The signed manifest of an artifact reaching ``version`` (a delta, else a snapshot), signature checked."""
     from p2psync.transport.client import NotHeld, PeerClient
 
-    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1)
+    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
+                                     tls=_tls(tls_dir))
     async with client:
         try:
             m = await client.call_version_manifest(url, version, "delta")
@@ -159,13 +169,14 @@ async def fetch_version_manifest(url: str, token: str, node_id: str, version: in
     return m
 
 
-async def fetch_plan(url: str, token: str, node_id: str, current: int | None, target: int, timeout: float
-                     ) -> list[Any]:
+async def fetch_plan(url: str, token: str, node_id: str, current: int | None, target: int, timeout: float,
+                     tls_dir: str = "") -> list[Any]:
     """The artifacts to apply, in order, to go from ``current`` to ``target`` with what ``url`` holds."""
     from p2psync.store import plan_catchup
     from p2psync.transport.client import PeerClient
 
-    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1)
+    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
+                                     tls=_tls(tls_dir))
     async with client:
         cat = await client.call_head(url)
     held = [a for a in cat.artifacts if a.complete]
@@ -177,14 +188,15 @@ async def fetch_plan(url: str, token: str, node_id: str, current: int | None, ta
                                 f"{newest})") from None
 
 
-async def check_key(url: str, token: str, node_id: str, public_key: Any, timeout: float) -> int:
+async def check_key(url: str, token: str, node_id: str, public_key: Any, timeout: float, tls_dir: str = "") -> int:
     """Verify the manifest of the newest complete artifact ``url`` lists against ``public_key``; its version.
 
     What an init without ``version`` checks, so that a wrong key is refused at init, not at the
     first update."""
     from p2psync.transport.client import PeerClient
 
-    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1)
+    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
+                                     tls=_tls(tls_dir))
     async with client:
         cat = await client.call_head(url)
         held = [a for a in cat.artifacts if a.complete]
@@ -296,14 +308,15 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             public_key = self._together(lambda: load_public_key(info.public_key))
             if info.version is not None:
                 manifest = self._together(lambda: self._at_init(fetch_version_manifest(
-                    info.url, info.token, info.node_id, info.version, public_key, info.timeout), info))
+                    info.url, info.token, info.node_id, info.version, public_key, info.timeout,
+                    info.tls_dir), info))
                 live = self.bound(manifest, info.threads)
                 if live.audit() != manifest.target_fingerprint:
                     raise WrongBase(manifest.target_fingerprint, live.fingerprint, info.version)
                 version = info.version
             else:
                 self._together(lambda: self._at_init(check_key(info.url, info.token, info.node_id, public_key,
-                                                               info.timeout), info))
+                                                               info.timeout, info.tls_dir), info))
         except P2PSyncError as exc:
             self._refuse(exc, f"p2psync init{'' if info.version is None else f' at version {info.version}'}")
             return
@@ -360,12 +373,13 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
                                     "updates only move forward")
         # Tensor-parallel ranks apply rank 0's plan together; each fetches and checks it itself.
         plan = self._together(lambda: [a.id for a in _run(fetch_plan(info.url, info.token, info.node_id,
-                                                                     self.version, target, info.timeout))],
+                                                                     self.version, target, info.timeout,
+                                                                     info.tls_dir))],
                               share=True)
         for aid in plan:
             t = time.perf_counter()
             manifest, chunks = self._together(lambda: _run(fetch_artifact(
-                info.url, info.token, info.node_id, aid, self.public_key, info.timeout)))
+                info.url, info.token, info.node_id, aid, self.public_key, info.timeout, tls_dir=info.tls_dir)))
             fetched = time.perf_counter() - t
             self.apply(manifest, chunks)
             self.timing = {"fetch_s": round(fetched, 4), **(self.live.timing if self.live else {}),

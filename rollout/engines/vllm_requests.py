@@ -15,6 +15,7 @@ No vLLM import here: the rules are plain Python, testable without an engine.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from p2psync.errors import ConfigError
@@ -34,8 +35,9 @@ class InitFields:
     public_key: str
     version: int | None = None
     node_id: str = "vllm"
-    threads: int = 2
+    threads: int = 0
     timeout: float = 30.0
+    tls_dir: str = ""
 
 
 @dataclass
@@ -46,7 +48,7 @@ class UpdateFields:
 
 
 _INIT_REQUIRED = ("url", "token", "public_key")
-_INIT_OPTIONAL = ("version", "node_id", "threads", "timeout")
+_INIT_OPTIONAL = ("version", "node_id", "threads", "timeout", "tls_dir")
 
 
 def _table(value: Any, where: str, known: tuple[str, ...], required: tuple[str, ...]) -> dict[str, Any]:
@@ -97,12 +99,20 @@ def init_info(value: Any) -> InitFields:
     if "node_id" in d:
         out.node_id = _text(d["node_id"], f"{where}.node_id")
     if "threads" in d:
-        out.threads = _integer(d["threads"], f"{where}.threads", 1)
+        out.threads = _integer(d["threads"], f"{where}.threads", 0)
     if "timeout" in d:
         t = d["timeout"]
         if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
             raise TransferInfoError(f"{where}.timeout", f"must be a number of seconds > 0, got {_shown(t)}")
         out.timeout = float(t)
+    if "tls_dir" in d:
+        out.tls_dir = _text(d["tls_dir"], f"{where}.tls_dir")
+        if not Path(out.tls_dir).is_dir():
+            raise TransferInfoError(f"{where}.tls_dir", f"no such folder: {out.tls_dir!r} (the certificate folder "
+                                    "of the node, e.g. its data_dir/tls)")
+    if url.startswith("https://") and not out.tls_dir:
+        raise TransferInfoError(f"{where}.tls_dir", "missing: an https:// parent takes only mutual TLS; give the "
+                                "folder with a certificate of the cluster CA (the node's data_dir/tls)")
     return out
 
 

@@ -1,7 +1,9 @@
 """Helpers for integration tests that start real ``p2psync node`` processes on loopback.
 
-Every process is started from the CLI with ``--listen.port=0``; its address is
-read back from its first stdout line; it is ended by its pid (SIGTERM, then
+Every process is started from the CLI with ``--listen.port=0`` and serves mutual TLS
+with a certificate of the tests' CA (:mod:`tlsutil`, issued into ``<data_dir>/tls``;
+the tests' own requests present a client certificate); its address is read back
+from its first stdout line; it is ended by its pid (SIGTERM, then
 SIGKILL if it lingers) and only if this test started it.
 """
 
@@ -17,6 +19,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import tlsutil
 
 TOKEN = "test-cluster-token-0123456789"
 CHUNK = 64 << 10
@@ -57,8 +61,9 @@ def request(url: str, token: str | None = TOKEN, headers: dict | None = None, ti
     if token is not None:
         h["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url, headers=h, method=method, data=data)
+    ctx = tlsutil.client_context() if url.startswith("https://") else None
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=ctx) as resp:
             return resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
@@ -89,6 +94,9 @@ class Cluster:
     def start(self, name: str, role: str, parents: list[str] = (), extra: list[str] = (),
               publish: bool = False, data_dir: Path | None = None) -> Proc:
         data_dir = data_dir or self.root / name
+        region = next((a.split("=", 1)[1] for a in extra if a.startswith("--region=")), "default")
+        if not (data_dir / "tls" / "node.crt").exists():
+            tlsutil.certify(data_dir, name, region)
         args = ["node", "--role", role, "--id", name, "--listen.port=0", f"--data_dir={data_dir}",
                 f"--cluster_token={TOKEN}", f"--trainer_public_key={self.keydir / 'trainer.pub'}",
                 "--limits.stall_timeout=3", "--limits.chunk_wait_timeout=2", "--limits.retry_after=0.3",

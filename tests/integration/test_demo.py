@@ -16,7 +16,7 @@ def test_demo_runs_and_every_engine_holds_the_trainers_bits(tmp_path: Path) -> N
     out = tmp_path / "demo"
     proc = subprocess.run(
         [sys.executable, "-m", "p2psync.cli", "demo", "--quick", "--plain", "--steps", "4", "--regions", "2",
-         "--rollouts-per-region", "1", "--out", str(out), "--timeout", "400"],
+         "--rollouts-per-region", "1", "--out", str(out), "--timeout", "400", "--capture", str(tmp_path / "wire")],
         capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "report" / "summary.json").read_text())
@@ -37,3 +37,29 @@ def test_demo_runs_and_every_engine_holds_the_trainers_bits(tmp_path: Path) -> N
     assert set(summary["median_region_s"]) == {"r0", "r1"}
     assert all(s > 0 for s in summary["median_region_s"].values())
     assert summary["node_delays_s"]["r1-rollout1"]["held"]["n"] == 4  # every delta
+
+    _nothing_readable_crossed_the_wire(out / "cluster", tmp_path / "wire")
+
+
+def _nothing_readable_crossed_the_wire(cluster: Path, wire: Path) -> None:
+    """Every byte between the nodes was recorded (a relay in front of each node): it holds TLS records,
+    and neither the cluster token nor any piece of any chunk the trainer published."""
+    from p2psync import keys
+    from p2psync.store import VersionStore
+
+    captured = b"".join(f.read_bytes() for f in sorted(wire.glob("*.bin")))
+    token = (cluster / "cluster.token").read_text().strip().encode()
+    store = VersionStore.open(cluster / "nodes" / "trainer", keys.load_public(cluster / "keys" / "trainer.pub"))
+    needles, payload = [], 0
+    for aid, art in store.artifacts.items():
+        for i in range(len(art.manifest.chunks)):
+            chunk = bytes(store.read_chunk(aid, i))
+            payload += len(chunk)
+            if len(chunk) >= 256:
+                needles += [chunk[k * len(chunk) // 4:k * len(chunk) // 4 + 48] for k in (1, 2, 3)]
+    assert len(needles) >= 3 * 5 and payload > 0
+    assert len(captured) > payload  # every version crossed the relays (several times over)
+    assert captured.count(b"\x17\x03\x03") > 100  # TLS application-data records
+    assert token not in captured
+    assert not [n for n in needles if n in captured]
+    assert b"Bearer" not in captured and b"HTTP/1.1" not in captured

@@ -167,8 +167,10 @@ def test_node_exits_with_the_jobs_code_and_nothing_it_buffered_is_lost(cluster: 
     import os
     import subprocess
 
+    import tlsutil
     from nodeproc import CLI, TOKEN
 
+    tlsutil.certify(tmp_path / "tr", "trainer")
     w = Workload(cluster.priv, numel=20_000)
     w.snapshot(cluster.publish_dir)
     job = tmp_path / "job.json"
@@ -187,7 +189,7 @@ def test_node_exits_with_the_jobs_code_and_nothing_it_buffered_is_lost(cluster: 
             p.wait(5)
     assert p.returncode == 3, err[-2000:]
     lines = out.splitlines()
-    assert lines[0].startswith("http://") and lines[1:] == [f"job line {i}" for i in range(2000)]
+    assert lines[0].startswith("https://") and lines[1:] == [f"job line {i}" for i in range(2000)]
     assert "job done" in err and err.rstrip().endswith("stopped at version 0"), err[-1000:]
 
 
@@ -200,11 +202,13 @@ def test_a_node_told_to_exit_with_its_starter_stops_when_the_starter_is_killed(c
     import sys
     import time
 
+    import tlsutil
     from nodeproc import CLI, TOKEN
 
+    tlsutil.certify(tmp_path / "n", "orphan")
     args = ["node", "--role", "relay", "--id", "orphan", "--listen.port=0", f"--data_dir={tmp_path / 'n'}",
             f"--cluster_token={TOKEN}", f"--trainer_public_key={cluster.keydir / 'trainer.pub'}",
-            "--parents=http://127.0.0.1:9"]
+            "--parents=https://127.0.0.1:9"]
     starter = subprocess.Popen(
         [sys.executable, "-c",
          "import os, subprocess, sys, time\n"
@@ -216,7 +220,7 @@ def test_a_node_told_to_exit_with_its_starter_stops_when_the_starter_is_killed(c
     try:
         pid, url = starter.stdout.readline().split()
         node = int(pid)
-        assert url.startswith("http://")
+        assert url.startswith("https://")
 
         def alive() -> bool:
             try:

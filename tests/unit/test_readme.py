@@ -32,4 +32,4 @@ def test_readme_publishing_snippet_publishes_every_step_bit_exact(tmp_path, monk
     assert [r.version for r in pub.records] == list(range(11))
     final = ModelState({n: t.detach().to(torch.bfloat16) for n, t in model.state_dict().items()})
     assert pub.fingerprints[10] == final.fingerprint
-    assert "rollout nodes: --parents http://127.0.0.1:" in capsys.readouterr().out
+    assert "rollout nodes: --parents https://127.0.0.1:" in capsys.readouterr().out

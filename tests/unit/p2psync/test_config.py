@@ -15,7 +15,7 @@ region = "eu"
 data_dir = "data"
 cluster_token = "secret-token-123"
 trainer_public_key = "trainer.pub"
-parents = ["http://10.0.0.1:7070", "http://10.0.0.2:7070"]
+parents = ["https://10.0.0.1:7070", "https://10.0.0.2:7070"]
 
 [listen]
 port = 7070
@@ -34,7 +34,7 @@ def _write(tmp_path, text=BASE):
 def test_toml_is_loaded_with_paths_relative_to_the_file(tmp_path):
     cfg = load(_write(tmp_path))
     assert cfg.role == "relay" and cfg.region == "eu"
-    assert cfg.parents == ["http://10.0.0.1:7070", "http://10.0.0.2:7070"]
+    assert cfg.parents == ["https://10.0.0.1:7070", "https://10.0.0.2:7070"]
     assert cfg.limits.parallel_streams == 8 and cfg.limits.stall_timeout == 10.0
     assert cfg.data_dir == str(tmp_path / "data")
     assert cfg.trainer_public_key == str(tmp_path / "trainer.pub")
@@ -42,11 +42,11 @@ def test_toml_is_loaded_with_paths_relative_to_the_file(tmp_path):
 
 
 def test_overrides_win_and_are_typed(tmp_path):
-    cfg = load(_write(tmp_path), ["--listen.port=0", "--limits.stall_timeout", "2.5", "--parents=http://a:1,http://b:2",
+    cfg = load(_write(tmp_path), ["--listen.port=0", "--limits.stall_timeout", "2.5", "--parents=https://a:1,https://b:2",
                                   "--testing.corrupt_served_chunks=true", "--store.materialise_snapshots=false"])
     assert cfg.listen.port == 0
     assert cfg.limits.stall_timeout == 2.5
-    assert cfg.parents == ["http://a:1", "http://b:2"]
+    assert cfg.parents == ["https://a:1", "https://b:2"]
     assert cfg.testing.corrupt_served_chunks is True
     assert cfg.materialise is False
 
@@ -95,7 +95,7 @@ def test_bad_toml_and_missing_file(tmp_path):
 def test_gossip_and_control_sections(tmp_path):
     text = BASE + """
 [gossip]
-seeds = ["http://10.0.0.1:7070"]
+seeds = ["https://10.0.0.1:7070"]
 interval = 0.5
 node_class = "preemptible"
 
@@ -103,7 +103,7 @@ node_class = "preemptible"
 lease_ttl = 12.0
 """
     cfg = load(_write(tmp_path, text))
-    assert cfg.gossip.seeds == ["http://10.0.0.1:7070"] and cfg.gossip.interval == 0.5
+    assert cfg.gossip.seeds == ["https://10.0.0.1:7070"] and cfg.gossip.interval == 0.5
     assert cfg.gossip.on("relay") and cfg.control.lease_ttl == 12.0 and cfg.gossip.node_class == "preemptible"
     plain = load(_write(tmp_path))
     assert not plain.gossip.on("relay") and plain.gossip.on("trainer")  # default: seeds given, or the trainer

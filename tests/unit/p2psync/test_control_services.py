@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+import tlsutil
 
 from p2psync import config, keys
 from p2psync.control.api import ResponseResult
@@ -50,8 +51,10 @@ async def _until(pred, timeout: float = 20.0, what: str = "condition"):
     return v
 
 
-async def _post(url: str, body, raw: bytes | None = None) -> tuple[int, dict]:
-    async with aiohttp.ClientSession(headers=AUTH) as s:
+async def _post(url: str, body, raw: bytes | None = None, as_node: str | None = None) -> tuple[int, dict]:
+    """POST as the node the body names (its certificate; ``as_node``: another node's)."""
+    node = as_node or (body.get("node") if isinstance(body, dict) else None) or "client"
+    async with aiohttp.ClientSession(headers=AUTH, connector=tlsutil.node_tls(str(node)).connector()) as s:
         async with s.post(url, data=raw if raw is not None else json.dumps(body)) as r:
             return r.status, await r.json(content_type=None)
 
@@ -239,7 +242,8 @@ def test_forged_coordinator_entries_are_refused(tmp_path):
             forged = [CoordEntry("plan", 10**15, "trainer", evil),
                       other(CoordEntry("plan", 10**15, "trainer", evil)),
                       CoordEntry("plan", 10**15, "trainer", evil, good.signature)]
-            async with aiohttp.ClientSession(headers=hdr) as s:
+            # A relay with a valid certificate of its own, forging what the coordinator writes.
+            async with aiohttp.ClientSession(headers=hdr, connector=tlsutil.node_tls("relay-evil").connector()) as s:
                 for e in forged:
                     async with s.post(url, data=dumps(Delta("relay-evil", coord=(e,)))) as r:
                         assert r.status == 204

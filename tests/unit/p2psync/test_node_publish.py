@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import tlsutil
 import torch
 
 from p2psync import config, keys
@@ -142,7 +143,8 @@ def test_the_trainers_event_stream_tells_when_its_own_copy_reached_the_version(t
 
     async def go():
         tr = await Node.create(tr_cfg)
-        client = await PeerClient.create(TOKEN, "watcher", stall_timeout=5.0, sse_keepalive=1.0, parallel_streams=1)
+        client = await PeerClient.create(TOKEN, "watcher", stall_timeout=5.0, sse_keepalive=1.0, parallel_streams=1,
+                                         tls=tlsutil.node_tls("watcher"))
         try:
             await tr.publish(*arts[0])
             seen = []

@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+import tlsutil
 from aiohttp import web
 
 from p2psync import config, keys
@@ -265,7 +266,7 @@ def test_a_pushed_manifest_signed_by_another_key_is_refused_and_nothing_is_store
     async def go():
         runner, url = await _fake_parent([_frame(push.MANIFEST, forged.to_bytes()),
                                           push.chunk_prefix(forged.artifact_id, 0, len(chunks[0])) + chunks[0]])
-        node = await Node.create(_cfg(tmp_path, "leaf", "rollout", [url]))
+        node = await Node.create(_cfg(tmp_path, "leaf", "rollout", [url], tls={"enabled": False}))  # a plain fake parent
         try:
             for _ in range(50):
                 if node.metrics.total("p2psync_bad_chunks_total"):
@@ -285,7 +286,7 @@ def test_push_limit_is_validated(tmp_path):
 
     for bad in (-1, 1.5, True, (1 << 30) + 1):
         with pytest.raises(ConfigError, match="limits.push_bytes"):
-            _cfg(tmp_path, "n", "relay", ["http://127.0.0.1:1"], limits={"push_bytes": bad}).validate()
+            _cfg(tmp_path, "n", "relay", ["https://127.0.0.1:1"], limits={"push_bytes": bad}).validate()
     assert isinstance(Manifest, type)
 
 
@@ -359,7 +360,8 @@ def test_a_malformed_warm_request_is_refused(tmp_path, setup):
     async def go():
         tr = await Node.create(_cfg(tmp_path, "trainer", "trainer"))
         try:
-            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"}) as s:
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {TOKEN}"},
+                                             connector=tlsutil.client_tls().connector()) as s:
                 for bad in ("abc", "-1", "1.5"):
                     async with s.get(f"{tr.address}/v1/stream?push=100&warm={bad}") as resp:
                         assert resp.status == 400, bad
@@ -376,4 +378,4 @@ def test_stream_warmup_limit_is_validated(tmp_path):
 
     for bad in (-1, 1.5, True, config.MAX_STREAM_WARMUP + 1):
         with pytest.raises(ConfigError, match="limits.stream_warmup_bytes"):
-            _cfg(tmp_path, "n", "relay", ["http://127.0.0.1:1"], limits={"stream_warmup_bytes": bad}).validate()
+            _cfg(tmp_path, "n", "relay", ["https://127.0.0.1:1"], limits={"stream_warmup_bytes": bad}).validate()

@@ -71,6 +71,12 @@ def _rank_main(rank: int, root: str, family: str) -> None:
                   "store": {"snapshot_interval": 0}}
         bg = follower = None
         if rank == 0:
+            from p2psync.certs import Authority
+
+            # A spawned rank does not run the tests' conftest: the nodes' certificates are issued here.
+            ca = Authority(rootp / "keys")
+            ca.node("trainer", "default", rootp / "t" / "tls")
+            ca.node("rollout", "default", rootp / "r" / "tls")
             cfg = config.load(overrides={**common, "id": "trainer", "role": "trainer", "data_dir": str(rootp / "t"),
                                          "trainer_private_key": str(rootp / "keys" / "trainer.key")})
             bg = BackgroundNode(cfg).start()

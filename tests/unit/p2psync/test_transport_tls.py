@@ -1,0 +1,80 @@
+"""The cluster CA, node certificates and the TLS material a node loads: what is accepted, what is
+refused and how the refusal reads; the revocation list file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from p2psync import certs, config
+from p2psync.cli import main
+from p2psync.errors import ConfigError
+from p2psync.transport.revocation import RevocationFile, read_list
+from p2psync.transport.tls import Tls
+
+OWN_CERTIFICATES = True
+"""Nodes here get no certificate unless the test issues one (see tests/conftest.py)."""
+
+
+def _cfg(tmp_path: Path, **over) -> config.NodeConfig:
+    base = {"id": "r1", "role": "rollout", "region": "eu", "data_dir": str(tmp_path / "r1"),
+            "cluster_token": "unit-test-token-tls", "trainer_public_key": "x", "parents": ["https://a:1"]}
+    return config.load(overrides={**base, **over})
+
+
+def test_keygen_makes_the_cluster_ca_and_issue_names_the_node_and_its_region(tmp_path, capsys):
+    assert main(["keygen", "-o", str(tmp_path / "keys")]) == 0
+    assert {p.name for p in (tmp_path / "keys").iterdir()} == {"trainer.key", "trainer.pub", "ca.crt", "ca.key"}
+    assert (tmp_path / "keys" / "ca.key").stat().st_mode & 0o077 == 0
+    assert main(["cert", "issue", "--ca", str(tmp_path / "keys"), "--id", "r1", "--region", "eu",
+                 "-o", str(tmp_path / "r1" / "tls")]) == 0
+    ident = certs.identity_of(tmp_path / "r1" / "tls" / "node.crt")
+    assert (ident.id, ident.region, ident.client_only) == ("r1", "eu", False)
+    assert (tmp_path / "r1" / "tls" / "node.key").stat().st_mode & 0o077 == 0
+    tls = Tls.for_node(_cfg(tmp_path))  # the node finds it in <data_dir>/tls
+    assert tls.enabled and tls.server_context is not None and tls.scheme == "https"
+    # A second keygen into the same folder refuses to replace the CA (or the key).
+    assert main(["keygen", "-o", str(tmp_path / "keys")]) == 1
+    assert "refusing to overwrite" in capsys.readouterr().err
+
+
+def test_a_node_refuses_to_start_without_its_own_certificate(tmp_path):
+    ca = certs.Authority(tmp_path / "ca")
+    with pytest.raises(ConfigError, match=r"tls.dir: .*node.crt is missing: issue .*p2psync cert issue"):
+        Tls.for_node(_cfg(tmp_path))
+    ca.node("r2", "eu", tmp_path / "r1" / "tls")
+    with pytest.raises(ConfigError, match=r"is for node 'r2', not for this node \('r1'\)"):
+        Tls.for_node(_cfg(tmp_path))
+    ca.node("r1", "us", tmp_path / "r1" / "tls")
+    with pytest.raises(ConfigError, match=r"is for region 'us', not this node's region 'eu'"):
+        Tls.for_node(_cfg(tmp_path))
+    certs.issue(ca.directory, "r1", "eu", tmp_path / "r1" / "tls", client_only=True)
+    with pytest.raises(ConfigError, match="client-only certificate"):
+        Tls.for_node(_cfg(tmp_path))
+    ca.node("r1", "eu", tmp_path / "elsewhere")
+    assert Tls.for_node(_cfg(tmp_path, tls={"dir": str(tmp_path / "elsewhere")})).identity.id == "r1"
+    assert not Tls.for_node(_cfg(tmp_path, tls={"enabled": False}, parents=["http://a:1"])).enabled
+
+
+def test_bad_ids_and_validity_are_refused_naming_the_field(tmp_path):
+    ca = certs.Authority(tmp_path / "ca")
+    for bad in ("", "has space", "a/b", "x" * 200):
+        with pytest.raises(ConfigError, match="^id: "):
+            ca.node(bad, "eu", tmp_path / "n")
+    with pytest.raises(ConfigError, match="^region: "):
+        ca.node("ok", "e u", tmp_path / "n")
+    assert main(["cert", "issue", "--ca", str(ca.directory), "--id", "n", "--days", "0", "-o", str(tmp_path / "n")]) == 1
+    assert not (tmp_path / "n").exists()  # nothing was written
+
+
+def test_revocation_list_is_read_when_it_changes(tmp_path):
+    path = tmp_path / "revoked"
+    rf = RevocationFile(path)
+    assert rf.poll() == frozenset()  # no file yet: nobody revoked
+    assert rf.poll() is None  # unchanged
+    assert main(["cert", "revoke", "--id", "r2", "--list", str(path)]) == 0
+    assert main(["cert", "revoke", "--id", "r2", "--list", str(path)]) == 0  # once only
+    path.write_text(path.read_text() + "# a comment\nr3  # another\n")
+    assert rf.poll() == frozenset({"r2", "r3"}) and read_list(path) == {"r2", "r3"}
+    assert path.read_text().count("r2") == 1
