@@ -272,3 +272,55 @@ def _moe_perm(fe: Any, layer: Any, short: str) -> np.ndarray:
     perm[after - 1] = np.arange(n, dtype=np.int64)
     _PERMS[key] = perm
     return perm
+
+
+# --- the placements LiveWeights binds ------------------------------------------------------
+_CACHE: dict[tuple[int, int, str], dict[str, Placement]] = {}
+
+
+def placements(model: Any, specs: Sequence[TensorSpec], params: dict[str, Any], group: Any) -> dict[str, Placement]:
+    """Where this rank holds each tensor of ``specs`` (absent: nowhere), with ``counted`` set so that
+    every element counts on exactly one rank (a copy held by several ranks counts on the lowest).
+
+    A vLLM model: derived from its loaders (:func:`derive`, cached per model, rank and table) and
+    checked for transformed copies. Any other module (tests' stand-ins): the hand rules of
+    :func:`rollout.engines.vllm_layout.place`."""
+    import hashlib
+
+    from p2psync.errors import TensorTableMismatch
+    from p2psync.state import table_hash
+    from rollout.engines.vllm_layout import check_piece, place
+    from rollout.engines.vllm_placement import from_piece
+
+    if not callable(getattr(model, "load_weights", None)):
+        out: dict[str, Placement] = {}
+        unknown = []
+        for s in specs:
+            try:
+                piece = place(model, s.name, tuple(s.shape), params, group.rank)
+            except LayoutError:
+                unknown.append(s.name)
+                continue
+            shape = tuple(params[piece.param].shape)
+            check_piece(piece, shape)
+            out[s.name] = from_piece(piece, shape)
+        if unknown:
+            raise TensorTableMismatch(unknown=unknown)
+        return out
+    key = (id(model), group.rank, table_hash(list(specs)))
+    if key not in _CACHE:
+        derived = derive(model, specs)
+        for pl in derived.values():
+            why = transformed_reason(model, pl.param)
+            if why is not None:
+                raise LayoutError(f"{pl.name}: {why}")
+        if group.size > 1:
+            mine = [hashlib.sha1(derived[s.name].key().encode()).hexdigest()[:16] if s.name in derived else ""
+                    for s in specs]
+            every = [t.split(",") for t in group.texts(",".join(mine))]
+            for k, s in enumerate(specs):
+                if mine[k] and any(every[r][k] == mine[k] for r in range(group.rank)):
+                    derived[s.name].counted = False  # a lower rank holds the same copy
+        _CACHE.clear()  # one model per process: keep the newest only
+        _CACHE[key] = derived
+    return _CACHE[key]
