@@ -40,7 +40,7 @@ FAMILIES = ["llama", "qwen2", "gemma", "phi3", "starcoder2", "gpt2", "falcon", "
 def test_family_reaches_the_last_version_equal_to_a_fresh_vllm(family, tmp_path):
     lin = CheckpointLineage(family, tmp_path / "ckpt", steps=N)
     with serving(tmp_path / "nodes", lin, N) as (cluster, trainer):
-        engine = build(lin.checkpoint(tmp_path, N))
+        engine = build(lin.checkpoint(tmp_path, N), N)
         try:
             ref = greedy(engine)
             engine.attach(ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine"))
