@@ -275,14 +275,15 @@ def _moe_perm(fe: Any, layer: Any, short: str) -> np.ndarray:
 
 
 # --- the placements LiveWeights binds ------------------------------------------------------
-_CACHE: dict[tuple[int, int, str], dict[str, Placement]] = {}
+_CACHE: dict[tuple[int, int, str, int], dict[str, Placement]] = {}
 
 
 def placements(model: Any, specs: Sequence[TensorSpec], params: dict[str, Any], group: Any) -> dict[str, Placement]:
     """Where this rank holds each tensor of ``specs`` (absent: nowhere), with ``counted`` set so that
     every element counts on exactly one rank (a copy held by several ranks counts on the lowest).
 
-    A vLLM model: derived from its loaders (:func:`derive`, cached per model, rank and table) and
+    A vLLM model: derived from its loaders (:func:`derive`, cached per model, rank, table and
+    parameter storage) and
     checked for transformed copies. Any other module (tests' stand-ins): the hand rules of
     :func:`rollout.engines.vllm_layout.place`."""
     import hashlib
@@ -307,7 +308,8 @@ def placements(model: Any, specs: Sequence[TensorSpec], params: dict[str, Any], 
         if unknown:
             raise TensorTableMismatch(unknown=unknown)
         return out
-    key = (id(model), group.rank, table_hash(list(specs)))
+    layout = hash(tuple((n, p.data_ptr(), tuple(p.shape)) for n, p in params.items()))
+    key = (id(model), group.rank, table_hash(list(specs)), layout)
     if key not in _CACHE:
         derived = derive(model, specs)
         for pl in derived.values():

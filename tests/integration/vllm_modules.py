@@ -33,19 +33,27 @@ def _world() -> None:
     _READY = True
 
 
-def vllm_model(model_dir: str, **engine: Any) -> Any:
+def vllm_model(model_dir: str, keep_onednn: bool = False, **engine: Any) -> Any:
     """vLLM's model for the checkpoint ``model_dir``, loaded as the p2psync plugin leaves the CPU build
-    (plain linear weights); ``engine``: extra ``EngineArgs``."""
+    (plain linear weights; ``keep_onednn``: repacked as vLLM does by default); ``engine``: extra
+    ``EngineArgs``."""
     import vllm._custom_ops as ops
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
 
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    ops._supports_onednn = False
+    import torch
+
+    keep = ops._supports_onednn
+    args_onednn = keep_onednn and hasattr(torch.ops._C, "create_onednn_mm_handler")
     args = EngineArgs(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=256,
                       enforce_eager=True, **engine)
     vc = args.create_engine_config()
-    with set_current_vllm_config(vc):
-        _world()
-        return get_model(vllm_config=vc)
+    try:
+        ops._supports_onednn = args_onednn
+        with set_current_vllm_config(vc):
+            _world()
+            return get_model(vllm_config=vc)
+    finally:
+        ops._supports_onednn = keep
