@@ -259,8 +259,8 @@ def _moe_perm(fe: Any, layer: Any, short: str) -> np.ndarray:
                 np.zeros(int(np.prod(shp)), dtype=np.uint16)
             t = torch.from_numpy(words.view(np.int16)).view(torch.bfloat16).reshape(shp)
             fake.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
-        fake.moe_config = getattr(layer, "moe_config", None)
-        fake.activation = getattr(layer, "activation", None)
+        for attr in ("moe_config", "activation"):  # what the experts' post-load step reads of its layer
+            object.__setattr__(fake, attr, getattr(layer, attr, None))
         fe.process_weights_after_loading(fake)
         out = getattr(fake, short).data
         halves.append(out.reshape(-1).view(torch.int16).numpy().view(np.uint16).astype(np.int64) << shift)

@@ -1,11 +1,11 @@
-"""Tensor-parallel ranks applying one delta together: the rank group, base gathering, global positions.
+"""Tensor- and expert-parallel ranks applying one delta together: the rank group and base gathering.
 
 With ``tensor_parallel_size > 1`` every vLLM worker holds a slice of most
 tensors, and with expert parallelism some experts only
 (:mod:`rollout.engines.vllm_probe`). A delta segment's positions are
 coded against every base word of its range, so each rank rebuilds that range
-before decoding it: every rank writes the words it owns (the rank whose piece
-is ``counted``) into a zeroed block and the group sums the blocks. The owned
+before decoding it: every rank writes the words it owns (its placement is
+``counted``) into a zeroed block and the group sums the blocks. The owned
 bits of different ranks never overlap, so the sum is their union, exact in any
 integer view. Every rank then decodes the same changes, writes those of its own
 piece, and hashes the words it owns at their global positions; the group sums

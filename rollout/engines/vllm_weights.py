@@ -1,8 +1,13 @@
 """A vLLM model's live parameters seen as the trainer's checkpoint tensors, and artifacts applied to them.
 
-:class:`LiveWeights` binds every tensor of the trainer's table to the slice of
-a vLLM parameter that holds it (:mod:`rollout.engines.vllm_layout`) as a flat
-integer view of the raw bits: same memory, on the parameter's own device. Then:
+:class:`LiveWeights` binds every tensor of the trainer's table to where this
+rank holds it (a :class:`~rollout.engines.vllm_placement.Placement` learnt from
+vLLM's own loaders, :mod:`rollout.engines.vllm_probe`), as integer views of the
+raw bits: same memory, on the parameter's own device. A tensor held whole and
+contiguous is bound to its slice (the fast path: decoded against in place);
+any other (an expert inside a repacked ``w13_weight``, a transposed or sharded
+tensor) is bound to its whole parameter and read and written through the
+placement. Then:
 
 - **Fingerprint.** The per-tensor sums of element hashes of
   :mod:`p2psync.state` over those views (:meth:`LiveWeights.audit` recomputes
@@ -23,11 +28,12 @@ integer view of the raw bits: same memory, on the parameter's own device. Then:
 - **Snapshot load.** :meth:`LiveWeights.load_snapshot` decodes a snapshot into a
   host staging state (verified against its target), copies it into the live
   views and audits them.
-- **Tensor parallelism.** Given a rank group (:mod:`rollout.engines.vllm_tp`),
-  a tensor's view is this rank's slice; sharded ranges are rebuilt with the
-  group before they are decoded, each rank writes the changes its slice holds,
-  the fingerprint sums are the group's, and every step is voted so that the
-  ranks apply or refuse together.
+- **Tensor and expert parallelism.** Given a rank group
+  (:mod:`rollout.engines.vllm_tp`), ranges of tensors sharded over the ranks are
+  rebuilt with the group before they are decoded; a tensor some ranks hold whole
+  and others not at all (an expert) is decoded by its holders only; each rank
+  writes the changes it holds, the fingerprint sums are the group's, and every
+  step is voted so that the ranks apply or refuse together.
 
 Parameters the model does not compute with (size-0 weights of layers whose
 matmul was repacked, e.g. by oneDNN on CPU, or layers whose matmul closes over a
@@ -208,7 +214,8 @@ class LiveWeights:
                 s = _sum_add(s, int(a), int(b))
             return s
 
-        order = sorted(range(len(self.specs)), key=lambda i: -(self.places[i].held if self.places[i] else 0))
+        held = [pl.held if pl is not None else 0 for pl in self.places]
+        order = sorted(range(len(self.specs)), key=lambda i: -held[i])
         out, _, err = run_ordered(len(self.specs), order, one, self.threads)
         if err is not None:
             raise err
