@@ -1,4 +1,9 @@
-"""Where each checkpoint tensor lives inside a vLLM model: fused layouts, tied weights, TP shards.
+"""Hand-written placement rules (fused layouts, tied weights, TP shards), and :class:`LayoutError`.
+
+A vLLM model's placement is learnt from its own loaders
+(:mod:`rollout.engines.vllm_probe`); these rules serve modules without a
+``load_weights`` (test stand-ins shaped like vLLM's), and a test on real vLLM
+modules shows they agree with the derived placement where they apply.
 
 The trainer publishes Hugging Face checkpoint tensors (``...q_proj.weight``,
 ``...gate_proj.weight``, one entry for tied embeddings). vLLM holds them in its

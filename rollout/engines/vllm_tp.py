@@ -1,10 +1,11 @@
-"""Tensor-parallel ranks applying one delta together: the rank group, base gathering, global positions.
+"""Tensor- and expert-parallel ranks applying one delta together: the rank group and base gathering.
 
 With ``tensor_parallel_size > 1`` every vLLM worker holds a slice of most
-tensors (:mod:`rollout.engines.vllm_layout`). A delta segment's positions are
+tensors, and with expert parallelism some experts only
+(:mod:`rollout.engines.vllm_probe`). A delta segment's positions are
 coded against every base word of its range, so each rank rebuilds that range
-before decoding it: every rank writes the words it owns (the rank whose piece
-is ``counted``) into a zeroed block and the group sums the blocks. The owned
+before decoding it: every rank writes the words it owns (its placement is
+``counted``) into a zeroed block and the group sums the blocks. The owned
 bits of different ranks never overlap, so the sum is their union, exact in any
 integer view. Every rank then decodes the same changes, writes those of its own
 piece, and hashes the words it owns at their global positions; the group sums
@@ -22,7 +23,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from rollout.engines.vllm_layout import Piece
+from rollout.engines.vllm_placement import Placement
 
 from p2psync.errors import P2PSyncError
 
@@ -152,39 +153,18 @@ def vllm_group() -> RankGroup:
     return TorchGroup(coord.cpu_group, coord.device_group)
 
 
-def global_positions(piece: Piece, local: np.ndarray) -> np.ndarray:
-    """Positions in the whole checkpoint tensor of the piece's local flat positions ``local``."""
-    ncols = piece.cols[1] - piece.cols[0]
-    if ncols == piece.width:  # whole rows: one offset
-        return local + piece.rows[0] * piece.width
-    row, col = np.divmod(local, ncols)
-    return (row + piece.rows[0]) * piece.width + col + piece.cols[0]
-
-
-def local_positions(piece: Piece, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(which, local)``: the indices into ``pos`` (global positions, distinct, in any order: a
-    segment lists its changes bucket by bucket) that the piece holds, and their local flat positions."""
-    w, (r0, r1), (c0, c1) = piece.width, piece.rows, piece.cols
-    ncols = c1 - c0
-    if ncols == w:
-        which = np.flatnonzero((pos >= r0 * w) & (pos < r1 * w))
-        return which, pos[which] - r0 * w
-    row, col = np.divmod(pos, w)
-    which = np.flatnonzero((row >= r0) & (row < r1) & (col >= c0) & (col < c1))
-    return which, (row[which] - r0) * ncols + col[which] - c0
-
-
-def gather_range(group: RankGroup, piece: Piece, flat: Any, start: int, stop: int, word: Any) -> np.ndarray:
-    """Words ``[start, stop)`` of the whole checkpoint tensor, rebuilt from every rank's piece
-    (a collective: every rank calls it for the same range). ``flat`` is this rank's local words
-    (a torch integer view); returns unsigned host words."""
+def gather_range(group: RankGroup, place: Placement | None, flat: Any, start: int, stop: int, word: Any
+                 ) -> np.ndarray:
+    """Words ``[start, stop)`` of the whole checkpoint tensor, rebuilt from every rank's placement
+    (a collective: every rank calls it for the same range; a rank holding nothing of it adds
+    zeros). ``flat`` is this rank's binding (a torch integer view); returns unsigned host words."""
     import torch
 
     n = stop - start
     per = max(1, 4 // flat.element_size())  # words per int32
     block = torch.zeros(-(-n // per) * per, dtype=flat.dtype, device=flat.device)
-    if piece.counted:
-        which, local = local_positions(piece, np.arange(start, stop, dtype=np.int64))
+    if place is not None and place.counted:
+        which, local = place.local(np.arange(start, stop, dtype=np.int64))
         if which.shape[0]:
             idx = torch.from_numpy(local).to(flat.device)
             block.index_copy_(0, torch.from_numpy(which).to(flat.device), flat.index_select(0, idx))

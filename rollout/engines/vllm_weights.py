@@ -1,8 +1,13 @@
 """A vLLM model's live parameters seen as the trainer's checkpoint tensors, and artifacts applied to them.
 
-:class:`LiveWeights` binds every tensor of the trainer's table to the slice of
-a vLLM parameter that holds it (:mod:`rollout.engines.vllm_layout`) as a flat
-integer view of the raw bits: same memory, on the parameter's own device. Then:
+:class:`LiveWeights` binds every tensor of the trainer's table to where this
+rank holds it (a :class:`~rollout.engines.vllm_placement.Placement` learnt from
+vLLM's own loaders, :mod:`rollout.engines.vllm_probe`), as integer views of the
+raw bits: same memory, on the parameter's own device. A tensor held whole and
+contiguous is bound to its slice (the fast path: decoded against in place);
+any other (an expert inside a repacked ``w13_weight``, a transposed or sharded
+tensor) is bound to its whole parameter and read and written through the
+placement. Then:
 
 - **Fingerprint.** The per-tensor sums of element hashes of
   :mod:`p2psync.state` over those views (:meth:`LiveWeights.audit` recomputes
@@ -23,11 +28,12 @@ integer view of the raw bits: same memory, on the parameter's own device. Then:
 - **Snapshot load.** :meth:`LiveWeights.load_snapshot` decodes a snapshot into a
   host staging state (verified against its target), copies it into the live
   views and audits them.
-- **Tensor parallelism.** Given a rank group (:mod:`rollout.engines.vllm_tp`),
-  a tensor's view is this rank's slice; sharded ranges are rebuilt with the
-  group before they are decoded, each rank writes the changes its slice holds,
-  the fingerprint sums are the group's, and every step is voted so that the
-  ranks apply or refuse together.
+- **Tensor and expert parallelism.** Given a rank group
+  (:mod:`rollout.engines.vllm_tp`), ranges of tensors sharded over the ranks are
+  rebuilt with the group before they are decoded; a tensor some ranks hold whole
+  and others not at all (an expert) is decoded by its holders only; each rank
+  writes the changes it holds, the fingerprint sums are the group's, and every
+  step is voted so that the ranks apply or refuse together.
 
 Parameters the model does not compute with (size-0 weights of layers whose
 matmul was repacked, e.g. by oneDNN on CPU, or layers whose matmul closes over a
@@ -51,16 +57,10 @@ from p2psync.codec.segment import KIND_DELTA, parse_head
 from p2psync.workers import run_ordered
 from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, TensorTableMismatch, WrongBase
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
-from rollout.engines.vllm_layout import LayoutError, Piece, check_piece, place
-from rollout.engines.vllm_tp import (
-    RankGroup,
-    RankRefused,
-    Solo,
-    gather_range,
-    global_positions,
-    local_positions,
-    together,
-)
+from rollout.engines.vllm_layout import LayoutError
+from rollout.engines.vllm_placement import Placement
+from rollout.engines.vllm_probe import placements
+from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, gather_range, together
 
 if TYPE_CHECKING:
     import torch
@@ -99,50 +99,47 @@ class LiveWeights:
     """The trainer's tensor table bound to a vLLM model's live parameters (see module doc)."""
 
     def __init__(self, model: Any, specs: Sequence[TensorSpec], threads: int = 2,
-                 group: RankGroup | None = None) -> None:
+                 group: RankGroup | None = None, places: dict[str, Placement] | None = None) -> None:
         import torch
 
         self.group: RankGroup = group or Solo()
-        """The tensor-parallel ranks sharing the model (:mod:`rollout.engines.vllm_tp`)."""
+        """The tensor-parallel / expert-parallel ranks sharing the model (:mod:`rollout.engines.vllm_tp`)."""
         self.specs = list(specs)
         self.table_hash = table_hash(self.specs)
         self.threads = max(1, threads)
         self.cpus: set[int] | None = None
         """CPUs the helper threads run on (None: the caller's; see :mod:`rollout.engines.vllm_cpus`)."""
         params = dict(model.named_parameters())
-        self.pieces: list[Piece] = []
+        if places is None:
+            places = placements(model, self.specs, params, self.group)
+        self.places: list[Placement | None] = [places.get(s.name) for s in self.specs]
+        """Where this rank holds each tensor (None: nowhere, e.g. another rank's experts)."""
+        self.offset: list[int | None] = []
+        """Each tensor's offset in its parameter when held whole and contiguous (the fast path)."""
         self.flat: list[torch.Tensor] = []
-        unknown: list[str] = []
-        for spec in self.specs:
-            try:
-                piece = place(model, spec.name, spec.shape, params, self.group.rank)
-            except LayoutError:
-                unknown.append(spec.name)
+        for spec, place in zip(self.specs, self.places):
+            if place is None:
+                self.offset.append(None)
+                self.flat.append(torch.empty(0, dtype=torch.int16))
                 continue
-            p = params[piece.param]
-            want = dtypes.from_code(spec.dtype).torch_dtype()
-            if p.dtype != want:
+            p = params[place.param]
+            if p.dtype != dtypes.from_code(spec.dtype).torch_dtype():
                 raise TensorTableMismatch(retyped=[spec.name])
-            layer = model.get_submodule(piece.param.rsplit(".", 1)[0]) if "." in piece.param else model
+            layer = model.get_submodule(place.param.rsplit(".", 1)[0]) if "." in place.param else model
             why = packed_reason(layer, p)
             if why is not None:
                 raise UnwritableParameter(
-                    f"{spec.name} -> vLLM parameter {piece.param}: {why}; on CPU build the engine with the "
+                    f"{spec.name} -> vLLM parameter {place.param}: {why}; on CPU build the engine with the "
                     "p2psync plugin loaded (it keeps plain weights) or on a GPU")
-            check_piece(piece, tuple(p.shape))
-            if not piece.whole and self.group.size == 1:
-                raise LayoutError(f"{spec.name}: the parameter holds a tensor-parallel slice of it, "
-                                  "but no rank group was given to rebuild the rest")
-            nrows = piece.rows[1] - piece.rows[0]
-            rows = p.data[piece.at_row:piece.at_row + nrows]
-            if not rows.is_contiguous():
-                raise LayoutError(f"{spec.name}: the rows of {piece.param} that hold it are not contiguous")
-            signed = getattr(torch, _SIGNED[p.element_size()])
-            self.pieces.append(piece)
-            self.flat.append(rows.reshape(-1).view(signed))
-        if unknown:
-            raise TensorTableMismatch(unknown=unknown)
-        self.device = self.flat[0].device if self.flat else torch.device("cpu")
+            if not p.data.is_contiguous():
+                raise LayoutError(f"{spec.name}: parameter {place.param} is not contiguous")
+            words = p.data.reshape(-1).view(getattr(torch, _SIGNED[p.element_size()]))
+            off = place.simple()
+            self.offset.append(off)
+            self.flat.append(words[off:off + spec.numel] if off is not None else words)
+        self._roles()
+        self.device = next((f.device for f, pl in zip(self.flat, self.places) if pl is not None),
+                           torch.device("cpu"))
         self.timing: dict[str, float] = {}
         """Seconds spent decoding (and checking) and committing the last delta, and its changes."""
         self.host_memory = self.device.type == "cpu"
@@ -150,12 +147,80 @@ class LiveWeights:
         compiled loops. Else (a device) decode against a host copy of one segment's range at a time
         and write with torch's index ops."""
         self._words = [dtypes.from_code(s.dtype).word for s in self.specs]
+        self._views: dict[int, np.ndarray | None] = {}
         self._seeds = [tensor_seed(s.name) for s in self.specs]
         self.sums: list[tuple[int, int]] = self._compute_sums()
 
+    def _roles(self) -> None:
+        """Which tensors are sharded over the ranks (rebuilt together before decoding), which rank
+        leads each (the lowest holding it: it counts the decoded change once), and a check that
+        the ranks' counted elements add up to every tensor."""
+        marks = "".join("0" if pl is None else "1" if pl.whole else "2" for pl in self.places)
+        counted = [pl.held if pl is not None and pl.counted else 0 for pl in self.places]
+        every = self.group.texts(marks)
+        if self.group.size > 1:
+            counted = self.group.sum_u64(counted)
+        self.sharded = [any(m[k] == "2" for m in every) for k in range(len(self.specs))]
+        self.lead = [next((r for r, m in enumerate(every) if m[k] != "0"), 0) for k in range(len(self.specs))]
+        wrong = [(s.name, c, s.numel) for s, c in zip(self.specs, counted) if c != s.numel]
+        if wrong:
+            name, c, n = wrong[0]
+            hint = (": the parameter holds a tensor-parallel slice of it, but no rank group was given to "
+                    "rebuild the rest") if self.group.size == 1 and 0 < c < n else ""
+            raise LayoutError(f"{name}: {c} of its {n} elements have a place in the vLLM model (counted once "
+                              f"over the ranks; {len(wrong)} tensor(s) so){hint}")
+
     # --- reading ------------------------------------------------------------------------
+    def _mem(self, i: int) -> np.ndarray:
+        """The words of tensor ``i``'s binding (its slice, or its whole parameter) as unsigned host
+        words: a view in host memory (only called there)."""
+        return self.flat[i].numpy().view(self._words[i])
+
+    def _gather(self, i: int, dst: np.ndarray) -> np.ndarray:
+        """Unsigned host copies of the words at positions ``dst`` of tensor ``i``'s binding."""
+        if self.host_memory:
+            return self._mem(i)[dst]
+        import torch
+
+        got = self.flat[i].index_select(0, torch.from_numpy(dst).to(self.device))
+        return _to_host(got).view(self._words[i])
+
+    def _strided(self, i: int) -> np.ndarray | None:
+        """Tensor ``i`` as an n-D strided view of host memory in checkpoint order, when its placement
+        is one block covering it whole (an expert in a repacked ``w13_weight``, a transposed weight)."""
+        if i in self._views:
+            return self._views[i]
+        place, view = self.places[i], None
+        if self.host_memory and place is not None and place.whole and len(place.families) == 1:
+            f = place.families[0]
+            dims = [d for d in f.dims if d[0] > 1]
+            expect, dense = 1, f.ck.shape[0] == 1 and int(f.ck[0]) == 0
+            for size, cs, _ in reversed(dims):
+                dense = dense and cs == expect
+                expect *= size
+            if dense and dims and min(ds for _, _, ds in dims) > 0:
+                mem = self._mem(i)
+                view = np.lib.stride_tricks.as_strided(
+                    mem[int(f.dst[0]):], shape=tuple(s for s, _, _ in dims),
+                    strides=tuple(ds * mem.itemsize for _, _, ds in dims), writeable=False)
+        self._views[i] = view
+        return view
+
     def host_words(self, i: int, start: int, stop: int) -> np.ndarray:
-        """Words ``[start, stop)`` of tensor ``i`` as unsigned host words (a view on CPU, a copy elsewhere)."""
+        """Checkpoint words ``[start, stop)`` of tensor ``i``, held whole here, as unsigned host words
+        (a view on CPU when stored contiguously, a copy otherwise)."""
+        view = self._strided(i) if self.offset[i] is None else None
+        if view is not None:  # copy the outermost slices covering the range: O(range), memcpy-like
+            inner = self.specs[i].numel // view.shape[0]
+            lo, hi = start // inner, -(-stop // inner)
+            return view[lo:hi].reshape(-1)[start - lo * inner:stop - lo * inner]
+        if self.offset[i] is None:
+            place = self.places[i]
+            assert place is not None
+            which, dst = place.local(np.arange(start, stop, dtype=np.int64))
+            if which.shape[0] != stop - start:
+                raise LayoutError(f"{self.specs[i].name}: words [{start}, {stop}) are not all held by this rank")
+            return self._gather(i, dst)
         part = self.flat[i][start:stop]
         if part.device.type != "cpu":
             part = part.cpu()
@@ -164,22 +229,22 @@ class LiveWeights:
     def _compute_sums(self) -> list[tuple[int, int]]:
         """Per-tensor sums of the element hashes of the words this rank owns, summed over the ranks."""
         def one(i: int) -> tuple[int, int]:
-            piece, n, s = self.pieces[i], self.flat[i].numel(), (0, 0)
-            if not piece.counted:
+            place, s = self.places[i], (0, 0)
+            if place is None or not place.counted:
                 return s
-            step = n if self.host_memory and piece.whole else _HOST_RANGE
-            for lo in range(0, n, max(1, step)):
-                hi = min(n, lo + step)
-                words = self.host_words(i, lo, hi)
-                if piece.whole:
-                    a, b = _hash_at(words, lo, self._seeds[i])
-                else:
-                    pos = global_positions(piece, np.arange(lo, hi, dtype=np.int64))
-                    a, b = (int(x) for x in wordops.hash_sparse(pos, words, self._seeds[i]))
-                s = _sum_add(s, a, b)
+            if self.offset[i] is not None:
+                n = self.specs[i].numel
+                step = n if self.host_memory else _HOST_RANGE
+                for lo in range(0, n, max(1, step)):
+                    s = _sum_add(s, *_hash_at(self.host_words(i, lo, min(n, lo + step)), lo, self._seeds[i]))
+                return s
+            for ck, dst in place.chunks(_HOST_RANGE):
+                a, b = wordops.hash_sparse(ck, self._gather(i, dst), self._seeds[i])
+                s = _sum_add(s, int(a), int(b))
             return s
 
-        order = sorted(range(len(self.specs)), key=lambda i: -self.flat[i].numel())
+        held = [pl.held if pl is not None else 0 for pl in self.places]
+        order = sorted(range(len(self.specs)), key=lambda i: -held[i])
         out, _, err = run_ordered(len(self.specs), order, one, self.threads, self.cpus)
         if err is not None:
             raise err
@@ -202,9 +267,17 @@ class LiveWeights:
         return self.fingerprint
 
     def read(self, name: str) -> np.ndarray:
-        """A host copy of the live words of checkpoint tensor ``name`` that this rank holds (unsigned)."""
+        """A host copy of the live words of checkpoint tensor ``name`` that this rank holds (unsigned,
+        in checkpoint order)."""
         i = [s.name for s in self.specs].index(name)
-        return self.host_words(i, 0, self.flat[i].numel()).copy()
+        place = self.places[i]
+        if place is None:
+            return np.empty(0, dtype=self._words[i])
+        if self.offset[i] is not None:
+            return self.host_words(i, 0, self.specs[i].numel).copy()
+        parts = [(ck, self._gather(i, dst)) for ck, dst in place.chunks(_HOST_RANGE)]
+        ck = np.concatenate([p[0] for p in parts])
+        return np.concatenate([p[1] for p in parts])[np.argsort(ck, kind="stable")]
 
     # --- applying -----------------------------------------------------------------------
     def _check(self, manifest: Manifest) -> None:
@@ -236,7 +309,7 @@ class LiveWeights:
         if self.group.size > 1:
             # Rebuilding a sharded range is a collective: every rank must rebuild the same ones.
             ranges = None if failed else [(h.tensor, h.start, h.stop) for h in heads
-                                          if not self.pieces[h.tensor].whole]
+                                          if self.sharded[h.tensor]]
             agreed = self.group.first(ranges) == ranges
             if not self.group.all_true(failed is None and agreed):
                 raise failed or RankRefused("the tensor-parallel ranks were given different deltas")
@@ -251,10 +324,13 @@ class LiveWeights:
         if err is not None:
             raise err
         by: dict[int, list[tuple[tuple[int, int], np.ndarray, np.ndarray]]] = {}
-        sums = list(self.sums)
+        delta = [(0, 0)] * len(self.specs)
         for t, span, pos, new, (da, db) in (o for o in out if o is not None):
-            by.setdefault(t, []).append((span, pos, new))
-            sums[t] = _sum_add(sums[t], da, db)
+            if self.places[t] is not None:
+                by.setdefault(t, []).append((span, pos, new))
+            if self.lead[t] == self.group.rank:  # every decoding rank has the change: count it once
+                delta[t] = _sum_add(delta[t], da, db)
+        sums = [_sum_add(a, *d) for a, d in zip(self.sums, self._group_sums(delta))]
         changes: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
         for t, parts in by.items():
             parts.sort(key=lambda x: x[0])
@@ -285,7 +361,8 @@ class LiveWeights:
         rank) or a host copy of the segment's range."""
         spec = self.specs[p.tensor]
         d, seed = dtypes.from_code(spec.dtype), np.uint64(self._seeds[p.tensor])
-        if base is None and self.host_memory:  # the decoder also returns the sums' change
+        if base is None and self.host_memory and self.offset[p.tensor] is not None:
+            # in place; the decoder also returns the sums' change
             pos, new, ab = segdecode.decode(p.raw, p.body_at, p.start, p.stop, d,
                                             self.host_words(p.tensor, 0, spec.numel), seed)
             return p.tensor, (p.start, p.stop), pos, new, ab
@@ -298,14 +375,18 @@ class LiveWeights:
     def _decode_ranks(self, heads: list[Any], order: list[int]) -> tuple[list[Any], Exception | None]:
         """Decode on one thread in ``order`` (the same on every rank), rebuilding each sharded range
         with the group; after a failure the remaining ranges are still rebuilt (not decoded), so the
-        ranks' collectives stay in step."""
+        ranks' collectives stay in step. A tensor held whole by some ranks is decoded by those
+        only (another rank's experts are skipped)."""
         out: list[Any] = [None] * len(heads)
         err: Exception | None = None
         for k in order:
             p = heads[k]
-            piece = self.pieces[p.tensor]
-            base = None if piece.whole else gather_range(self.group, piece, self.flat[p.tensor], p.start, p.stop,
-                                                         self._words[p.tensor])
+            place = self.places[p.tensor]
+            base = None
+            if self.sharded[p.tensor]:
+                base = gather_range(self.group, place, self.flat[p.tensor], p.start, p.stop, self._words[p.tensor])
+            elif place is None:
+                continue
             if err is None:
                 try:
                     out[k] = self._decode_segment(p, base)
@@ -371,32 +452,40 @@ class LiveWeights:
         """``(tensor, local positions, global positions, new words)`` of the changes this rank holds."""
         items = []
         for t, parts in changes.items():
-            piece = self.pieces[t]
+            place = self.places[t]
+            if place is None:
+                continue
             for pos, new in parts:
-                if piece.whole:
+                if self.offset[t] is not None:
                     items.append((t, pos, pos, new))
                     continue
-                which, local = local_positions(piece, pos)
-                if which.shape[0]:
+                which, local = place.local(pos)
+                if which.shape[0] == pos.shape[0]:
+                    items.append((t, local, pos, new))
+                elif which.shape[0]:
                     items.append((t, local, pos[which], new[which]))
         return items
 
     def _write_host(self, j: int, item: tuple[int, np.ndarray, np.ndarray, np.ndarray], undo: list[Any],
                     lanes: list[tuple[int, int] | None]) -> None:
         t, local, glob, new = item
-        words = self.host_words(t, 0, self.flat[t].numel())
+        words = self._mem(t)
         new = np.ascontiguousarray(new).view(words.dtype)
         seed = np.uint64(self._seeds[t])
         if local is glob:  # one pass: keep, write, hash
             old = np.empty_like(words, shape=new.shape)
             undo[j] = old  # set before the write: a failure part-way is taken back whole
             a, b = wordops.scatter_logged(words, local, new, old, seed)
-        else:  # a slice: positions in memory are not the hashed ones
+        else:  # mapped: positions in memory are not the hashed ones
             old = words[local]
             undo[j] = old
             wordops.scatter(words, local, new)
             a, b = wordops.hash_change(glob, old, words[local], seed)
-        lanes[j] = (int(a), int(b)) if self.pieces[t].counted else (0, 0)
+        lanes[j] = (int(a), int(b)) if self._counted(t) else (0, 0)
+
+    def _counted(self, t: int) -> bool:
+        place = self.places[t]
+        return place is not None and place.counted
 
     def _write_device(self, j: int, item: tuple[int, np.ndarray, np.ndarray, np.ndarray], undo: list[Any],
                       lanes: list[tuple[int, int] | None]) -> None:
@@ -412,7 +501,7 @@ class LiveWeights:
             torch.cuda.synchronize(self.device)
         back = _to_host(flat.index_select(0, idx)).view(self._words[t])
         a, b = wordops.hash_change(glob, _to_host(old).view(self._words[t]), back, np.uint64(self._seeds[t]))
-        lanes[j] = (int(a), int(b)) if self.pieces[t].counted else (0, 0)
+        lanes[j] = (int(a), int(b)) if self._counted(t) else (0, 0)
 
     def _undo(self, items: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], undo: list[Any]) -> None:
         """Write back the old words of every part that was (or may have been) written."""
@@ -420,7 +509,7 @@ class LiveWeights:
             if entry is None:
                 continue
             if isinstance(entry, np.ndarray):
-                wordops.scatter(self.host_words(t, 0, self.flat[t].numel()), local, entry)
+                wordops.scatter(self._mem(t), local, entry)
             else:
                 idx, old = entry
                 self.flat[t].index_copy_(0, idx, old)
@@ -439,11 +528,16 @@ class LiveWeights:
                                                            self.threads),
                           "another tensor-parallel rank refused the snapshot")
         for i, spec in enumerate(self.specs):
-            w, piece = staged.words(spec.name), self.pieces[i]
-            if not piece.whole:
-                (r0, r1), (c0, c1) = piece.rows, piece.cols
-                w = np.ascontiguousarray(w.reshape(-1, piece.width)[r0:r1, c0:c1]).reshape(-1)
-            self.flat[i].copy_(torch.from_numpy(w.view(_np_signed(w))).to(self.device))
+            w, place = staged.words(spec.name), self.places[i]
+            if place is None:
+                continue
+            if self.offset[i] is not None:
+                self.flat[i].copy_(torch.from_numpy(w.view(_np_signed(w))).to(self.device))
+                continue
+            for ck, dst in place.chunks(_HOST_RANGE):
+                part = np.ascontiguousarray(w[ck])
+                self.flat[i].index_copy_(0, torch.from_numpy(dst).to(self.device),
+                                         torch.from_numpy(part.view(_np_signed(part))).to(self.device))
         got = self.audit()
         if got != manifest.target_fingerprint:
             raise FingerprintMismatch(manifest.target_fingerprint, got)

