@@ -25,10 +25,13 @@ GOOD = {"url": "http://127.0.0.1:7001", "token": "t0k", "public_key": "keys/trai
     ({**GOOD, "version": -1}, "init_info.version"),
     ({**GOOD, "version": 1.5}, "init_info.version"),
     ({**GOOD, "version": True}, "init_info.version"),
-    ({**GOOD, "threads": 0}, "init_info.threads"),
+    ({**GOOD, "threads": -1}, "init_info.threads"),
     ({**GOOD, "timeout": "soon"}, "init_info.timeout"),
     ({**GOOD, "timeout": 0}, "init_info.timeout"),
     ({**GOOD, "node_id": 3}, "init_info.node_id"),
+    ({**GOOD, "url": "https://127.0.0.1:7001"}, "init_info.tls_dir"),
+    ({**GOOD, "tls_dir": "/nonexistent/tls"}, "init_info.tls_dir"),
+    ({**GOOD, "tls_dir": 5}, "init_info.tls_dir"),
     ("http://127.0.0.1:7001", "init_info"),
 ])
 def test_malformed_init_info_names_the_field(given, field):
