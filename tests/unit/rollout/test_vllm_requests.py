@@ -25,7 +25,7 @@ GOOD = {"url": "http://127.0.0.1:7001", "token": "t0k", "public_key": "keys/trai
     ({**GOOD, "version": -1}, "init_info.version"),
     ({**GOOD, "version": 1.5}, "init_info.version"),
     ({**GOOD, "version": True}, "init_info.version"),
-    ({**GOOD, "threads": 0}, "init_info.threads"),
+    ({**GOOD, "threads": -1}, "init_info.threads"),  # 0 is valid: one thread per CPU the update may use
     ({**GOOD, "timeout": "soon"}, "init_info.timeout"),
     ({**GOOD, "timeout": 0}, "init_info.timeout"),
     ({**GOOD, "node_id": 3}, "init_info.node_id"),
@@ -58,6 +58,7 @@ def test_malformed_update_info_names_the_field(given, field):
 def test_well_formed_requests_parse():
     got = init_info({**GOOD, "url": "http://127.0.0.1:7001/", "version": 0, "threads": 1, "timeout": 5})
     assert (got.url, got.version, got.threads, got.timeout, got.node_id) == ("http://127.0.0.1:7001", 0, 1, 5.0, "vllm")
+    assert init_info({**GOOD, "threads": 0}).threads == 0  # the default: as many as the update's CPUs
     assert init_info({**GOOD, "version": None}).version is None
     assert update_info({"version": 0}).version == 0
 
