@@ -214,7 +214,7 @@ def docs(tmp_path_factory):
 
         until(lambda: 5 in switched(), START_S, "the rollout node's vLLM engine at version 5")
         d.switches = switched()
-        assert node.lines and node.lines[0].startswith("http://127.0.0.1:"), node.lines[:3]  # its address first
+        assert node.lines and node.lines[0].startswith("https://127.0.0.1:"), node.lines[:3]  # its address first
         node.stop()  # frees the cores for the tests below
         yield d
     finally:
