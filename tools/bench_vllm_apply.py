@@ -111,7 +111,7 @@ def rpc_dense(worker, source: str) -> dict:
     return {"s": dt, key: time.perf_counter() - t0, "read_s": got, "extra_bytes": _rss()[1] - base}
 
 
-def rpc_dense_fetched(worker, url: str, pub: str) -> dict:
+def rpc_dense_fetched(worker, url: str, pub: str, tls_dir: str) -> dict:
     """vLLM's dense path with the full checkpoint fetched the way the delta is: the node's signed
     snapshot of version 0 over the same link with the same client (4 streams, every chunk's hash
     checked), decoded into tensors, then ``load_weights``."""
@@ -120,8 +120,9 @@ def rpc_dense_fetched(worker, url: str, pub: str) -> dict:
 
     model = worker.model_runner.model
     t0 = time.perf_counter()
-    (snap,) = _run(fetch_plan(url, TOKEN, "bench-dense", None, 0, 600.0))
-    manifest, chunks = _run(fetch_artifact(url, TOKEN, "bench-dense", snap.id, load_public_key(pub), 600.0))
+    (snap,) = _run(fetch_plan(url, TOKEN, "bench/dense", None, 0, 600.0, tls_dir=tls_dir))
+    manifest, chunks = _run(fetch_artifact(url, TOKEN, "bench/dense", snap.id, load_public_key(pub), 600.0,
+                                           tls_dir=tls_dir))
     t1 = time.perf_counter()
     state = decode_state(list(manifest.tensors), enumerate(chunks), len(manifest.chunks),
                          manifest.target_fingerprint)
@@ -303,8 +304,16 @@ def main() -> int:
 
 
 def serve_and_run(ctx: dict, link_mbit: float) -> int:
-    """A trainer node serving the artifacts of ``ctx``, and the engine's part against it."""
+    """A trainer node serving the artifacts of ``ctx``, and the engine's part against it, over mutual
+    TLS as every node runs: certificates of a CA in the key folder, the node's and one for node id
+    ``bench`` that the engine presents (its requests name it so; a client-only one would be refused)."""
+    from p2psync.certs import Authority
+
     out, keydir, pub = Path(ctx["out"]), Path(ctx["keydir"]), Path(ctx["out"]) / "publish"
+    ca = Authority(keydir)
+    ca.node("trainer", "default", out / "node" / "tls")
+    ctx["tls_dir"] = str(ca.node("bench", "default", out / "bench-tls"))
+    (out / "context.json").write_text(json.dumps(ctx))
     node_argv = [sys.executable, "-m", "p2psync.cli", "node", "--role", "trainer", "--id", "trainer",
                  f"--data_dir={out / 'node'}", f"--cluster_token={TOKEN}",
                  f"--trainer_public_key={keydir / 'trainer.pub'}", f"--trainer_private_key={keydir / 'trainer.key'}",
@@ -350,14 +359,15 @@ def run_engine(ctx: dict, url: str, dense: str) -> int:
 
     from vllm import LLM
 
+    from p2psync.transport.tls import Tls
     from rollout.engines.base import EngineConfig, ParentInfo
     from rollout.engines.vllm import VLLMEngine, llm_kwargs
 
-    ck, keydir, out = Path(ctx["ck"]), Path(ctx["keydir"]), Path(ctx["out"])
+    ck, keydir, out, tls_dir = Path(ctx["ck"]), Path(ctx["keydir"]), Path(ctx["out"]), ctx["tls_dir"]
     for _ in range(600):  # the node imports the artifacts it is given
         try:
             req = urllib.request.Request(url + "/v1/head", headers={"Authorization": f"Bearer {TOKEN}"})
-            if json.loads(urllib.request.urlopen(req, timeout=5).read()).get("head") == 1:
+            if json.loads(Tls.for_client(tls_dir).urlopen(req, timeout=5).read()).get("head") == 1:
                 break
         except OSError:
             pass
@@ -368,7 +378,7 @@ def run_engine(ctx: dict, url: str, dense: str) -> int:
     eng = VLLMEngine(LLM(**kw))
     print(f"vLLM built in {time.perf_counter() - t:.0f} s", flush=True)
     try:
-        eng.attach(ParentInfo(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench"), version=0)
+        eng.attach(ParentInfo(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench", tls_dir), version=0)
         rpc = eng.llm.collective_rpc
         eng.audit()  # bind and hash once (the engine does this when it is attached in a node)
         res = {}
@@ -389,7 +399,7 @@ def run_engine(ctx: dict, url: str, dense: str) -> int:
             print("vLLM's dense reload did not restore version 0; the paths after it are skipped", flush=True)
             return _report(ctx, res)
         # p2psync again from version 0 (told so: init checks it), then the dense reload fetched as the delta is
-        eng.attach(ParentInfo(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench"), version=0)
+        eng.attach(ParentInfo(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench", tls_dir), version=0)
         f0, c0 = rpc(rpc_rusage)[0]
         t = time.perf_counter()
         assert eng.reach(1) == ctx["target"]
@@ -399,7 +409,7 @@ def run_engine(ctx: dict, url: str, dense: str) -> int:
         again, dense_s = [res["p2psync_again"]], [res["dense"]["s"]]
         for _ in range(int(ctx.get("repeats", 1)) - 1):  # more repeated updates: dense back to v0, then v1
             dense_s.append(rpc(rpc_dense, args=(dense,))[0]["s"])
-            eng.attach(ParentInfo(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench"), version=0)
+            eng.attach(ParentInfo(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench", tls_dir), version=0)
             f0, c0 = rpc(rpc_rusage)[0]
             t = time.perf_counter()
             assert eng.reach(1) == ctx["target"]
@@ -410,7 +420,7 @@ def run_engine(ctx: dict, url: str, dense: str) -> int:
                                   "decode_s": [a["decode_s"] for a in again],
                                   "commit_s": [a["commit_s"] for a in again],
                                   "cpu_s": [round(a["cpu_s"], 3) for a in again], "dense_s": dense_s}
-        res["dense_fetched"] = rpc(rpc_dense_fetched, args=(url, (keydir / "trainer.pub").read_text()))[0]
+        res["dense_fetched"] = rpc(rpc_dense_fetched, args=(url, (keydir / "trainer.pub").read_text(), tls_dir))[0]
         if eng.audit() != ctx["v0"]:
             raise SystemExit("dense reload (fetched) did not restore version 0")
         try:

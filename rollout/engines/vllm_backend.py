@@ -219,8 +219,10 @@ def _init_error(exc: P2PSyncError, url: str, version: int | None) -> P2PSyncErro
     if isinstance(exc, NotHeld) and version is not None:
         return TransferInfoError("init_info.version", f"{url} holds no signed manifest of version {version}: {exc}")
     if isinstance(exc, PeerUnreachable) and not isinstance(exc, WrongSize):
-        if any(f"HTTP {code}" in exc.reason for code in (401, 403)):
+        if "HTTP 401" in exc.reason:
             return TransferInfoError("init_info.token", f"{url} refused the cluster token: {exc}")
+        if "HTTP 403" in exc.reason:  # mutual TLS: a revoked id, a client-only one, or not init_info.node_id's
+            return TransferInfoError("init_info.tls_dir", f"{url} refused the certificate in it for node_id: {exc}")
         return TransferInfoError("init_info.url", f"{exc}")
     if isinstance(exc, SignatureError) and "init_info.public_key" not in str(exc):
         return SignatureError(f"init_info.public_key does not verify {url}'s manifest: {exc}")

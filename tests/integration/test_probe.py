@@ -9,10 +9,12 @@ import threading
 
 import pytest
 from nodeproc import CLI, TOKEN, Cluster, request, wait_for
+from tlsutil import authority
 
 from p2psync.probe import MAX_BLOB_BYTES, MAX_TARGETS
 from topology.model import NetworkModel
 from topology.tree import Plan
+
 
 pytestmark = pytest.mark.integration
 
@@ -126,7 +128,8 @@ def test_plan_probe_measures_live_nodes_and_plans(cluster: Cluster, tmp_path):
     # The trainer's address on the command line, the others from a cluster file: both forms.
     cp = subprocess.run(CLI + ["plan", "--probe", tr.url, *(p.url for p in nodes[1:]), "--token-file", str(token),
                                "--probe-bytes", str(1 << 20), "--rtt-samples", "2", "--intra-peers", "1",
-                               "-o", str(plan_path), "--save-measurements", str(meas_path), "--no-sim"],
+                               "-o", str(plan_path), "--save-measurements", str(meas_path), "--no-sim",
+                               "--tls-dir", str(authority().client())],
                         capture_output=True, text=True, cwd=REPO, timeout=200)
     assert cp.returncode == 0, cp.stderr[-3000:]
     out = cp.stdout
@@ -161,10 +164,11 @@ def test_plan_probe_measures_live_nodes_and_plans(cluster: Cluster, tmp_path):
 @pytest.mark.timeout(60)
 def test_plan_probe_needs_a_token_and_a_trainer(cluster: Cluster, tmp_path):
     r = cluster.start("lonely", "trainer")
-    cp = subprocess.run(CLI + ["plan", "--probe", r.url], capture_output=True, text=True, cwd=REPO, timeout=30)
+    tls = ["--tls-dir", str(authority().client())]  # the operator's client certificate (mutual TLS)
+    cp = subprocess.run(CLI + ["plan", "--probe", r.url, *tls], capture_output=True, text=True, cwd=REPO, timeout=30)
     assert cp.returncode == 1 and "cluster token" in cp.stderr
     token = tmp_path / "token"
     token.write_text("wrong-token-123456")
-    cp = subprocess.run(CLI + ["plan", "--probe", r.url, "--token-file", str(token)],
+    cp = subprocess.run(CLI + ["plan", "--probe", r.url, "--token-file", str(token), *tls],
                         capture_output=True, text=True, cwd=REPO, timeout=60)
     assert cp.returncode == 1 and "exactly one trainer" in cp.stderr and "401" in cp.stderr

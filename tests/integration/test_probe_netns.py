@@ -74,6 +74,7 @@ def test_probe_measures_the_tbf_cap_and_the_plan_enters_each_region_once(state_d
         try:
             out = tb.run("core", [*nodes.CLI, "plan", "--probe", *ns.urls.values(), "--token", TOKEN,
                                   "--probe-bytes", str(8 << 20), "--rtt-samples", "3", "--parallel", "1", "--no-sim",
+                                  "--tls-dir", str(ns.tls_dir),
                                   "-o", str(plan_path), "--save-measurements", str(measured_path)],
                          capture_output=True, text=True, timeout=90)
         finally:

