@@ -147,7 +147,6 @@ class LiveWeights:
         compiled loops. Else (a device) decode against a host copy of one segment's range at a time
         and write with torch's index ops."""
         self._words = [dtypes.from_code(s.dtype).word for s in self.specs]
-        self._views: dict[int, np.ndarray | None] = {}
         self._seeds = [tensor_seed(s.name) for s in self.specs]
         self.sums: list[tuple[int, int]] = self._compute_sums()
 
@@ -185,35 +184,9 @@ class LiveWeights:
         got = self.flat[i].index_select(0, torch.from_numpy(dst).to(self.device))
         return _to_host(got).view(self._words[i])
 
-    def _strided(self, i: int) -> np.ndarray | None:
-        """Tensor ``i`` as an n-D strided view of host memory in checkpoint order, when its placement
-        is one block covering it whole (an expert in a repacked ``w13_weight``, a transposed weight)."""
-        if i in self._views:
-            return self._views[i]
-        place, view = self.places[i], None
-        if self.host_memory and place is not None and place.whole and len(place.families) == 1:
-            f = place.families[0]
-            dims = [d for d in f.dims if d[0] > 1]
-            expect, dense = 1, f.ck.shape[0] == 1 and int(f.ck[0]) == 0
-            for size, cs, _ in reversed(dims):
-                dense = dense and cs == expect
-                expect *= size
-            if dense and dims and min(ds for _, _, ds in dims) > 0:
-                mem = self._mem(i)
-                view = np.lib.stride_tricks.as_strided(
-                    mem[int(f.dst[0]):], shape=tuple(s for s, _, _ in dims),
-                    strides=tuple(ds * mem.itemsize for _, _, ds in dims), writeable=False)
-        self._views[i] = view
-        return view
-
     def host_words(self, i: int, start: int, stop: int) -> np.ndarray:
         """Checkpoint words ``[start, stop)`` of tensor ``i``, held whole here, as unsigned host words
         (a view on CPU when stored contiguously, a copy otherwise)."""
-        view = self._strided(i) if self.offset[i] is None else None
-        if view is not None:  # copy the outermost slices covering the range: O(range), memcpy-like
-            inner = self.specs[i].numel // view.shape[0]
-            lo, hi = start // inner, -(-stop // inner)
-            return view[lo:hi].reshape(-1)[start - lo * inner:stop - lo * inner]
         if self.offset[i] is None:
             place = self.places[i]
             assert place is not None
