@@ -78,25 +78,11 @@ BACKEND = "p2psync"
 
 
 @dataclass
-class P2PSyncInitInfo(WeightTransferInitInfo):
-    url: str
-    """HTTP address of the p2psync node to pull from (e.g. the rollout node's own server)."""
-    token: str
-    """The cluster token (``Authorization: Bearer``)."""
-    public_key: str
-    """The trainer's Ed25519 public key: PEM text, or the path of a PEM file."""
-    version: int | None = None
-    """Version of the weights the model holds now (None: unknown, the first update loads a snapshot)."""
-    node_id: str = "vllm"
-    threads: int = 0
-    """Decode, write and hash threads; 0: one per CPU the update may use, the worker's own cores and
-    those vLLM's thread binding leaves free (:mod:`rollout.engines.vllm_cpus`)."""
-    timeout: float = 30.0
-    """Seconds a parent may stall before the fetch fails."""
+class P2PSyncInitInfo(WeightTransferInitInfo, vllm_requests.InitFields):
+    """The checked ``init_info`` (fields: :class:`rollout.engines.vllm_requests.InitFields`)."""
+
     refusal: P2PSyncError | None = field(default=None, repr=False)
     """Set by :meth:`P2PSyncWeightTransfer.parse_init_info` instead of raising (not a client field)."""
-    tls_dir: str = ""
-    """Certificate folder presented to an ``https://`` parent (the node's own ``tls.dir``; mutual TLS)."""
 
 
 @dataclass

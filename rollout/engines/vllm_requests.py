@@ -28,16 +28,24 @@ class TransferInfoError(ConfigError):
 
 @dataclass
 class InitFields:
-    """The fields of ``init_info`` (see :class:`rollout.engines.vllm_backend.P2PSyncInitInfo`)."""
+    """The fields of ``init_info`` (the backend's :class:`rollout.engines.vllm_backend.P2PSyncInitInfo`)."""
 
     url: str
+    """Address of the p2psync node to pull from (e.g. the rollout node's own server)."""
     token: str
+    """The cluster token (``Authorization: Bearer``)."""
     public_key: str
+    """The trainer's Ed25519 public key: PEM text, or the path of a PEM file."""
     version: int | None = None
+    """Version of the weights the model holds now (None: unknown, the first update loads a snapshot)."""
     node_id: str = "vllm"
     threads: int = 0
+    """Decode, write and hash threads; 0: one per CPU the update may use, the worker's own cores and
+    those vLLM's thread binding leaves free (:mod:`rollout.engines.vllm_cpus`)."""
     timeout: float = 30.0
+    """Seconds a parent may stall before the fetch fails."""
     tls_dir: str = ""
+    """Certificate folder presented to an ``https://`` parent (the node's own ``tls.dir``; mutual TLS)."""
 
 
 @dataclass
