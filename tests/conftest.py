@@ -48,3 +48,16 @@ def _node_certificates(monkeypatch, request):
         return original(cls, cfg)
 
     monkeypatch.setattr(Tls, "for_node", classmethod(for_node))
+
+
+@pytest.fixture(autouse=True)
+def _root_logging():
+    """A test that runs the CLI in-process (``main([...])``) installs its handler and level on the
+    root logger; both are put back after the test so later tests see logging as pytest set it up."""
+    import logging
+
+    root = logging.getLogger()
+    saved = (root.level, list(root.handlers))
+    yield
+    root.setLevel(saved[0])
+    root.handlers[:] = saved[1]
