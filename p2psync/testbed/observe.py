@@ -66,7 +66,11 @@ def watch(urls: dict[str, str], token: str, version: int, timeout: float, on_rea
                     if waiting is not None:
                         waiting.wait(max(1.0, deadline - now))
                         waiting = None
-                        continue  # what it held before "ready" does not count
+                        v = cat.get("version")
+                        if v is None or v < version:
+                            continue  # what it held before "ready" does not count
+                        # It held the version before "ready" (a wait for what nodes load at start):
+                        # no later catalogue may come, so this one ends the wait.
                     for a in cat.get("artifacts", []):
                         if a.get("target") == version:
                             rec["announced"] = rec["announced"] or now
