@@ -39,14 +39,18 @@ class NodeSet:
     def stop(self) -> None:
         Testbed.stop(list(self.procs.values()))
 
+    def _observer(self, *opts: str) -> subprocess.Popen:
+        """:mod:`p2psync.testbed.observe` on every node, from the core namespace, with the operator's
+        client certificate where the nodes serve TLS."""
+        args = [sys.executable, "-m", "p2psync.testbed.observe", "--token", self.token, *opts,
+                *([f"--tls-dir={self.tls_dir}"] if self.tls_dir else []),
+                *(f"{n}={u}" for n, u in self.urls.items())]
+        return self.tb.spawn("core", args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
     def watch(self, version: int, timeout: float, interval: float = 0.01, then=None) -> dict:
         """Run the observer in the core namespace until every node applied ``version``; ``then()`` runs once
         the observer is polling every node (publish there, so nothing happens before it looks)."""
-        args = [sys.executable, "-m", "p2psync.testbed.observe", "--token", self.token, "--version", str(version),
-                "--timeout", str(timeout), "--interval", str(interval),
-                *([f"--tls-dir={self.tls_dir}"] if self.tls_dir else []),
-                *(f"{n}={u}" for n, u in self.urls.items())]
-        p = self.tb.spawn("core", args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = self._observer("--version", str(version), "--timeout", str(timeout), "--interval", str(interval))
         try:
             assert p.stdout is not None
             line = p.stdout.readline().strip()
@@ -65,9 +69,7 @@ class NodeSet:
 
     def wait_warm(self, timeout: float) -> None:
         """Return once every node's codec is warm (it applies at full speed); TestbedError after ``timeout``."""
-        args = [sys.executable, "-m", "p2psync.testbed.observe", "--token", self.token, "--warm",
-                "--timeout", str(timeout), *(f"{n}={u}" for n, u in self.urls.items())]
-        p = self.tb.spawn("core", args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        p = self._observer("--warm", "--timeout", str(timeout))
         try:
             out, err = p.communicate(timeout=timeout + 60)
         finally:
