@@ -8,7 +8,11 @@ certificate). A node certificate names the node: its id is the subject's common
 name (and a ``p2psync://node/<id>`` URI SAN), its region the organizational
 unit. What a node claims about itself on the wire (the id in gossip, leases and
 results, the child header) must equal the id in the certificate it connected
-with.
+with. p2psync's own clients check that id, not the host name; the certificate
+also names the hosts the node is reached at (DNS and IP SANs: ``localhost``,
+``127.0.0.1``, ``::1`` and each ``--host``), so that a standard TLS client
+(``curl --cacert ca.crt``, Python's default context, a browser) verifies it
+with its usual host-name check.
 
 Files of a certificate folder (what ``issue`` writes, what a node reads as
 ``tls.dir``)::
@@ -23,8 +27,10 @@ Keys are ECDSA P-256 (fast to make, accepted by every TLS stack and browser).
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +47,9 @@ URI_PREFIX = "p2psync://node/"
 CLIENT_UNIT = "client"
 """Organizational unit of a client-only certificate (the CLI, an operator): it may call nodes, never serve."""
 _ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1")
+"""Hosts every node certificate names (a node on loopback, a client on the node's machine)."""
+_DNS_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 
 
 @dataclass(frozen=True)
@@ -115,13 +124,42 @@ def check_id(value: str, field: str = "id") -> str:
     return value
 
 
+def host_names(hosts: Iterable[str]) -> list[x509.GeneralName]:
+    """Subject alternative names for ``hosts`` (IP addresses, else DNS names, ``*.`` wildcards allowed);
+    :data:`LOCAL_HOSTS` first. Raises :class:`ConfigError` naming ``host`` for anything else."""
+    out: list[x509.GeneralName] = []
+    seen: set[str] = set()
+    for raw in (*LOCAL_HOSTS, *hosts):
+        host = raw.strip().lower()
+        if host in seen:
+            continue
+        seen.add(host)
+        try:
+            out.append(x509.IPAddress(ipaddress.ip_address(host.strip("[]"))))
+            continue
+        except ValueError:
+            pass
+        labels = host[2:].split(".") if host.startswith("*.") else host.split(".")
+        if not host or len(host) > 253 or not all(_DNS_LABEL.match(x) for x in labels):
+            raise ConfigError("host", f"must be an IP address or a DNS name (e.g. node1.example.org), got {raw!r}")
+        out.append(x509.DNSName(host))
+    return out
+
+
 def issue(ca_dir: Path, node_id: str, region: str, out_dir: Path, *, days: int = 365,
-          client_only: bool = False) -> Path:
+          client_only: bool = False, hosts: Iterable[str] = ()) -> Path:
     """Issue a certificate for ``node_id`` in ``region`` into ``out_dir`` (``ca.crt``, ``node.crt``,
-    ``node.key``; replaced if present). ``client_only``: may call nodes (CLI, operator), never serve."""
+    ``node.key``; replaced if present). ``client_only``: may call nodes (CLI, operator), never serve.
+    ``hosts``: the DNS names and IP addresses the node is reached at, beside :data:`LOCAL_HOSTS`
+    (a client-only certificate names none)."""
     check_id(node_id)
+    names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(URI_PREFIX + node_id)]
+    hosts = list(hosts)
+    if client_only and hosts:
+        raise ConfigError("host", "a client-only certificate is never served, so it names no host")
     if not client_only:
         check_id(region, "region")
+        names += host_names(hosts)
     ca_cert, ca_key = _load_ca(ca_dir)
     key = _new_key()
     unit = CLIENT_UNIT if client_only else region
@@ -141,8 +179,7 @@ def issue(ca_dir: Path, node_id: str, region: str, out_dir: Path, *, days: int =
                                          data_encipherment=False, key_agreement=True, key_cert_sign=False,
                                          crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-            .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(URI_PREFIX + node_id)]),
-                           critical=False)
+            .add_extension(x509.SubjectAlternativeName(names), critical=False)
             .add_extension(x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(ski), critical=False)
             .sign(ca_key, hashes.SHA256()))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -162,6 +199,16 @@ def identity_of(cert_path: Path) -> Identity:
     ou = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
     unit = str(ou[0].value) if ou else ""
     return Identity(str(cn[0].value) if cn else "", unit, cert.serial_number, unit == CLIENT_UNIT)
+
+
+def hosts_of(cert_path: Path) -> list[str]:
+    """The DNS names and IP addresses a certificate file names (its host SANs)."""
+    cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return []
+    return [*san.get_values_for_type(x509.DNSName), *(str(ip) for ip in san.get_values_for_type(x509.IPAddress))]
 
 
 def identity_from_peercert(peercert: dict | None) -> Identity | None:
@@ -185,9 +232,9 @@ class Authority:
         if not (self.directory / CA_CERT).exists():
             create_ca(self.directory)
 
-    def node(self, node_id: str, region: str, out_dir: Path) -> Path:
+    def node(self, node_id: str, region: str, out_dir: Path, hosts: Iterable[str] = ()) -> Path:
         """Issue ``node_id``'s certificate into ``out_dir`` (a node's default: ``<data_dir>/tls``)."""
-        issue(self.directory, node_id, region, Path(out_dir))
+        issue(self.directory, node_id, region, Path(out_dir), hosts=hosts)
         return Path(out_dir)
 
     def client(self, name: str = "operator") -> Path:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -120,6 +121,11 @@ def _reverted_on_meta(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor
                       ) -> tuple[dict[str, torch.Tensor], dict[int, str]] | None:
     """transformers' save-time conversion of meta stand-ins of ``tensors``, or ``None`` if the model
     has none. Returns (checkpoint name -> meta tensor, id of each stand-in -> in-memory name)."""
+    # A PreTrainedModel exists only once transformers is imported: a process that has not imported
+    # it (a plain torch trainer) holds none, and importing it here would pull in transformers'
+    # own imports (accelerate, triton, ...) for nothing.
+    if "transformers" not in sys.modules:
+        return None
     try:
         import torch
         from torch.overrides import TorchFunctionMode

@@ -3,8 +3,11 @@
 ``p2psync keygen -o keys`` makes the cluster CA (``keys/ca.crt``, ``keys/ca.key``) beside the
 trainer key; then, per node::
 
-    p2psync cert issue --ca keys --id r1 --region eu -o run/r1/tls    # a node's <data_dir>/tls
+    p2psync cert issue --ca keys --id r1 --region eu --host r1.example.org --host 10.0.0.3 -o run/r1/tls
     p2psync cert issue --ca keys --id operator --client -o op-tls    # the CLI, tools, a browser proxy
+
+A node certificate names the hosts the node is reached at (``--host``, beside localhost,
+127.0.0.1 and ::1), so that standard TLS clients verify it by host name (``curl --cacert``).
 
 ``p2psync cert revoke --id r1 --list keys/revoked`` adds a node id to the revocation list the
 trainer reads (``tls.revoked``) and gossips; every node cuts the id off within a gossip round.
@@ -24,6 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--region", default="default", help="the node's region (must match its region; default default)")
     i.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="folder for ca.crt, node.crt, node.key (a node's default: <data_dir>/tls)")
+    i.add_argument("--host", action="append", default=[], metavar="HOST",
+                   help="a DNS name or IP address the node is reached at (repeatable; always named besides: "
+                        "localhost, 127.0.0.1, ::1), for standard TLS clients' host-name check (curl --cacert)")
     i.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     i.add_argument("--client", action="store_true",
                    help="client-only certificate (CLI, tools, operator): may call nodes, never serve or act as one")
@@ -43,10 +49,12 @@ def run_issue(args: argparse.Namespace) -> int:
     if not 1 <= args.days <= 36500:
         raise ConfigError("days", f"must be 1..36500, got {args.days}")
     path = certs.issue(Path(args.ca), args.id, args.region, Path(args.output), days=args.days,
-                       client_only=args.client)
+                       client_only=args.client, hosts=args.host)
     ident = certs.identity_of(path)
     what = "client" if ident.client_only else f"node {ident.id!r} in region {ident.region!r}"
-    print(f"certificate for {what}: {path} (key {Path(args.output) / certs.NODE_KEY}, serial {ident.serial:x})")
+    hosts = "" if ident.client_only else f", hosts {', '.join(certs.hosts_of(path))}"
+    print(f"certificate for {what}: {path} (key {Path(args.output) / certs.NODE_KEY}, serial {ident.serial:x}"
+          f"{hosts})")
     return 0
 
 

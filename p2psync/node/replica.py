@@ -150,7 +150,8 @@ class Replica:
             from p2psync.transport.warm import warm_up_process
 
             try:
-                took = await warm_up_process()
+                # Not in the trainer's process: it is the training loop's (p2psync.transport.warm).
+                took = await warm_up_process(freeze_gc=self.config.role != "trainer")
             except Exception as exc:  # noqa: BLE001 - only a speed-up: the real apply path reports errors
                 self.log.warning("codec warm-up failed (the first apply will be slower): %r", exc)
                 took = None

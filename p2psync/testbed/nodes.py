@@ -109,7 +109,7 @@ def start(tb: Testbed, parents: Mapping[str, Sequence[str]], workdir: Path, keyd
             m = tb.machines[name]
             url = f"{scheme}://{m.ip}:{PORT}"
             if tls:
-                ca.node(name, m.region, workdir / name / "tls")
+                ca.node(name, m.region, workdir / name / "tls", hosts=[m.ip])  # its address, for curl
             args = [*CLI, "--log-level", log_level, "node", "--role", "trainer" if name == root else "rollout",
                     "--id", name, f"--region={m.region}", f"--listen.host={m.ip}", f"--listen.port={PORT}",
                     f"--data_dir={workdir / name}", f"--cluster_token={token}",

@@ -10,6 +10,13 @@ and numba are then no longer rescanned by every full collection while the node
 runs, nor by the interpreter's final collection on exit, which otherwise takes
 1-3 s after ``SIGTERM``.
 
+The freeze is for relay and rollout nodes only (``freeze_gc``). A trainer node lives
+in the training process (:class:`~trainer.background.BackgroundNode`, or a trainer
+job beside ``p2psync node``): that process is the user's, its objects churn every
+step, and a frozen heap is never collected at exit, so extension modules that
+check their objects at teardown report them as leaked (triton, which torch
+imports with its optimizers, prints ``nanobind: leaked ...`` lines).
+
 It runs in a daemon thread, not the event loop's executor: asyncio waits for
 executor threads when the loop closes, so a node stopped while it is still
 warming up would exit only after the warm-up finished.
@@ -28,11 +35,13 @@ _frozen = False
 _freeze_lock = threading.Lock()
 
 
-def _warm_and_freeze() -> None:
+def _warm_and_freeze(freeze_gc: bool) -> None:
     global _frozen
     from p2psync.codec import precompile
 
     precompile.warm()
+    if not freeze_gc:
+        return
     with _freeze_lock:
         if not _frozen:
             # Once per process: objects alive now (imports, caches) are never garbage.
@@ -68,8 +77,9 @@ async def in_daemon_thread(fn: Callable[[], Any], name: str) -> Any:
     return await fut
 
 
-async def warm_up_process() -> float:
-    """Warm the codec and freeze the GC (see module doc); seconds taken. Raises what the warm-up raised."""
+async def warm_up_process(freeze_gc: bool = True) -> float:
+    """Warm the codec and, if ``freeze_gc``, freeze the GC (see module doc); seconds taken.
+    Raises what the warm-up raised."""
     t0 = time.monotonic()
-    await in_daemon_thread(_warm_and_freeze, "p2psync-warm-up")
+    await in_daemon_thread(lambda: _warm_and_freeze(freeze_gc), "p2psync-warm-up")
     return time.monotonic() - t0

@@ -68,7 +68,7 @@ from vllm.distributed.weight_transfer.base import (
 from p2psync.errors import P2PSyncError, PeerUnreachable, SignatureError, TruncatedError, WrongBase, WrongSize
 from rollout.engines import vllm_requests, vllm_warm
 from rollout.engines.vllm_cpus import update_cpus
-from rollout.engines.vllm_requests import TransferInfoError, load_public_key
+from rollout.engines.vllm_requests import NotInitialized, TransferInfoError, load_public_key
 from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, together, vllm_group
 from rollout.engines.vllm_weights import LiveWeights
 
@@ -355,7 +355,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         """Apply the artifacts from the current version to ``target`` (see module doc)."""
         info = self.info
         if info is None:
-            raise P2PSyncError("init_weight_transfer_engine was not called (no p2psync parent)")
+            raise NotInitialized()
         if self.version is not None and target < self.version:
             raise TransferInfoError("update_info.version", f"{target} is below the version held ({self.version}): "
                                     "updates only move forward")

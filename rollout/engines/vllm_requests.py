@@ -18,12 +18,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, P2PSyncError
 
 
 class TransferInfoError(ConfigError):
     """A field of ``init_info`` / ``update_info`` is missing, unknown, mistyped or out of range, or what it
     names (the parent's URL, its token, the key file) cannot be used; ``field`` names it (``init_info.url``)."""
+
+
+class NotInitialized(P2PSyncError):
+    """An update before any ``init_weight_transfer_engine`` was accepted (none was sent, or every one
+    was refused): the engine has no p2psync parent to pull from, and keeps serving the weights it
+    loaded."""
+
+    def __init__(self) -> None:
+        super().__init__("no init_weight_transfer_engine has succeeded yet (none was sent, or each was "
+                         "refused): the engine has no p2psync parent; send an init that is accepted, then update")
 
 
 @dataclass

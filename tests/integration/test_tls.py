@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
 import ssl
 import subprocess
 import urllib.error
@@ -99,6 +100,37 @@ def test_a_client_or_node_without_a_certificate_of_the_cluster_ca_is_refused_in_
     assert "CERTIFICATE_VERIFY_FAILED" in intruder.log.read_text()
     children = json.dumps(tr.status().get("children", {}))
     assert "friend" in children and "intruder" not in children
+
+
+@pytest.mark.timeout(180)
+def test_standard_tls_clients_verify_a_node_by_host_name(cluster: Cluster):
+    """curl with --cacert (no -k) and Python's default context (host-name check on) accept a node at
+    the names its certificate carries (p2psync cert issue: localhost, 127.0.0.1, ::1, --host) and
+    refuse it under a name it does not carry."""
+    w = Workload(cluster.priv, numel=20_000)
+    w.snapshot(cluster.publish_dir)
+    tr = cluster.start("trainer", "trainer", publish=True)
+    port = int(tr.url.rsplit(":", 1)[1])
+    ca = tlsutil.authority().directory / "ca.crt"
+    client = tlsutil.authority().client()
+    for host in ("127.0.0.1", "localhost"):
+        done = subprocess.run(["curl", "-sS", "--fail", "--cacert", str(ca), "--cert", str(client / "node.crt"),
+                               "--key", str(client / "node.key"), "-H", f"Authorization: Bearer {TOKEN}",
+                               f"https://{host}:{port}/v1/status"], capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, (host, done.stderr)
+        assert json.loads(done.stdout)["node"] == "trainer"
+    ctx = ssl.create_default_context(cafile=str(ca))
+    assert ctx.check_hostname and ctx.verify_mode == ssl.CERT_REQUIRED
+    ctx.load_cert_chain(str(client / "node.crt"), str(client / "node.key"))
+    assert _answer(f"https://localhost:{port}/v1/status", ctx) == 200
+    # A name the certificate does not carry fails the host-name check, in curl as in Python.
+    done = subprocess.run(["curl", "-sS", "--cacert", str(ca), "--resolve", f"elsewhere.example.org:{port}:127.0.0.1",
+                           f"https://elsewhere.example.org:{port}/v1/status"], capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 60 and "elsewhere.example.org" in done.stderr, (done.returncode, done.stderr)
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        with pytest.raises(ssl.SSLCertVerificationError, match="Hostname mismatch"):
+            ctx.wrap_socket(sock, server_hostname="elsewhere.example.org")
 
 
 def test_a_node_without_its_certificate_does_not_start_and_says_how_to_get_one(cluster: Cluster, tmp_path):

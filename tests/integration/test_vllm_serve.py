@@ -8,7 +8,8 @@ mechanical: the fixed ports 7001 and 8000 become free ports (other tests share t
 and the CUDA ``vllm serve`` block is not run (it needs a GPU build of vLLM). The server the
 docs started is then shared by the tests of refusals (one vLLM start for all of them): each
 malformed request answers the documented body with its class and field, the update session
-after a refusal goes on as documented, and a refused init leaves the previous one in effect.
+after a refusal goes on as documented, a refused init leaves the previous one in effect, and a
+refused first init leaves none (updates refused as ``NotInitialized``).
 Processes are ended by the ids of the process groups this module started.
 """
 
@@ -112,6 +113,8 @@ class Docs:
     offline: str = ""
     curl: list[str] = field(default_factory=list)
     switches: list[int] = field(default_factory=list)
+    first: dict = field(default_factory=dict)
+    """The answers of the server before any init was accepted (see the fixture)."""
 
 
 def call(url: str, body: dict | None = None, method: str = "POST", timeout: float = 600.0) -> tuple[int, dict]:
@@ -200,6 +203,15 @@ def docs(tmp_path_factory):
             return call(d.server + "/health", method="GET", timeout=5)[0] == 200
 
         until(up, START_S, "vllm serve answering /health")
+        # The server's very first init, refused (a wrong token), then an update: what the client meets
+        # before the docs' curl sequence sends the first good init.
+        d.first["init"] = call(d.server + "/init_weight_transfer_engine", {"init_info": {
+            "url": d.trainer, "token": "wrong", "public_key": str(root / "keys" / "trainer.pub"),
+            "tls_dir": str(root / "vllm-tls")}})
+        d.first["start"] = call(d.server + "/start_weight_update")
+        d.first["update"] = call(d.server + "/update_weights", {"update_info": {"version": 1}})
+        d.first["status"] = status(d)
+        d.first["tokens"] = completion(d)
         d.curl = shell(5).splitlines()
         shell(6)
         node = Background(["bash", "-c", code[7]], root, env, root / "r1.log")
@@ -240,6 +252,18 @@ def test_rollout_md_runs_as_written(docs):
     assert docs.switches[-1] == 5, docs.switches
     # No chat-template warmup traceback in the server's log (the plugin drops it).
     assert "Chat template warmup failed" not in (docs.root / "serve.log").read_text()
+
+
+def test_a_refused_first_init_leaves_no_session_and_updates_are_refused(docs):
+    kind, message = refused_with(docs.first["init"])
+    assert kind == "TransferInfoError" and message.startswith("init_info.token: "), message
+    # No init was ever accepted: the engine has no p2psync parent, holds no p2psync version, and
+    # an update is refused by name (after vLLM's own start, which has nothing to check).
+    assert docs.first["start"][0] == 200
+    kind, message = refused_with(docs.first["update"])
+    assert kind == "NotInitialized" and "no init_weight_transfer_engine has succeeded" in message, message
+    assert docs.first["status"]["version"] is None and docs.first["status"]["fingerprint"] is None
+    assert len(docs.first["tokens"]) == 8  # and it went on serving the checkpoint it loaded
 
 
 def test_every_malformed_request_is_refused_typed_and_the_server_keeps_serving(docs):

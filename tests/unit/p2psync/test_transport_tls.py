@@ -68,6 +68,25 @@ def test_bad_ids_and_validity_are_refused_naming_the_field(tmp_path):
     assert not (tmp_path / "n").exists()  # nothing was written
 
 
+def test_a_node_certificate_names_its_hosts_and_a_bad_host_is_refused(tmp_path, capsys):
+    ca = certs.Authority(tmp_path / "ca")
+    assert main(["cert", "issue", "--ca", str(ca.directory), "--id", "r1", "--host", "r1.example.org",
+                 "--host", "10.0.0.3", "--host", "2001:db8::7", "--host", "*.eu.example.org",
+                 "-o", str(tmp_path / "r1")]) == 0
+    assert certs.hosts_of(tmp_path / "r1" / "node.crt") == [
+        "localhost", "r1.example.org", "*.eu.example.org", "127.0.0.1", "::1", "10.0.0.3", "2001:db8::7"]
+    assert "hosts localhost, r1.example.org" in capsys.readouterr().out
+    ca.node("r2", "eu", tmp_path / "r2")  # without --host: the loopback names only
+    assert certs.hosts_of(tmp_path / "r2" / "node.crt") == ["localhost", "127.0.0.1", "::1"]
+    for bad in ("", "has space", "a..b", "-x.org", "http://r1", "x" * 64 + ".org"):
+        with pytest.raises(ConfigError, match="^host: "):
+            certs.issue(ca.directory, "r3", "eu", tmp_path / "r3", hosts=[bad])
+    assert not (tmp_path / "r3").exists()
+    with pytest.raises(ConfigError, match="^host: a client-only certificate"):
+        certs.issue(ca.directory, "op", "eu", tmp_path / "op", client_only=True, hosts=["r1.example.org"])
+    assert certs.hosts_of(ca.client() / "node.crt") == []
+
+
 def test_revocation_list_is_read_when_it_changes(tmp_path):
     path = tmp_path / "revoked"
     rf = RevocationFile(path)
