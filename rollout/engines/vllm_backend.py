@@ -135,8 +135,8 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         self.public_key: Any = None
         self.version: int | None = None
         self.live: LiveWeights | None = None
-        self.timing: dict[str, float] = {}
-        """The last artifact's fetch, decode and commit seconds (see :meth:`status`)."""
+        self.timing: dict[str, Any] = {}
+        """The last artifact's bytes fetched, and fetch, decode and commit seconds (see :meth:`status`)."""
         tp = int(getattr(self.parallel_config, "tensor_parallel_size", 1) or 1)
         pp = int(getattr(self.parallel_config, "pipeline_parallel_size", 1) or 1)
         if pp != 1:
@@ -272,11 +272,12 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
                 manifest=manifest, need=need)))
             fetched = (t_bind - t) + (time.perf_counter() - t_need)
             self.apply(manifest, chunks)
-            got = [c for c in chunks if c is not None]
+            got = [i for i, c in enumerate(chunks) if c is not None]
+            size = sum(len(chunks[i]) for i in got)
             self.timing = {"fetch_s": round(fetched, 4), **(self.live.timing if self.live else {}),
-                           "bytes": sum(len(c) for c in got), "fetched_bytes": sum(len(c) for c in got),
-                           "artifact_bytes": manifest.payload_bytes, "fetched_chunks": len(got),
-                           "artifact_chunks": len(manifest.chunks)}
+                           "bytes": size, "fetched_bytes": size, "artifact_bytes": manifest.payload_bytes,
+                           "fetched_chunks": len(got), "artifact_chunks": len(manifest.chunks),
+                           "fetched_runs": _runs(got)}
 
     def needed(self, manifest: Any) -> list[int] | None:
         """The chunks of ``manifest`` this rank fetches: for a delta with a segment index, those
@@ -336,7 +337,8 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
           fingerprint), ``commit_s`` (writing and checking again), ``changes`` (changed words
           written here), ``segments_decoded``, ``fetched_bytes`` (bytes of chunks this rank
           fetched; ``bytes`` is the same figure), ``artifact_bytes`` (all the artifact's chunks),
-          ``fetched_chunks`` and ``artifact_chunks``. A rank's share of the transfer is
+          ``fetched_chunks``, ``artifact_chunks``, and ``fetched_runs`` (the chunks fetched, as
+          ``[first, end)`` runs of indices). A rank's share of the transfer is
           ``fetched_bytes / artifact_bytes`` (1.0 at one rank, and for a snapshot or a manifest
           without a segment index); its apply time is ``fetch_s + decode_s + commit_s``."""
         live = self.live
@@ -345,6 +347,17 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
 
     def audit(self) -> str | None:
         return self.live.audit() if self.live else None
+
+
+def _runs(ids: list[int]) -> list[list[int]]:
+    """Sorted distinct ``ids`` as ``[first, end)`` runs."""
+    out: list[list[int]] = []
+    for i in ids:
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return out
 
 
 class _Tagged(P2PSyncError):
