@@ -100,7 +100,11 @@ class SegmentRef:
 
 
 def plan(live: LiveWeights, index: Index) -> list[SegmentRef]:
-    """Every segment of ``index`` (chunk order), classified for this rank (module doc)."""
+    """Every segment of ``index`` (chunk order), classified for this rank (module doc); the last
+    plan is kept on ``live`` (the fetch and the decode of one artifact ask for the same)."""
+    kept = getattr(live, "_slice_plan", None)
+    if kept is not None and kept[0] is index:
+        return kept[1]
     out = []
     for i, entry in enumerate(index):
         for k in range(0, len(entry), 3):
@@ -110,6 +114,7 @@ def plan(live: LiveWeights, index: Index) -> list[SegmentRef]:
             place = live.places[t]
             h = held_in(place, s, e)
             out.append(SegmentRef(i, t, s, e, h > 0, h == e - s))
+    live._slice_plan = (index, out)
     return out
 
 
