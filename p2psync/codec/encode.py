@@ -22,7 +22,7 @@ import numpy as np
 from p2psync import dtypes
 from p2psync.codec import context, kernels, segencode
 from p2psync.codec.segment import MAX_BUCKETS, SegmentStats, encode_raw_segment
-from p2psync.codec.slices import delta_ranges, order_key
+from p2psync.codec.slices import block_key, delta_ranges, order_key
 from p2psync.codec.sparse import encode_changes
 from p2psync.workers import in_order
 from p2psync.errors import ConfigError
@@ -92,17 +92,23 @@ class EncodedArtifact:
     stats: SegmentStats = field(default_factory=SegmentStats)
 
 
-def pack_chunks(segments: Iterable[bytes | bytearray], chunk_size: int) -> Iterator[bytes]:
-    """Greedy in-order packing of segments into chunks of at most ``chunk_size`` bytes."""
+def pack_chunks(segments: Iterable[bytes | bytearray], chunk_size: int,
+                block: Callable[[bytes | bytearray], object] | None = None) -> Iterator[bytes]:
+    """Greedy in-order packing of segments into chunks of at most ``chunk_size`` bytes; with
+    ``block``, a new chunk also starts where ``block(segment)`` changes
+    (:func:`p2psync.codec.slices.block_key`)."""
     batch: list[bytes | bytearray] = []
     size = _CHUNK_HEAD
+    last: object = None
     for seg in segments:
         need = _SEG_PREFIX + len(seg)
         if _CHUNK_HEAD + need > chunk_size:
             raise AssertionError("segment larger than a chunk")  # prevented by CodecOptions bounds
-        if batch and size + need > chunk_size:
+        here = block(seg) if block is not None else None
+        if batch and (size + need > chunk_size or here != last):
             yield _chunk(batch)
             batch, size = [], _CHUNK_HEAD
+        last = here
         batch.append(seg)
         size += need
     if batch:
@@ -299,7 +305,8 @@ def _collect(kind: str, base: ModelState, results: Iterator[SegmentBatch], opts:
 
     chunks: list[bytes] = []
     try:
-        for i, chunk in enumerate(pack_chunks(segments(), opts.chunk_size)):
+        block = (lambda seg: block_key(base.specs, seg)) if kind == "delta" else None
+        for i, chunk in enumerate(pack_chunks(segments(), opts.chunk_size, block)):
             if sink is None:
                 chunks.append(chunk)
             else:

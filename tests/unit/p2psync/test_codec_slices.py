@@ -14,7 +14,7 @@ from p2psync.artifact import Manifest, build_manifest
 from p2psync.codec.decode import Applier
 from p2psync.codec.encode import CodecOptions, encode_delta
 from p2psync.codec.segindex import check_chunk
-from p2psync.codec.slices import delta_ranges, row_cuts
+from p2psync.codec.slices import delta_ranges, order_key, row_cuts
 from p2psync.errors import CodecError, SegmentIndexError, SignatureError
 from p2psync.state import ModelState, TensorSpec
 
@@ -71,6 +71,11 @@ def test_the_index_is_signed_and_lets_a_rank_find_its_rows_in_few_chunks():
     emb = [i for i, e in enumerate(m.segments)
            if any(e[k] == 0 and e[k + 1] < 120 * 256 for k in range(0, len(e), 3))]
     assert 0 < len(emb) < len(chunks)
+    # A chunk holds one block fraction of the cut tensors, or only uncut tensors: no chunk holds two
+    # ranks' rows at any split over 2..8 ranks.
+    for e in m.segments:
+        keys_ = {order_key(m.tensors, e[k], e[k + 1])[:2] for k in range(0, len(e), 3)}
+        assert len(keys_) == 1, e
     # Cutting and ordering change where segments sit, not what they decode to.
     ap = Applier.for_manifest(old, back)
     ap.add_chunks(enumerate(chunks), 1)
