@@ -32,6 +32,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from p2psync import keys
 from p2psync.codec.decode import Applier
 from p2psync.codec.encode import CodecOptions, EncodedArtifact
+from p2psync.codec.segindex import index_of, parse_index
 from p2psync.dtypes import BY_CODE
 from p2psync.errors import ChunkHashMismatch, CodecError, FormatVersionError, SignatureError, TruncatedError
 from p2psync.state import ModelState, TensorSpec, table_hash
@@ -74,6 +75,10 @@ class Manifest:
     key_id: str = ""
     signature: bytes = b""
     format_version: int = FORMAT_VERSION
+    segments: tuple[tuple[int, ...], ...] = ()
+    """Per chunk, ``tensor, start, stop`` of each of its segments (:mod:`p2psync.codec.slices`), so
+    that a tensor-parallel rank fetches only the chunks it needs. Empty in snapshots and in
+    manifests written before the index existed (then a rank fetches every chunk)."""
 
     # --- derived ----------------------------------------------------------------------
     @cached_property
@@ -115,6 +120,7 @@ class Manifest:
             "changed": list(self.changed),
             "stats": dict(self.stats),
             "key_id": self.key_id,
+            **({"segments": [list(e) for e in self.segments]} if self.segments else {}),
         }
 
     def signed_bytes(self) -> bytes:
@@ -245,6 +251,7 @@ def _from_body(body: Any, signature: bytes, version: int) -> Manifest:
         key_id=_field(body, "key_id", str),
         signature=bytes(signature),
         format_version=version,
+        segments=parse_index(body["segments"], tensors, len(chunks)) if "segments" in body else (),
     )
     _hex(m.base_fingerprint, "base_fingerprint")
     _hex(m.target_fingerprint, "target_fingerprint")
@@ -272,6 +279,7 @@ def build_manifest(
 ) -> Manifest:
     """The manifest of ``enc`` (signed if ``private_key`` is given). ``refs``: the chunks' sizes
     and hashes when ``enc`` holds no chunks (see :func:`snapshot_manifest`)."""
+    index = index_of(enc.chunks) if enc.kind == "delta" and refs is None else ()
     m = Manifest(
         kind=enc.kind,
         model_id=model_id,
@@ -286,6 +294,7 @@ def build_manifest(
         changed=tuple(enc.changed) if enc.kind == "delta" else (),
         stats=tuple(sorted({"header": enc.stats.header, "positions": enc.stats.positions,
                             "residuals": enc.stats.residuals, "raw": enc.stats.raw}.items())),
+        segments=index,
     )
     return m.sign(private_key) if private_key is not None else m
 

@@ -28,6 +28,14 @@ class TruncatedError(CodecError):
     """The input ended before the structure it announced was complete."""
 
 
+class SegmentIndexError(CodecError):
+    """A manifest's segment index (``field``) is malformed or does not match the chunks it signs."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"manifest: {field}: {message}")
+        self.field = field
+
+
 class FormatVersionError(CodecError):
     """The artifact was written by a format version this build cannot read."""
 

@@ -3,6 +3,13 @@
     PYTHONPATH=$PWD .venv/bin/python tools/bench_vllm_apply.py --out /tmp/bench_vllm
     PYTHONPATH=$PWD .venv/bin/python tools/bench_vllm_apply.py --link-mbit 1000 --out /tmp/bench_vllm
     PYTHONPATH=$PWD .venv/bin/python tools/bench_vllm_apply.py --model moe --experts 64 --out /tmp/bench_moe
+    PYTHONPATH=$PWD .venv/bin/python tools/bench_vllm_apply.py --tp 2 --chunk-mib 1 --out /tmp/bench_tp2
+
+``--tp N``: the engine at tensor parallel size ``N``; the result adds each rank's
+bytes fetched, share of the artifact (``fetch_fraction``) and seconds for the
+first and the repeated update (``ranks_first``, ``ranks``; from the backend's
+status) and ``tp_fetch_fraction`` (the largest share), and stops after the
+repeated update.
 
 ``--model moe``: a Qwen3-MoE shape instead (every layer's MLP is ``--experts``
 experts of ``--moe-mlp`` rows, top-8 routing, per-expert checkpoint tensors as
@@ -237,6 +244,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=1, help="repeated p2psync updates (each after a dense reload)")
     ap.add_argument("--reuse", action="store_true",
                     help="reuse the model, checkpoint and artifacts already in --out (built by an earlier run)")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="vLLM tensor_parallel_size: with 2 or more, the per-rank bytes fetched and seconds of the "
+                         "first and repeated update are reported (ranks, tp_fetch_fraction), and the paths after the "
+                         "repeated update are skipped")
+    ap.add_argument("--chunk-mib", type=float, default=4, help="chunk size of the artifacts (MiB)")
     ap.add_argument("--engine-part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dense", default=None, help=argparse.SUPPRESS)
@@ -248,7 +260,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.reuse and (out / "context.json").exists():
         ctx = json.loads((out / "context.json").read_text())
-        ctx.update(link_mbit=args.link_mbit, repeats=args.repeats,
+        ctx.update(link_mbit=args.link_mbit, repeats=args.repeats, tp=args.tp,
                    json=str(Path(args.json).resolve()) if args.json else None)
         (out / "context.json").write_text(json.dumps(ctx))
         shutil.rmtree(out / "node", ignore_errors=True)
@@ -284,7 +296,7 @@ def main() -> int:
         keys.write_pair(priv, keydir)
     else:
         priv = keys.load_private(keydir / "trainer.key")
-    opts = CodecOptions(chunk_size=4 << 20)
+    opts = CodecOptions(chunk_size=int(args.chunk_mib * (1 << 20)))
     enc = encode_snapshot(s0, opts)
     write_file(pub / "000000-snapshot.p2sa", build_manifest(enc, model_id="bench", target_version=0,
                                                              chunk_size=opts.chunk_size, private_key=priv), enc.chunks)
@@ -296,7 +308,8 @@ def main() -> int:
     del enc
     ctx = {"model": args.model, "params": nparams, "changed": nchanged, "delta_bytes": delta_bytes, "v0": s0.fingerprint,
            "v1": s1.fingerprint, "target": dm.target_fingerprint, "ck": str(ck), "keydir": str(keydir),
-           "out": str(out), "link_mbit": args.link_mbit, "repeats": args.repeats,
+           "out": str(out), "link_mbit": args.link_mbit, "repeats": args.repeats, "tp": args.tp,
+           "chunk_bytes": opts.chunk_size,
            "json": str(Path(args.json).resolve()) if args.json else None}
     (out / "context.json").write_text(json.dumps(ctx))
     del s0, s1, changed
@@ -374,6 +387,12 @@ def run_engine(ctx: dict, url: str, dense: str) -> int:
         time.sleep(1)
     kw = llm_kwargs(EngineConfig(engine="vllm", model_path=str(ck)), str(ck))
     kw["max_model_len"] = 256
+    tp = int(ctx.get("tp", 1))
+    if tp > 1:
+        kw["tensor_parallel_size"] = tp
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) >= tp:  # vLLM's CPU workers bind one core each ('auto' keeps one back for the front end)
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cpus[:tp]))
     t = time.perf_counter()
     eng = VLLMEngine(LLM(**kw))
     print(f"vLLM built in {time.perf_counter() - t:.0f} s", flush=True)
@@ -392,6 +411,8 @@ def run_engine(ctx: dict, url: str, dense: str) -> int:
         f1, c1 = rpc(rpc_rusage)[0]
         res["p2psync"].update(minflt=f1 - f0, cpu_s=c1 - c0)
         assert fp == ctx["target"]
+        if tp > 1:
+            res["ranks_first"] = _ranks(eng)
         res["dense"] = rpc(rpc_dense, args=(dense,))[0]
         res["dense"]["bit_exact"] = eng.audit() == ctx["v0"]
         if not res["dense"]["bit_exact"]:
@@ -406,6 +427,11 @@ def run_engine(ctx: dict, url: str, dense: str) -> int:
         res["p2psync_again"] = {"s": time.perf_counter() - t, **eng.status()["timing"]}
         f1, c1 = rpc(rpc_rusage)[0]
         res["p2psync_again"].update(minflt=f1 - f0, cpu_s=c1 - c0)
+        if tp > 1:  # each rank's share of the repeated update, then stop (the paths below are rank 0's)
+            res["ranks"] = _ranks(eng)
+            ctx["extra"] = {"tp_fetch_fraction": max(r["fetch_fraction"] for r in res["ranks"]),
+                            "again_over_dense": round(res["p2psync_again"]["s"] / res["dense"]["s"], 4)}
+            return _report(ctx, res)
         again, dense_s = [res["p2psync_again"]], [res["dense"]["s"]]
         for _ in range(int(ctx.get("repeats", 1)) - 1):  # more repeated updates: dense back to v0, then v1
             dense_s.append(rpc(rpc_dense, args=(dense,))[0]["s"])
@@ -436,12 +462,25 @@ def run_engine(ctx: dict, url: str, dense: str) -> int:
         eng.close()
 
 
+def _ranks(eng) -> list[dict]:
+    """Each tensor-parallel rank's bytes fetched and seconds for the last update (the backend's status)."""
+    out = []
+    for st in eng.rank_status():
+        t = st["timing"]
+        out.append({"rank": st["rank"], "fetched_bytes": t["fetched_bytes"], "artifact_bytes": t["artifact_bytes"],
+                    "fetch_fraction": round(t["fetched_bytes"] / t["artifact_bytes"], 4),
+                    "fetched_chunks": t["fetched_chunks"], "artifact_chunks": t["artifact_chunks"],
+                    "segments_decoded": t.get("segments_decoded"),
+                    **{k: t[k] for k in ("fetch_s", "decode_s", "commit_s")}})
+    return out
+
+
 def _report(ctx: dict, res: dict) -> int:
     """Print (and append to ``--json``) the summary line of the paths that ran."""
     p = res["p2psync"]["s"]
-    summary = {k: ctx[k] for k in ("model", "params", "changed", "delta_bytes", "link_mbit")}
-    summary.update({k: {kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()}
-                    for k, v in res.items()})
+    summary = {k: ctx.get(k) for k in ("model", "params", "changed", "delta_bytes", "link_mbit", "tp", "chunk_bytes")}
+    summary.update({k: ({kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()}
+                        if isinstance(v, dict) else v) for k, v in res.items()})
     summary["loadavg"] = [round(x, 2) for x in os.getloadavg()]
     summary["p2psync_over_dense"] = round(p / res["dense"]["s"], 4)
     summary.update(ctx.get("extra", {}))

@@ -75,6 +75,7 @@ from p2psync import dtypes
 from p2psync.artifact import Manifest, build_manifest
 from p2psync.codec import precompile
 from p2psync.codec.encode import CodecOptions, EncodedArtifact, element_ranges, pack_chunks
+from p2psync.codec.slices import block_key, order_segments
 from p2psync.codec.segment import SegmentStats, encode_raw_segment, shift_segment
 from p2psync.errors import CodecError, ConfigError, P2PSyncError
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
@@ -358,7 +359,8 @@ class Publisher(ShardIO):
                         own.setdefault(piece.index, []).append((gpos, vals))
             finally:
                 self._base_ready.set()  # the next extraction may start (against the updated copy)
-            part = Part(list(pack_chunks(segments, self.opts.chunk_size)), deltas, changed, stats)
+            part = Part(list(pack_chunks(order_segments(segments, self._specs), self.opts.chunk_size,
+                                         lambda seg: block_key(self._specs, seg))), deltas, changed, stats)
             parts = self._gather(part)
             if self._rank == 0:
                 assert parts is not None

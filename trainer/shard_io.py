@@ -32,6 +32,7 @@ import torch
 from p2psync import dtypes, wordops
 from p2psync.codec.encode import CodecOptions, element_ranges, encode_sparse_range
 from p2psync.codec.segment import SegmentStats, encode_raw_segment
+from p2psync.codec.slices import delta_ranges
 from p2psync.errors import ConfigError
 from trainer.pieces import Piece
 
@@ -142,8 +143,10 @@ class ShardIO:
                     continue
                 pos = np.concatenate(pos_parts).astype(np.int64, copy=False)
                 vals = np.concatenate(val_parts)
-                jobs = [self._pool.submit(encode_sparse_range, piece.index, piece.spec, old, pos, vals, s, e, self.opts)
-                        for s, e in element_ranges(piece.numel, self.opts.segment_elements)]
+                off = piece.offset  # cut at the tensor's row blocks (p2psync.codec.slices), in piece positions
+                jobs = [self._pool.submit(encode_sparse_range, piece.index, piece.spec, old, pos, vals, s - off,
+                                          e - off, self.opts)
+                        for s, e in delta_ranges(piece.spec, self.opts.segment_elements, off, off + piece.numel)]
                 out.append((k, piece, pos, vals, jobs))
         return out, time.perf_counter() - t0
 

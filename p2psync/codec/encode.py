@@ -1,6 +1,7 @@
 """Encoding a state change (delta) or a whole state (snapshot) into chunks.
 
-Work is split into jobs of at most ``segment_elements`` elements of one tensor;
+Work is split into jobs of at most ``segment_elements`` elements of one tensor (a delta's
+also at the row blocks of :mod:`p2psync.codec.slices`, and packed in its order);
 jobs run on ``threads`` threads, the calling one included (``workers.in_order``;
 the numba kernels, numpy and zstd release the GIL), and their segments are
 packed into chunks in job order as they come, so the bytes out do not depend on
@@ -21,6 +22,7 @@ import numpy as np
 from p2psync import dtypes
 from p2psync.codec import context, kernels, segencode
 from p2psync.codec.segment import MAX_BUCKETS, SegmentStats, encode_raw_segment
+from p2psync.codec.slices import block_key, delta_ranges, order_key
 from p2psync.codec.sparse import encode_changes
 from p2psync.workers import in_order
 from p2psync.errors import ConfigError
@@ -90,17 +92,23 @@ class EncodedArtifact:
     stats: SegmentStats = field(default_factory=SegmentStats)
 
 
-def pack_chunks(segments: Iterable[bytes | bytearray], chunk_size: int) -> Iterator[bytes]:
-    """Greedy in-order packing of segments into chunks of at most ``chunk_size`` bytes."""
+def pack_chunks(segments: Iterable[bytes | bytearray], chunk_size: int,
+                block: Callable[[bytes | bytearray], object] | None = None) -> Iterator[bytes]:
+    """Greedy in-order packing of segments into chunks of at most ``chunk_size`` bytes; with
+    ``block``, a new chunk also starts where ``block(segment)`` changes
+    (:func:`p2psync.codec.slices.block_key`)."""
     batch: list[bytes | bytearray] = []
     size = _CHUNK_HEAD
+    last: object = None
     for seg in segments:
         need = _SEG_PREFIX + len(seg)
         if _CHUNK_HEAD + need > chunk_size:
             raise AssertionError("segment larger than a chunk")  # prevented by CodecOptions bounds
-        if batch and size + need > chunk_size:
+        here = block(seg) if block is not None else None
+        if batch and (size + need > chunk_size or here != last):
             yield _chunk(batch)
             batch, size = [], _CHUNK_HEAD
+        last = here
         batch.append(seg)
         size += need
     if batch:
@@ -236,7 +244,7 @@ def encode_sparse_range(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.
     """The delta segments of elements ``[s, e)`` of tensor #``tensor`` from changes found
     elsewhere (e.g. on a GPU): ``pos`` sorted changed positions of the whole tensor, ``vals``
     their new words, ``old`` the base words. Same bytes as :func:`encode_delta` gives for that
-    range; ranges from :func:`element_ranges` with ``opts.segment_elements``. Thread-safe."""
+    range; ranges from :func:`p2psync.codec.slices.delta_ranges` with ``opts.segment_elements``. Thread-safe."""
     d = dtypes.from_code(spec.dtype)
     cap = opts.max_changes(d.width)
     seed = tensor_seed(spec.name)
@@ -297,7 +305,8 @@ def _collect(kind: str, base: ModelState, results: Iterator[SegmentBatch], opts:
 
     chunks: list[bytes] = []
     try:
-        for i, chunk in enumerate(pack_chunks(segments(), opts.chunk_size)):
+        block = (lambda seg: block_key(base.specs, seg)) if kind == "delta" else None
+        for i, chunk in enumerate(pack_chunks(segments(), opts.chunk_size, block)):
             if sink is None:
                 chunks.append(chunk)
             else:
@@ -316,9 +325,15 @@ def encode_delta(base: ModelState, new: ModelState, opts: CodecOptions | None = 
     jobs = []
     for i, spec in enumerate(base.specs):
         old_w, new_w = base.words(spec.name), new.words(spec.name)
-        for s, e in element_ranges(spec.numel, opts.segment_elements):
-            jobs.append((_scan_job, (i, spec, old_w, new_w, s, e, opts), e - s))
-    return _collect("delta", base, _run(jobs, opts), opts)
+        for s, e in delta_ranges(spec, opts.segment_elements):
+            jobs.append((order_key(base.specs, i, s), (_scan_job, (i, spec, old_w, new_w, s, e, opts), e - s)))
+    return _collect("delta", base, _run(_in_slice_order(jobs), opts), opts)
+
+
+def _in_slice_order(keyed: list[tuple[tuple, tuple]]) -> list[tuple]:
+    """Jobs in packing order (:func:`p2psync.codec.slices.order_key`: each job lies inside one row
+    block, so its segments keep their place)."""
+    return [job for _, job in sorted(keyed, key=lambda kj: kj[0])]
 
 
 def encode_delta_sparse(
@@ -341,9 +356,10 @@ def encode_delta_sparse(
         vals = np.asarray(vals).view(dtypes.from_code(spec.dtype).word)
         if pos.shape[0] == 0:
             continue
-        for s, e in element_ranges(spec.numel, opts.segment_elements):
-            jobs.append((encode_sparse_range, (i, spec, base.words(spec.name), pos, vals, s, e, opts), e - s))
-    return _collect("delta", base, _run(jobs, opts), opts)
+        for s, e in delta_ranges(spec, opts.segment_elements):
+            jobs.append((order_key(base.specs, i, s),
+                         (encode_sparse_range, (i, spec, base.words(spec.name), pos, vals, s, e, opts), e - s)))
+    return _collect("delta", base, _run(_in_slice_order(jobs), opts), opts)
 
 
 def encode_snapshot(state: ModelState, opts: CodecOptions | None = None,

@@ -205,6 +205,14 @@ class VLLMEngine(RolloutEngine):
 
         return self._rpc(rpc_status)
 
+    def rank_status(self) -> list[dict[str, Any]]:
+        """:meth:`status` of every tensor-parallel worker, in rank order (each rank's bytes fetched and
+        seconds for the last update: :meth:`rollout.engines.vllm_backend.P2PSyncWeightTransfer.status`)."""
+        from rollout.engines.vllm_backend import rpc_status
+
+        with self.calling() as llm:
+            return list(llm.collective_rpc(rpc_status))
+
     def read(self, names: Sequence[str]) -> dict[str, bytes]:
         """Raw bytes of the live weights of checkpoint tensors ``names`` (read back from vLLM)."""
         from rollout.engines.vllm_backend import rpc_read

@@ -24,8 +24,10 @@ process with the loaded model. Turned on with ``weight_transfer_config=
 - ``update_weights({"update_info": {"version": v}})``: reach version ``v``. The
   backend asks the parent for its catalogue, plans the cheapest chain of
   artifacts (:func:`p2psync.store.plan_catchup`), and for each: fetches the
-  manifest and checks its signature against the trainer's key, fetches every
-  chunk and checks it against the signed hash (a chunk whose connection is cut
+  manifest and checks its signature against the trainer's key, fetches the
+  chunks this rank needs (every chunk, but with tensor parallelism only those
+  holding its slice of a delta, from the manifest's signed segment index:
+  :mod:`rollout.engines.vllm_slices`) and checks each against the signed hash (a chunk whose connection is cut
   mid-body is ``PeerUnreachable``; a complete answer shorter than the signed
   chunk is ``TruncatedError``), then applies it to the live
   parameters all-or-nothing (:class:`~rollout.engines.vllm_weights.LiveWeights`).
@@ -46,7 +48,7 @@ callers should reset vLLM's prefix cache after an update, since cached KV blocks
 were computed with the old weights.
 
 Status. Calling the backend object returns :meth:`P2PSyncWeightTransfer.status`
-(version, fingerprint, timing): vLLM's development route ``POST /collective_rpc
+(version, fingerprint, rank, and the rank's bytes fetched and seconds): vLLM's development route ``POST /collective_rpc
 {"method": "weight_transfer_engine"}`` does exactly that on every worker.
 """
 
@@ -68,6 +70,7 @@ from vllm.distributed.weight_transfer.base import (
 from p2psync.errors import P2PSyncError, PeerUnreachable, SignatureError, TruncatedError, WrongBase, WrongSize
 from rollout.engines import vllm_requests, vllm_warm
 from rollout.engines.vllm_cpus import update_cpus
+from rollout.engines.vllm_fetch import check_key, fetch_artifact, fetch_manifest, fetch_plan, fetch_version_manifest
 from rollout.engines.vllm_requests import NotInitialized, TransferInfoError, load_public_key
 from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, together, vllm_group
 from rollout.engines.vllm_weights import LiveWeights
@@ -89,113 +92,6 @@ class P2PSyncInitInfo(WeightTransferInitInfo, vllm_requests.InitFields):
 class P2PSyncUpdateInfo(WeightTransferUpdateInfo):
     version: int
     """The version to reach."""
-
-
-def _tls(tls_dir: str) -> Any:
-    from p2psync.transport.tls import Tls
-
-    return Tls.for_client(tls_dir) if tls_dir else None
-
-
-async def fetch_artifact(url: str, token: str, node_id: str, aid: str, public_key: Any, timeout: float,
-                         parallel: int = 4, tls_dir: str = "") -> tuple[Any, list[memoryview]]:
-    """The manifest (signature checked) and every chunk (hash checked) of artifact ``aid`` at ``url``."""
-    from p2psync.artifact import verify_chunk
-    from p2psync.transport.client import ChunkBuffer, PeerClient
-
-    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0,
-                                     parallel_streams=parallel, tls=_tls(tls_dir))
-    async with client:
-        manifest = await client.call_manifest(url, aid)
-        manifest.verify(public_key)
-        if manifest.artifact_id != aid:
-            raise P2PSyncError(f"{url} served the manifest of {manifest.artifact_id} for {aid}")
-        sem = asyncio.Semaphore(parallel)
-
-        async def one(i: int) -> memoryview:
-            async with sem:
-                buf = ChunkBuffer(manifest.chunks[i].size)
-                try:
-                    await client.call_chunk(url, aid, i, buf)
-                except WrongSize as exc:
-                    raise short_answer(exc, f"chunk {i} of {aid} from {url}") or exc
-                data = buf.take()
-                verify_chunk(manifest, i, data)
-                return data
-
-        chunks = await asyncio.gather(*(one(i) for i in range(len(manifest.chunks))))
-    return manifest, list(chunks)
-
-
-def short_answer(exc: WrongSize, what: str) -> TruncatedError | None:
-    """A :class:`TruncatedError` if the peer answered completely, but with fewer bytes than the signed size.
-
-    A connection cut mid-body stays :class:`PeerUnreachable` (the answer never completed: trying
-    again may work); a complete, well-formed answer that is shorter than the chunk the manifest
-    signs is truncated content, and asking that peer again gives the same."""
-    if exc.got >= exc.expected:
-        return None
-    return TruncatedError(f"{what}: the peer's answer has {exc.got} of the {exc.expected} bytes the signed "
-                          "manifest gives it")
-
-
-async def fetch_version_manifest(url: str, token: str, node_id: str, version: int, public_key: Any,
-                                 timeout: float, tls_dir: str = "") -> Any:
-    """The signed manifest of an artifact reaching ``version`` (a delta, else a snapshot), signature checked."""
-    from p2psync.transport.client import NotHeld, PeerClient
-
-    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
-                                     tls=_tls(tls_dir))
-    async with client:
-        try:
-            m = await client.call_version_manifest(url, version, "delta")
-        except NotHeld:
-            m = await client.call_version_manifest(url, version, "snapshot")
-    m.verify(public_key)
-    return m
-
-
-async def fetch_plan(url: str, token: str, node_id: str, current: int | None, target: int, timeout: float,
-                     tls_dir: str = "") -> list[Any]:
-    """The artifacts to apply, in order, to go from ``current`` to ``target`` with what ``url`` holds."""
-    from p2psync.store import plan_catchup
-    from p2psync.transport.client import PeerClient
-
-    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
-                                     tls=_tls(tls_dir))
-    async with client:
-        cat = await client.call_head(url)
-    held = [a for a in cat.artifacts if a.complete]
-    try:
-        return plan_catchup(current, target, held)
-    except P2PSyncError as exc:
-        newest = max((a.target for a in held), default=None)
-        raise TransferInfoError("update_info.version", f"{exc} at {url} (the newest complete version there is "
-                                f"{newest})") from None
-
-
-async def check_key(url: str, token: str, node_id: str, public_key: Any, timeout: float, tls_dir: str = "") -> int:
-    """Verify the manifest of the newest complete artifact ``url`` lists against ``public_key``; its version.
-
-    What an init without ``version`` checks, so that a wrong key is refused at init, not at the
-    first update."""
-    from p2psync.transport.client import PeerClient
-
-    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
-                                     tls=_tls(tls_dir))
-    async with client:
-        cat = await client.call_head(url)
-        held = [a for a in cat.artifacts if a.complete]
-        if not held:
-            raise TransferInfoError("init_info.url", f"{url} lists no complete artifact yet, so the trainer's key "
-                                    "cannot be checked against a signed manifest (init again once it has one)")
-        newest = max(held, key=lambda a: (a.target, a.kind == "delta"))  # a delta's manifest is the smaller
-        manifest = await client.call_manifest(url, newest.id)
-    try:
-        manifest.verify(public_key)
-    except SignatureError as exc:
-        raise SignatureError(f"init_info.public_key does not verify {url}'s artifact {newest.id}: {exc}") from None
-    return int(manifest.target_version)
 
 
 def _init_error(exc: P2PSyncError, url: str, version: int | None) -> P2PSyncError:
@@ -239,8 +135,8 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         self.public_key: Any = None
         self.version: int | None = None
         self.live: LiveWeights | None = None
-        self.timing: dict[str, float] = {}
-        """The last artifact's fetch, decode and commit seconds (see :meth:`status`)."""
+        self.timing: dict[str, Any] = {}
+        """The last artifact's bytes fetched, and fetch, decode and commit seconds (see :meth:`status`)."""
         tp = int(getattr(self.parallel_config, "tensor_parallel_size", 1) or 1)
         pp = int(getattr(self.parallel_config, "pipeline_parallel_size", 1) or 1)
         if pp != 1:
@@ -366,12 +262,31 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
                               share=True)
         for aid in plan:
             t = time.perf_counter()
-            manifest, chunks = self._together(lambda: _run(fetch_artifact(
-                info.url, info.token, info.node_id, aid, self.public_key, info.timeout, tls_dir=info.tls_dir)))
-            fetched = time.perf_counter() - t
+            manifest = self._together(lambda: _run(fetch_manifest(
+                info.url, info.token, info.node_id, aid, self.public_key, info.timeout, info.tls_dir)))
+            t_bind = time.perf_counter()
+            need = self.needed(manifest)  # binds the table first (its collectives are not fetch time)
+            t_need = time.perf_counter()
+            _, chunks = self._together(lambda: _run(fetch_artifact(
+                info.url, info.token, info.node_id, aid, self.public_key, info.timeout, tls_dir=info.tls_dir,
+                manifest=manifest, need=need)))
+            fetched = (t_bind - t) + (time.perf_counter() - t_need)
             self.apply(manifest, chunks)
+            got = [i for i, c in enumerate(chunks) if c is not None]
+            size = sum(len(chunks[i]) for i in got)
             self.timing = {"fetch_s": round(fetched, 4), **(self.live.timing if self.live else {}),
-                           "bytes": sum(len(c) for c in chunks)}
+                           "bytes": size, "fetched_bytes": size, "artifact_bytes": manifest.payload_bytes,
+                           "fetched_chunks": len(got), "artifact_chunks": len(manifest.chunks),
+                           "fetched_runs": _runs(got)}
+
+    def needed(self, manifest: Any) -> list[int] | None:
+        """The chunks of ``manifest`` this rank fetches: for a delta with a segment index, those
+        holding segments it holds elements of (:mod:`rollout.engines.vllm_slices`); else all (None)."""
+        if manifest.kind != "delta" or not manifest.segments:
+            return None
+        from rollout.engines.vllm_slices import chunks_needed
+
+        return chunks_needed(self.bind(manifest), manifest)
 
     def _together(self, fn: Any, share: bool = False) -> Any:
         """``fn()`` on every rank, then a vote: if it failed anywhere it fails everywhere. With
@@ -411,12 +326,38 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         return fp
 
     def status(self) -> dict[str, Any]:
+        """This rank's state and its figures for the last artifact applied (one dict per worker
+        through ``collective_rpc``):
+
+        - ``version``, ``fingerprint``: the weights held (the whole model's fingerprint, equal on
+          every rank);
+        - ``rank``, ``ranks``: this worker's tensor-parallel rank and the group's size;
+        - ``timing``: ``fetch_s`` (seconds fetching the manifest and this rank's chunks, each
+          verified), ``decode_s`` (decoding this rank's slice and checking the target
+          fingerprint), ``commit_s`` (writing and checking again), ``changes`` (changed words
+          written here), ``segments_decoded``, ``fetched_bytes`` (bytes of chunks this rank
+          fetched; ``bytes`` is the same figure), ``artifact_bytes`` (all the artifact's chunks),
+          ``fetched_chunks``, ``artifact_chunks``, and ``fetched_runs`` (the chunks fetched, as
+          ``[first, end)`` runs of indices). A rank's share of the transfer is
+          ``fetched_bytes / artifact_bytes`` (1.0 at one rank, and for a snapshot or a manifest
+          without a segment index); its apply time is ``fetch_s + decode_s + commit_s``."""
         live = self.live
         return {"version": self.version, "fingerprint": live.fingerprint if live else None,
-                "timing": dict(self.timing)}
+                "rank": self.group.rank, "ranks": self.group.size, "timing": dict(self.timing)}
 
     def audit(self) -> str | None:
         return self.live.audit() if self.live else None
+
+
+def _runs(ids: list[int]) -> list[list[int]]:
+    """Sorted distinct ``ids`` as ``[first, end)`` runs."""
+    out: list[list[int]] = []
+    for i in ids:
+        if out and out[-1][1] == i:
+            out[-1][1] = i + 1
+        else:
+            out.append([i, i + 1])
+    return out
 
 
 class _Tagged(P2PSyncError):
@@ -439,7 +380,7 @@ def _backend(worker: Any) -> P2PSyncWeightTransfer:
 
 
 def rpc_status(worker: Any) -> dict[str, Any]:
-    """``{"version", "fingerprint"}`` of the backend in this worker."""
+    """:meth:`P2PSyncWeightTransfer.status` of the backend in this worker."""
     return _backend(worker).status()
 
 

@@ -29,11 +29,13 @@ placement. Then:
   host staging state (verified against its target), copies it into the live
   views and audits them.
 - **Tensor and expert parallelism.** Given a rank group
-  (:mod:`rollout.engines.vllm_tp`), ranges of tensors sharded over the ranks are
-  rebuilt with the group before they are decoded; a tensor some ranks hold whole
-  and others not at all (an expert) is decoded by its holders only; each rank
-  writes the changes it holds, the fingerprint sums are the group's, and every
-  step is voted so that the ranks apply or refuse together.
+  (:mod:`rollout.engines.vllm_tp`), each rank decodes only its slice of a delta
+  (:mod:`rollout.engines.vllm_slices`): the segments inside what it holds, alone,
+  and the ranges it holds in part (a row-parallel weight's rows), rebuilt with the
+  group first; a tensor some ranks hold whole and others not at all (an expert)
+  is decoded by its holders only. Each rank writes the changes it holds, counts
+  those it owns, the fingerprint sums are the group's, and every step is voted
+  so that the ranks apply or refuse together.
 
 Parameters the model does not compute with (size-0 weights of layers whose
 matmul was repacked, e.g. by oneDNN on CPU, or layers whose matmul closes over a
@@ -52,7 +54,6 @@ import numpy as np
 
 from p2psync import dtypes, wordops
 from p2psync.codec import segdecode
-from p2psync.codec.decode import split_chunk
 from p2psync.codec.segment import KIND_DELTA, parse_head
 from p2psync.workers import run_ordered
 from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, TensorTableMismatch, WrongBase
@@ -60,7 +61,7 @@ from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
 from rollout.engines.vllm_layout import LayoutError
 from rollout.engines.vllm_placement import Placement
 from rollout.engines.vllm_probe import placements
-from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, gather_range, together
+from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, together
 
 if TYPE_CHECKING:
     import torch
@@ -141,7 +142,10 @@ class LiveWeights:
         self.device = next((f.device for f, pl in zip(self.flat, self.places) if pl is not None),
                            torch.device("cpu"))
         self.timing: dict[str, float] = {}
-        """Seconds spent decoding (and checking) and committing the last delta, and its changes."""
+        """Seconds spent decoding (and checking) and committing the last delta, its changes and the
+        segments this rank decoded."""
+        self.decoded = 0
+        """Segments this rank decoded in the last delta (its slice)."""
         self.host_memory = self.device.type == "cpu"
         """The live words are in host memory: decode against them in place and write them with
         compiled loops. Else (a device) decode against a host copy of one segment's range at a time
@@ -151,16 +155,15 @@ class LiveWeights:
         self.sums: list[tuple[int, int]] = self._compute_sums()
 
     def _roles(self) -> None:
-        """Which tensors are sharded over the ranks (rebuilt together before decoding), which rank
-        leads each (the lowest holding it: it counts the decoded change once), and a check that
-        the ranks' counted elements add up to every tensor."""
+        """Which tensors are sharded over the ranks (their ranges a rank holds in part are rebuilt
+        together before decoding), and a check that the ranks' counted elements add up to every
+        tensor (each change is counted by the rank that owns its position)."""
         marks = "".join("0" if pl is None else "1" if pl.whole else "2" for pl in self.places)
         counted = [pl.held if pl is not None and pl.counted else 0 for pl in self.places]
         every = self.group.texts(marks)
         if self.group.size > 1:
             counted = self.group.sum_u64(counted)
         self.sharded = [any(m[k] == "2" for m in every) for k in range(len(self.specs))]
-        self.lead = [next((r for r, m in enumerate(every) if m[k] != "0"), 0) for k in range(len(self.specs))]
         wrong = [(s.name, c, s.numel) for s, c in zip(self.specs, counted) if c != s.numel]
         if wrong:
             name, c, n = wrong[0]
@@ -258,61 +261,18 @@ class LiveWeights:
 
         check_table(list(manifest.tensors), self.specs)
 
-    def decode(self, manifest: Manifest, chunks: Sequence[bytes | memoryview]
+    def decode(self, manifest: Manifest, chunks: Sequence[bytes | memoryview | None]
                ) -> tuple[dict[int, list[tuple[np.ndarray, np.ndarray]]], list[tuple[int, int]]]:
-        """Decode a delta against the live words, reading only.
+        """Decode a delta against the live words, reading only: this rank's slice of it
+        (:func:`rollout.engines.vllm_slices.decode`; ``chunks``: None for a chunk it does not need).
 
         Returns ``(changes, sums)``: tensor index -> [(positions, new words)] (one part per
         segment, in range order; positions distinct), and the per-tensor
         fingerprint sums the changes lead to (computed from the old and new words at the changed
-        positions)."""
-        self._check(manifest)
-        if manifest.kind != "delta":
-            raise CodecError(f"expected a delta, got a {manifest.kind}")
-        if self.fingerprint != manifest.base_fingerprint:
-            raise WrongBase(str(manifest.base_fingerprint), self.fingerprint, manifest.base_version)
-        if len(chunks) != len(manifest.chunks):
-            raise CodecError(f"{len(chunks)} of {len(manifest.chunks)} chunks given")
-        failed: Exception | None = None
-        heads: list[Any] = []
-        try:
-            heads = [self._head(seg) for c in chunks for seg in split_chunk(c)]
-        except Exception as exc:
-            failed = exc
-        if self.group.size > 1:
-            # Rebuilding a sharded range is a collective: every rank must rebuild the same ones.
-            ranges = None if failed else [(h.tensor, h.start, h.stop) for h in heads
-                                          if self.sharded[h.tensor]]
-            agreed = self.group.first(ranges) == ranges
-            if not self.group.all_true(failed is None and agreed):
-                raise failed or RankRefused("the tensor-parallel ranks were given different deltas")
-        elif failed is not None:
-            raise failed
-        order = sorted(range(len(heads)), key=lambda k: -len(heads[k].raw))
-        if self.group.size == 1:
-            out, _, err = run_ordered(len(heads), order, lambda k: self._decode_segment(heads[k]),
-                                      min(self.threads, max(1, len(heads))), self.cpus)
-        else:
-            out, err = self._decode_ranks(heads, order)
-        if err is not None:
-            raise err
-        by: dict[int, list[tuple[tuple[int, int], np.ndarray, np.ndarray]]] = {}
-        delta = [(0, 0)] * len(self.specs)
-        for t, span, pos, new, (da, db) in (o for o in out if o is not None):
-            if self.places[t] is not None:
-                by.setdefault(t, []).append((span, pos, new))
-            if self.lead[t] == self.group.rank:  # every decoding rank has the change: count it once
-                delta[t] = _sum_add(delta[t], da, db)
-        sums = [_sum_add(a, *d) for a, d in zip(self.sums, self._group_sums(delta))]
-        changes: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-        for t, parts in by.items():
-            parts.sort(key=lambda x: x[0])
-            for x, y in zip(parts, parts[1:]):
-                if y[0][0] < x[0][1]:  # positions are distinct inside a segment; segments must not overlap
-                    raise CodecError(f"segments of {self.specs[t].name} overlap")
-            # One part per segment, not concatenated: no second copy of the changes.
-            changes[t] = [(pos.astype(np.int64, copy=False), new) for _, pos, new in parts]
-        return changes, sums
+        positions, each counted by the rank that owns it)."""
+        from rollout.engines import vllm_slices
+
+        return vllm_slices.decode(self, manifest, chunks)
 
     def _head(self, seg: memoryview) -> Any:
         """The parsed head of a delta segment, checked against the table."""
@@ -345,29 +305,7 @@ class LiveWeights:
         a, b = wordops.hash_change(pos, old[rel], new, seed)
         return p.tensor, (p.start, p.stop), pos, new, (int(a), int(b))
 
-    def _decode_ranks(self, heads: list[Any], order: list[int]) -> tuple[list[Any], Exception | None]:
-        """Decode on one thread in ``order`` (the same on every rank), rebuilding each sharded range
-        with the group; after a failure the remaining ranges are still rebuilt (not decoded), so the
-        ranks' collectives stay in step. A tensor held whole by some ranks is decoded by those
-        only (another rank's experts are skipped)."""
-        out: list[Any] = [None] * len(heads)
-        err: Exception | None = None
-        for k in order:
-            p = heads[k]
-            place = self.places[p.tensor]
-            base = None
-            if self.sharded[p.tensor]:
-                base = gather_range(self.group, place, self.flat[p.tensor], p.start, p.stop, self._words[p.tensor])
-            elif place is None:
-                continue
-            if err is None:
-                try:
-                    out[k] = self._decode_segment(p, base)
-                except Exception as exc:
-                    err = exc
-        return out, err
-
-    def apply_delta(self, manifest: Manifest, chunks: Sequence[bytes | memoryview]) -> str:
+    def apply_delta(self, manifest: Manifest, chunks: Sequence[bytes | memoryview | None]) -> str:
         """Decode, check, write, check again; all or nothing, on every rank (see module doc)."""
         t0 = time.perf_counter()
 
@@ -382,7 +320,8 @@ class LiveWeights:
         t1 = time.perf_counter()
         fp = self.commit(changes, manifest.target_fingerprint)
         self.timing = {"decode_s": round(t1 - t0, 4), "commit_s": round(time.perf_counter() - t1, 4),
-                       "changes": sum(p[0].shape[0] for parts in changes.values() for p in parts)}
+                       "changes": sum(p[0].shape[0] for parts in changes.values() for p in parts),
+                       "segments_decoded": self.decoded}
         return fp
 
     def commit(self, changes: dict[int, list[tuple[np.ndarray, np.ndarray]]], target: str) -> str:

@@ -1,7 +1,9 @@
 """vLLM (0.32, real engine) with tensor_parallel_size=2 kept on the trainer's versions by the p2psync backend.
 
-Two worker processes each hold a slice of most tensors; they rebuild sharded
-ranges together, write their own slices, and reach the trainer's whole-model
+Two worker processes each hold a slice of most tensors; each fetches only the
+chunks of its slice of a delta (fewer bytes than the artifact, the two together
+all of it), decodes its own rows alone and rebuilds the row-parallel ranges with
+the other, writes its own slice, and they reach the trainer's whole-model
 fingerprint. Generation then equals that of a fresh two-rank vLLM loaded from the
 trainer's checkpoint, and a corrupt update is refused by both ranks.
 """
@@ -44,6 +46,15 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
             before = greedy(engine, 6)
             for v in range(1, N + 1):
                 assert engine.reach(v) == lin.states[v].fingerprint
+                # Each rank fetched only the chunks of its slice (its rows of the column- and
+                # vocab-parallel tensors, and every rank the row-parallel and small ones), and
+                # the two fetches together cover the delta.
+                ranks = [s["timing"] for s in engine.rank_status()]
+                assert [s["rank"] for s in engine.rank_status()] == [0, 1]
+                total = ranks[0]["artifact_bytes"]
+                assert all(0 < r["fetched_bytes"] < total for r in ranks), ranks
+                covered = {i for r in ranks for a, b in r["fetched_runs"] for i in range(a, b)}
+                assert covered == set(range(ranks[0]["artifact_chunks"])), ranks
             assert engine.audit() == lin.states[N].fingerprint  # every live word of both ranks hashed
             after = greedy(engine, 6)
             assert [lp for _, lp in after] != [lp for _, lp in before]  # both ranks compute with the new bits

@@ -135,7 +135,7 @@ def _params(model: torch.nn.Module) -> dict[str, bytes]:
     return {n: p.detach().view(torch.int16).numpy().tobytes() for n, p in model.named_parameters()}
 
 
-def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, chunks, out) -> None:
+def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, chunks, out, sliced: bool) -> None:
     import torch.distributed as dist
 
     from rollout.engines.vllm_tp import RankRefused, TorchGroup
@@ -150,6 +150,11 @@ def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, c
         before = _params(model)
         live = LiveWeights(model, specs, group=group)
         res: dict = {"base": live.fingerprint == fps[0]}
+        if sliced:  # only the chunks this rank's slice needs, the others None
+            from rollout.engines.vllm_slices import chunks_needed
+
+            need = chunks_needed(live, m)
+            chunks = [c if i in need else None for i, c in enumerate(chunks)]
         # One rank's chunk is corrupt: both refuse, both keep their words.
         bad = list(chunks)
         if rank == 1:
@@ -179,6 +184,7 @@ def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, c
             del live._write_host
         res["write_kept"] = _params(model) == before and live.audit() == fps[0]
         res["applied"] = live.apply_delta(m, chunks) == fps[1]
+        res["decoded"] = live.decoded
         res["words"] = _params(model) == want_new
         res["audit"] = live.audit() == fps[1]
         out.put((rank, res))
@@ -187,9 +193,15 @@ def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, c
         out.put((rank, traceback.format_exc()))
 
 
-def test_two_ranks_apply_a_delta_bit_exact_and_refuse_together():
+@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "sliced"])
+def test_two_ranks_apply_a_delta_bit_exact_and_refuse_together(sliced, monkeypatch):
+    """``sliced``: the trainer cuts these small tensors into row blocks too (as it does large ones), so
+    each rank decodes the blocks of its own rows alone, from only the chunks that hold them."""
+    if sliced:
+        monkeypatch.setattr("p2psync.codec.slices.MIN_SLICED", 256)
     old = _state(0)
     new, m, chunks = _delta(old, 1)
+    segments = sum(len(e) // 3 for e in m.segments)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -197,7 +209,7 @@ def test_two_ranks_apply_a_delta_bit_exact_and_refuse_together():
     out = ctx.Queue()
     words = lambda st: {n: st.words(n).copy() for n in st}  # noqa: E731
     procs = [ctx.Process(target=_rank, args=(r, port, words(old), words(new), (old.fingerprint, new.fingerprint),
-                                             m, [bytes(c) for c in chunks], out)) for r in range(2)]
+                                             m, [bytes(c) for c in chunks], out, sliced)) for r in range(2)]
     for p in procs:
         p.start()
     try:
@@ -214,6 +226,10 @@ def test_two_ranks_apply_a_delta_bit_exact_and_refuse_together():
     for r in range(2):
         assert got[r]["corrupt_kept"] and got[r]["write_kept"], got[r]
         assert got[r]["applied"] and got[r]["words"] and got[r]["audit"], got[r]
+    # Each rank decodes only segments it holds elements of, together all of them (the row-parallel
+    # weights' rows: both ranks); cut into row blocks, each rank's share is smaller.
+    assert got[0]["decoded"] + got[1]["decoded"] >= segments
+    assert all(got[r]["decoded"] < segments * (0.8 if sliced else 1) for r in range(2)), (got, segments)
 
 
 def test_a_slice_without_a_rank_group_is_refused():

@@ -1,0 +1,148 @@
+"""Fetching from a p2psync parent for the vLLM backend: plans, signed manifests, verified chunks.
+
+Every function opens its own client (mutual TLS with the folder given), checks
+what it gets (manifest signatures against the trainer's key, chunk hashes
+against the signed manifest) and raises a typed
+:class:`~p2psync.errors.P2PSyncError`; :mod:`rollout.engines.vllm_backend` runs
+them on every tensor-parallel rank and votes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from p2psync.errors import P2PSyncError, SignatureError, TruncatedError, WrongSize
+from rollout.engines.vllm_requests import TransferInfoError
+
+
+def _tls(tls_dir: str) -> Any:
+    from p2psync.transport.tls import Tls
+
+    return Tls.for_client(tls_dir) if tls_dir else None
+
+
+async def fetch_artifact(url: str, token: str, node_id: str, aid: str, public_key: Any, timeout: float,
+                         parallel: int = 4, tls_dir: str = "", manifest: Any = None,
+                         need: list[int] | None = None) -> tuple[Any, list[Any]]:
+    """The manifest (signature checked) and the chunks (hash checked) of artifact ``aid`` at ``url``.
+
+    ``manifest``: already fetched and checked (:func:`fetch_manifest`); ``need``: the chunks to
+    fetch (None: every chunk); the others are None in the list returned."""
+    from p2psync.artifact import verify_chunk
+    from p2psync.transport.client import ChunkBuffer, PeerClient
+
+    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0,
+                                     parallel_streams=parallel, tls=_tls(tls_dir))
+    async with client:
+        if manifest is None:
+            manifest = await _checked_manifest(client, url, aid, public_key)
+        sem = asyncio.Semaphore(parallel)
+
+        async def one(i: int) -> memoryview:
+            async with sem:
+                buf = ChunkBuffer(manifest.chunks[i].size)
+                try:
+                    await client.call_chunk(url, aid, i, buf)
+                except WrongSize as exc:
+                    raise short_answer(exc, f"chunk {i} of {aid} from {url}") or exc
+                data = buf.take()
+                verify_chunk(manifest, i, data)
+                return data
+
+        wanted = range(len(manifest.chunks)) if need is None else need
+        got = await asyncio.gather(*(one(i) for i in wanted))
+    chunks: list[Any] = [None] * len(manifest.chunks)
+    for i, data in zip(wanted, got):
+        chunks[i] = data
+    return manifest, chunks
+
+
+async def _checked_manifest(client: Any, url: str, aid: str, public_key: Any) -> Any:
+    manifest = await client.call_manifest(url, aid)
+    manifest.verify(public_key)
+    if manifest.artifact_id != aid:
+        raise P2PSyncError(f"{url} served the manifest of {manifest.artifact_id} for {aid}")
+    return manifest
+
+
+async def fetch_manifest(url: str, token: str, node_id: str, aid: str, public_key: Any, timeout: float,
+                         tls_dir: str = "") -> Any:
+    """The manifest of artifact ``aid`` at ``url``, signature checked."""
+    from p2psync.transport.client import PeerClient
+
+    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
+                                     tls=_tls(tls_dir))
+    async with client:
+        return await _checked_manifest(client, url, aid, public_key)
+
+
+def short_answer(exc: WrongSize, what: str) -> TruncatedError | None:
+    """A :class:`TruncatedError` if the peer answered completely, but with fewer bytes than the signed size.
+
+    A connection cut mid-body stays :class:`PeerUnreachable` (the answer never completed: trying
+    again may work); a complete, well-formed answer that is shorter than the chunk the manifest
+    signs is truncated content, and asking that peer again gives the same."""
+    if exc.got >= exc.expected:
+        return None
+    return TruncatedError(f"{what}: the peer's answer has {exc.got} of the {exc.expected} bytes the signed "
+                          "manifest gives it")
+
+
+async def fetch_version_manifest(url: str, token: str, node_id: str, version: int, public_key: Any,
+                                 timeout: float, tls_dir: str = "") -> Any:
+    """The signed manifest of an artifact reaching ``version`` (a delta, else a snapshot), signature checked."""
+    from p2psync.transport.client import NotHeld, PeerClient
+
+    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
+                                     tls=_tls(tls_dir))
+    async with client:
+        try:
+            m = await client.call_version_manifest(url, version, "delta")
+        except NotHeld:
+            m = await client.call_version_manifest(url, version, "snapshot")
+    m.verify(public_key)
+    return m
+
+
+async def fetch_plan(url: str, token: str, node_id: str, current: int | None, target: int, timeout: float,
+                     tls_dir: str = "") -> list[Any]:
+    """The artifacts to apply, in order, to go from ``current`` to ``target`` with what ``url`` holds."""
+    from p2psync.store import plan_catchup
+    from p2psync.transport.client import PeerClient
+
+    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
+                                     tls=_tls(tls_dir))
+    async with client:
+        cat = await client.call_head(url)
+    held = [a for a in cat.artifacts if a.complete]
+    try:
+        return plan_catchup(current, target, held)
+    except P2PSyncError as exc:
+        newest = max((a.target for a in held), default=None)
+        raise TransferInfoError("update_info.version", f"{exc} at {url} (the newest complete version there is "
+                                f"{newest})") from None
+
+
+async def check_key(url: str, token: str, node_id: str, public_key: Any, timeout: float, tls_dir: str = "") -> int:
+    """Verify the manifest of the newest complete artifact ``url`` lists against ``public_key``; its version.
+
+    What an init without ``version`` checks, so that a wrong key is refused at init, not at the
+    first update."""
+    from p2psync.transport.client import PeerClient
+
+    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
+                                     tls=_tls(tls_dir))
+    async with client:
+        cat = await client.call_head(url)
+        held = [a for a in cat.artifacts if a.complete]
+        if not held:
+            raise TransferInfoError("init_info.url", f"{url} lists no complete artifact yet, so the trainer's key "
+                                    "cannot be checked against a signed manifest (init again once it has one)")
+        newest = max(held, key=lambda a: (a.target, a.kind == "delta"))  # a delta's manifest is the smaller
+        manifest = await client.call_manifest(url, newest.id)
+    try:
+        manifest.verify(public_key)
+    except SignatureError as exc:
+        raise SignatureError(f"init_info.public_key does not verify {url}'s artifact {newest.id}: {exc}") from None
+    return int(manifest.target_version)

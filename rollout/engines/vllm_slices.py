@@ -1,0 +1,247 @@
+"""One tensor-parallel rank's slice of a delta: which chunks it fetches, which segments it decodes.
+
+The trainer cuts and orders a delta's segments so that a column-parallel or
+vocab-parallel rank's rows are whole segments, and signs an index of every
+chunk's segments (:mod:`p2psync.codec.slices`). From that index and its
+placements (:mod:`rollout.engines.vllm_placement`) a rank classifies every
+segment (:func:`plan`):
+
+- **not needed**: it holds none of the segment's elements (another rank's rows or
+  experts); the chunk is fetched only if another of its segments is needed;
+- **local**: it holds every element of the range (a tensor held whole, replicated
+  or not, or a segment inside its own rows): decoded against its own words, on
+  the update's threads, with no collective;
+- **gathered**: it holds part of the range (a row of a row-parallel weight spans
+  every rank's columns): the ranks rebuild the range together
+  (:func:`rollout.engines.vllm_tp.gather_range`) and every rank holding part of it
+  decodes it. Every rank learns the set of gathered segments from a sum over the
+  ranks, so their collectives stay in step.
+
+Each rank counts towards the fingerprint the changes at the positions it owns (its
+placement is ``counted``), so the ranks' sums are the trainer's fingerprint, and
+the verify-then-commit of :class:`~rollout.engines.vllm_weights.LiveWeights` is
+unchanged. A manifest with no index (written before the index existed) is
+fetched whole, and its index is read from the chunks themselves. A fetched chunk
+that does not hold exactly the segments the signed index gives it is refused
+(:class:`~p2psync.errors.SegmentIndexError`) before anything is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from p2psync import wordops
+from p2psync.codec.decode import split_chunk
+from p2psync.codec.segindex import Index, index_of
+from p2psync.errors import CodecError, SegmentIndexError, WrongBase
+from p2psync.workers import run_ordered
+from rollout.engines.vllm_placement import Family, Placement
+from rollout.engines.vllm_tp import RankRefused, gather_range
+
+if TYPE_CHECKING:
+    from p2psync.artifact import Manifest
+
+LiveWeights = Any
+"""A :class:`rollout.engines.vllm_weights.LiveWeights` (which imports this module)."""
+
+MASK64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _below(dims: tuple[tuple[int, int, int], ...], rel: np.ndarray) -> np.ndarray:
+    """Elements of one block (dims outermost first, nested checkpoint strides) at offsets ``< rel``."""
+    if not dims:
+        return (rel > 0).astype(np.int64)
+    size, cs, _ = dims[0]
+    inner = int(np.prod([s for s, _, _ in dims[1:]])) if len(dims) > 1 else 1
+    q = np.floor_divide(rel, max(1, cs))
+    inside = (q >= 0) & (q < size)
+    out = np.clip(q, 0, size) * inner
+    if inside.any():
+        out[inside] += _below(dims[1:], rel[inside] - q[inside] * cs)
+    return out
+
+
+def _family_below(f: Family, x: int) -> int:
+    """Elements of family ``f`` at checkpoint positions ``< x``."""
+    extent = 1 + sum((s - 1) * cs for s, cs, _ in f.dims)
+    lo = int(np.searchsorted(f.ck, x - extent, side="right"))  # blocks ending at or before x: whole
+    hi = int(np.searchsorted(f.ck, x, side="left"))  # blocks starting at or after x: none
+    n = lo * f.block
+    if hi > lo:
+        n += int(_below(f.dims, x - f.ck[lo:hi]).sum())
+    return n
+
+
+def held_in(place: Placement | None, start: int, stop: int) -> int:
+    """How many checkpoint elements of ``[start, stop)`` this rank holds in ``place``."""
+    if place is None:
+        return 0
+    if place.whole:
+        return stop - start
+    return sum(_family_below(f, stop) - _family_below(f, start) for f in place.families)
+
+
+@dataclass(frozen=True)
+class SegmentRef:
+    """One segment of the index, as this rank sees it."""
+
+    chunk: int
+    tensor: int
+    start: int
+    stop: int
+    need: bool
+    """This rank holds some of its elements."""
+    local: bool
+    """This rank holds all of them (decoded alone)."""
+
+
+def plan(live: LiveWeights, index: Index) -> list[SegmentRef]:
+    """Every segment of ``index`` (chunk order), classified for this rank (module doc); the last
+    plan is kept on ``live`` (the fetch and the decode of one artifact ask for the same)."""
+    kept = getattr(live, "_slice_plan", None)
+    if kept is not None and kept[0] is index:
+        return kept[1]
+    out = []
+    for i, entry in enumerate(index):
+        for k in range(0, len(entry), 3):
+            t, s, e = entry[k:k + 3]
+            if t >= len(live.specs):
+                raise SegmentIndexError("segments", f"chunk {i} names tensor #{t}, the table has {len(live.specs)}")
+            place = live.places[t]
+            h = held_in(place, s, e)
+            out.append(SegmentRef(i, t, s, e, h > 0, h == e - s))
+    live._slice_plan = (index, out)
+    return out
+
+
+def chunks_needed(live: LiveWeights, manifest: Manifest) -> list[int] | None:
+    """The chunks this rank needs of ``manifest`` (None: all of them, as with a manifest with no index)."""
+    if manifest.kind != "delta" or not manifest.segments:
+        return None
+    return sorted({r.chunk for r in plan(live, manifest.segments) if r.need})
+
+
+def decode(live: LiveWeights, manifest: Manifest, chunks: Sequence[bytes | memoryview | None]
+           ) -> tuple[dict[int, list[tuple[np.ndarray, np.ndarray]]], list[tuple[int, int]]]:
+    """:meth:`LiveWeights.decode <rollout.engines.vllm_weights.LiveWeights.decode>` of this rank's slice:
+    ``chunks`` holds every chunk this rank needs (None for the others)."""
+    live._check(manifest)
+    if manifest.kind != "delta":
+        raise CodecError(f"expected a delta, got a {manifest.kind}")
+    if live.fingerprint != manifest.base_fingerprint:
+        raise WrongBase(str(manifest.base_fingerprint), live.fingerprint, manifest.base_version)
+    if len(chunks) != len(manifest.chunks):
+        raise CodecError(f"{len(chunks)} of {len(manifest.chunks)} chunks given")
+    group = live.group
+    failed: Exception | None = None
+    refs: list[SegmentRef] = []
+    heads: dict[int, Any] = {}
+    try:
+        refs, heads = _heads(live, manifest, chunks)
+    except Exception as exc:
+        failed = exc
+    if group.size > 1:
+        # Rebuilding a range is a collective: every rank must see the same segments.
+        agreed = group.first(len(refs)) == len(refs)
+        if not group.all_true(failed is None and agreed):
+            raise failed or RankRefused("the tensor-parallel ranks were given different deltas")
+        flags = group.sum_u64([1 if r.need and not r.local and live.sharded[r.tensor] else 0 for r in refs])
+        gathered = [k for k, f in enumerate(flags) if f]
+    elif failed is not None:
+        raise failed
+    else:
+        gathered = []
+    skip = set(gathered)
+    alone = sorted((k for k, r in enumerate(refs) if r.need and k not in skip), key=lambda k: -len(heads[k].raw))
+    out, _, err = run_ordered(len(alone), list(range(len(alone))), lambda j: live._decode_segment(heads[alone[j]]),
+                              min(live.threads, max(1, len(alone))), live.cpus)
+    results: list[Any] = [o for o in out if o is not None]
+    counted = [(o[0], o[4]) for o in results if live._counted(o[0])]
+    g_out, g_err = _decode_gathered(live, refs, heads, gathered)
+    err = err or g_err
+    if err is not None:
+        raise err
+    results += [o for o, _ in g_out]
+    counted += [(o[0], ab) for o, ab in g_out if ab is not None]
+    delta = [(0, 0)] * len(live.specs)
+    for t, (da, db) in counted:
+        delta[t] = ((delta[t][0] + int(da)) & MASK64, (delta[t][1] + int(db)) & MASK64)
+    summed = live._group_sums(delta)
+    sums = [((a[0] + d[0]) & MASK64, (a[1] + d[1]) & MASK64) for a, d in zip(live.sums, summed)]
+    by: dict[int, list[tuple[tuple[int, int], np.ndarray, np.ndarray]]] = {}
+    for t, span, pos, new, _ in results:
+        by.setdefault(t, []).append((span, pos, new))
+    changes: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    for t, parts in by.items():
+        parts.sort(key=lambda x: x[0])
+        for x, y in zip(parts, parts[1:]):
+            if y[0][0] < x[0][1]:  # positions are distinct inside a segment; segments must not overlap
+                raise CodecError(f"segments of {live.specs[t].name} overlap")
+        # One part per segment, not concatenated: no second copy of the changes.
+        changes[t] = [(pos.astype(np.int64, copy=False), new) for _, pos, new in parts]
+    live.decoded = len(results)
+    return changes, sums
+
+
+def _heads(live: LiveWeights, manifest: Manifest, chunks: Sequence[bytes | memoryview | None]
+           ) -> tuple[list[SegmentRef], dict[int, Any]]:
+    """The classified segments and the parsed heads of those this rank needs (index order), each
+    fetched chunk checked against the signed index."""
+    signed = bool(manifest.segments)
+    if not signed and any(c is None for c in chunks):
+        raise CodecError("a delta with no segment index needs every chunk")
+    split = {i: split_chunk(c) for i, c in enumerate(chunks) if c is not None}
+    index: Index = manifest.segments if signed else index_of([c for c in chunks if c is not None])
+    refs = plan(live, index)
+    first = np.cumsum([0] + [len(e) // 3 for e in index]).tolist()
+    heads: dict[int, Any] = {}
+    for i, segs in split.items():
+        if len(segs) * 3 != len(index[i]):
+            raise SegmentIndexError("segments", f"chunk {i} holds {len(segs)} segments, the signed index "
+                                    f"gives it {len(index[i]) // 3}")
+        for j, seg in enumerate(segs):
+            k = first[i] + j
+            r = refs[k]
+            p = live._head(seg)
+            if (p.tensor, p.start, p.stop) != (r.tensor, r.start, r.stop):
+                raise SegmentIndexError("segments", f"chunk {i} does not hold the segments the signed index "
+                                        "gives it")
+            if r.need:
+                heads[k] = p
+    missing = next((r.chunk for k, r in enumerate(refs) if r.need and k not in heads), None)
+    if missing is not None:
+        raise CodecError(f"chunk {missing} holds segments this rank needs and was not given")
+    return refs, heads
+
+
+def _decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, Any], gathered: list[int]
+                     ) -> tuple[list[tuple[Any, tuple[int, int] | None]], Exception | None]:
+    """Rebuild each gathered range with the group (the same order on every rank) and decode it
+    where this rank holds part of it; each result with the sums' change of the changes this rank
+    owns (None where it owns none). After a failure the remaining ranges are still rebuilt (not
+    decoded), so the ranks' collectives stay in step."""
+    out: list[tuple[Any, tuple[int, int] | None]] = []
+    err: Exception | None = None
+    for k in gathered:
+        r = refs[k]
+        place = live.places[r.tensor]
+        base = gather_range(live.group, place, live.flat[r.tensor], r.start, r.stop, live._words[r.tensor])
+        if err is not None or not r.need:
+            continue
+        try:
+            res = live._decode_segment(heads[k], base)
+            ab = None
+            if place is not None and place.counted:
+                pos, new = res[2], res[3]
+                which, _ = place.local(pos)
+                a, b = wordops.hash_change(pos[which], base[pos[which] - r.start], new[which],
+                                           np.uint64(live._seeds[r.tensor]))
+                ab = (int(a), int(b))
+            out.append((res, ab))
+        except Exception as exc:
+            err = exc
+    return out, err
