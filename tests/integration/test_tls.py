@@ -37,7 +37,9 @@ def _answer(url: str, context: ssl.SSLContext | None, headers: dict | None = Non
     """The HTTP status the node answers with that TLS context, or the exception if it did not answer."""
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {TOKEN}", **(headers or {})})
     try:
-        with urllib.request.urlopen(req, timeout=10, context=context) as resp:
+        # 60 s: on a loaded 2-core machine a node busy applying a version can take over 10 s to
+        # finish a handshake; a refusal still ends the handshake at once.
+        with urllib.request.urlopen(req, timeout=60, context=context) as resp:
             return resp.status
     except urllib.error.HTTPError as exc:
         return exc.code
