@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchout import emit, loadavg
+
 TOKEN = "bench-cluster-token-0123456789"
 
 
@@ -128,26 +130,30 @@ def main() -> int:
     if args.engine_only:
         print(json.dumps(engine_only(src)), flush=True)
         return 0
+    emit(measure(src, args.timeout, args.only_default), args.json)
+    return 0
+
+
+def measure(src: Path, timeout: float = 1200.0, only_default: bool = False, holding: bool = True) -> dict:
+    """The three processes of the module doc, one after the other (``only_default``: the first;
+    ``holding=False``: all but the holding node)."""
     res: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-rollout-mem-") as d:
-        res["rollout"] = rollout(src, Path(d) / "drop", False, args.timeout)
-        if args.only_default:
-            print(json.dumps(res), flush=True)
-            return 0
-        res["rollout_holding"] = rollout(src, Path(d) / "hold", True, args.timeout)
+        res["rollout"] = rollout(src, Path(d) / "drop", False, timeout)
+        if only_default:
+            return res
+        if holding:
+            res["rollout_holding"] = rollout(src, Path(d) / "hold", True, timeout)
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--from", str(src), "--engine-only"],
                          stdout=subprocess.PIPE, text=True, check=True)
     res["engine_only"] = json.loads(out.stdout.strip().splitlines()[-1])
     mb = res["engine_only"]["model_bytes"]
     res["model_bytes"] = mb
     res["extra_fraction"] = round((res["rollout"]["rss"] - res["engine_only"]["rss"]) / mb, 4)
-    res["extra_fraction_holding"] = round((res["rollout_holding"]["rss"] - res["engine_only"]["rss"]) / mb, 4)
-    res["loadavg"] = [round(x, 2) for x in os.getloadavg()]
-    print(json.dumps(res), flush=True)
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(res) + "\n")
-    return 0
+    if holding:
+        res["extra_fraction_holding"] = round((res["rollout_holding"]["rss"] - res["engine_only"]["rss"]) / mb, 4)
+    res["loadavg"] = loadavg()
+    return res
 
 
 if __name__ == "__main__":
