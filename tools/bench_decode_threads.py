@@ -60,7 +60,7 @@ def measure(src: Path, reps: int = 5, fractions: tuple[float, ...] = ()) -> dict
 
     def timed(ks: list[int], threads: int) -> float:
         t = time.perf_counter()
-        out, _, err = run_ordered(len(ks), ks, one, threads, cpus)
+        out, _, err = run_ordered(len(heads), ks, one, threads, cpus)
         dt = time.perf_counter() - t
         if err is not None:
             raise err

@@ -52,8 +52,13 @@ def _switched_to(events: Path, version: int) -> bool:
 
 
 def rollout(src: Path, work: Path, hold: bool, timeout: float) -> dict:
+    from p2psync.certs import Authority
+
     keys = src / "keys"
     work.mkdir(parents=True, exist_ok=True)
+    ca = Authority(keys)  # mutual TLS, as every node runs: each node's certificate in <data_dir>/tls
+    ca.node("trainer", "default", work / "t" / "tls")
+    ca.node("r1", "default", work / "r" / "tls")
     common = [f"--cluster_token={TOKEN}", f"--trainer_public_key={keys / 'trainer.pub'}", "--listen.port=0"]
     trainer = subprocess.Popen([sys.executable, "-m", "p2psync.cli", "node", "--role", "trainer", "--id", "trainer",
                                 f"--data_dir={work / 't'}", f"--trainer_private_key={keys / 'trainer.key'}",
@@ -76,7 +81,8 @@ def rollout(src: Path, work: Path, hold: bool, timeout: float) -> dict:
         t0 = time.time()
         while not _switched_to(events, 1):
             if time.time() - t0 > timeout or node.poll() is not None:
-                raise SystemExit(f"the rollout node did not reach version 1 (see {work / 'rollout.log'})")
+                tail = (work / "rollout.log").read_text(errors="replace")[-1500:]
+                raise SystemExit(f"the rollout node did not reach version 1; its log ends:\n{tail}")
             time.sleep(2)
         time.sleep(5)  # the node's housekeeping after the version (retention) settles
         return {"rss": _rss(node.pid), "s_to_version_1": round(time.time() - t0, 1)}
