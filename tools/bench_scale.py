@@ -189,7 +189,11 @@ def figures(parts: dict, ctx: dict, fraction: float) -> dict:
     apply, tp2, dec = parts.get("apply") or {}, parts.get("tp2") or {}, parts.get("decode_threads") or {}
     fig["apply_vs_dense_memory"] = apply.get("again_over_dense")  # median repeated / median dense
     fig["first_vs_repeated"] = apply.get("first_over_again")
-    fig["first_publish_vs_later"] = (parts.get("first_publish") or {}).get("first_over_later")
+    pub = parts.get("first_publish") or {}
+    fig["first_publish_vs_later"] = pub.get("first_over_later")
+    per = [d["total_s"] / d["changed"] for d in pub.get("deltas", []) if d.get("changed")]
+    if len(per) > 1:  # the first AdamW step changes more elements than later ones: per change is like for like
+        fig["first_publish_vs_later_per_change"] = round(per[0] / sorted(per[1:])[len(per[1:]) // 2], 4)
     fig["rollout_host_extra_fraction"] = (parts.get("rollout_memory") or {}).get("extra_fraction")
     fig["decode_threads_speedup"] = dec.get("speedup_fastest")
     # Tensor parallel 1: the engine of run_engine (its status after the repeated update).

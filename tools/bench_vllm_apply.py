@@ -343,7 +343,11 @@ def serving(ctx: dict) -> Iterator[str]:
         yield node.stdout.readline().strip()
     finally:
         node.terminate()
-        node.wait(20)
+        try:
+            node.wait(60)
+        except subprocess.TimeoutExpired:  # a loaded machine: it did not finish stopping in time
+            node.kill()
+            node.wait()
 
 
 def serve_and_run(ctx: dict, link_mbit: float) -> dict | int:
