@@ -212,14 +212,15 @@ def figures(parts: dict, ctx: dict, fraction: float) -> dict:
         if a:
             p = _update_point({**rank_fields({"timing": a}), "threads": apply.get("threads")}, a["s"])
             updates += [p] if p else []
+    checks = []  # tensor parallel 2: the ranks' exchange is not in the model; reported, not fitted
     for key in ("first", "again"):
         for r in (tp2.get(key) or {}).get("ranks", []):
             p = _update_point(r, tp2[key]["s"])
-            updates += [p] if p else []
+            checks += [p] if p else []
     decodes = [{"changes": p["changes"], "threads": p["threads"], "s": p["s"]} for p in dec.get("points", [])]
     if updates and dec.get("speedup_fastest"):
         rates, err = scale_model.fit(updates, decodes, dec["speedup_fastest"], ctx["delta_bytes"] / ctx["changed"],
-                                     ctx["changed"] / ctx["params"])
+                                     ctx["changed"] / ctx["params"], checks)
         proj = scale_model.project(rates, fraction=fraction)
         proj["fit"] = err
         proj["headline"] = {"model": scale_model.SHAPES[-1].name, "link_gbit": 10.0, "ranks": HEADLINE_RANKS}

@@ -71,13 +71,14 @@ class Rates:
 
 
 def fit(updates: list[dict], decodes: list[dict], speedup_2: float, bytes_per_change: float,
-        changed_fraction: float) -> tuple[Rates, dict]:
+        changed_fraction: float, checks: list[dict] = ()) -> tuple[Rates, dict]:
     """Rates from measured points, and the fit error on them.
 
     ``updates``: one rank's update each: ``changes`` (decoded by it), ``bytes`` (fetched),
     ``threads``, ``fetch_s``, ``decode_s``, ``commit_s`` and ``s`` (the whole update).
     ``decodes``: decodes alone: ``changes``, ``threads``, ``s``. ``speedup_2``: measured
-    decode time on one thread over two."""
+    decode time on one thread over two. ``checks``: updates (same fields) whose error is reported
+    but that the fit does not use (tensor-parallel ranks: their exchange is not in the model)."""
     if not updates:
         raise ValueError("updates: at least one measured update")
     f = min(1.0, max(0.0, 2.0 / speedup_2 - 1.0)) if speedup_2 > 0 else 1.0
@@ -101,11 +102,13 @@ def fit(updates: list[dict], decodes: list[dict], speedup_2: float, bytes_per_ch
         bytes_per_change=bytes_per_change, changed_fraction=changed_fraction)
     rows = [{"kind": "update", "measured_s": u["s"], "predicted_s": rates.update_s(u["changes"], u["bytes"], u["threads"])}
             for u in updates]
+    rows += [{"kind": "check (not fitted)", "measured_s": u["s"],
+              "predicted_s": rates.update_s(u["changes"], u["bytes"], u["threads"])} for u in checks]
     rows += [{"kind": "decode", "measured_s": d["s"], "predicted_s": rates.decode_s(d["changes"], d["threads"])}
              for d in decodes]
     for r in rows:
         r["rel_error"] = round((r["predicted_s"] - r["measured_s"]) / r["measured_s"], 4) if r["measured_s"] else None
-    errs = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None]
+    errs = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None and not r["kind"].startswith("check")]
     return rates, {"points": rows, "mean_abs_rel_error": round(statistics.mean(errs), 4) if errs else None,
                    "max_abs_rel_error": round(max(errs), 4) if errs else None}
 
