@@ -13,21 +13,19 @@ the fastest of each (the least disturbed by other processes) and their ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
+from benchout import emit, loadavg
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--from", dest="src", required=True, help="the --out folder of tools/bench_vllm_apply.py")
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    src = Path(args.src)
 
+def measure(src: Path, reps: int = 5, fractions: tuple[float, ...] = ()) -> dict:
+    """The decode of the delta in ``src`` on 1 and 2 threads, ``reps`` times each (see module doc).
+
+    ``fractions``: also decode the largest segments holding about these fractions of the changes
+    (1.0: all), each timed on both thread counts, for fits of time against changes (``points``)."""
     import numpy as np
     import torch
     from safetensors.torch import load_file
@@ -57,25 +55,45 @@ def main() -> int:
         p = heads[k]
         return segdecode.decode(p.raw, p.body_at, p.start, p.stop, bf, words[p.tensor], seeds[p.tensor])
 
+    counts = [int.from_bytes(bytes(h.raw[h.body_at:h.body_at + 4]), "little") for h in heads]
     cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+
+    def timed(ks: list[int], threads: int) -> float:
+        t = time.perf_counter()
+        out, _, err = run_ordered(len(heads), ks, one, threads, cpus)
+        dt = time.perf_counter() - t
+        if err is not None:
+            raise err
+        del out
+        return round(dt, 4)
+
     times: dict[int, list[float]] = {1: [], 2: []}
-    for _ in range(args.reps):
+    for _ in range(reps):
         for threads in (1, 2):
-            t = time.perf_counter()
-            out, _, err = run_ordered(len(heads), order, one, threads, cpus)
-            times[threads].append(round(time.perf_counter() - t, 3))
-            if err is not None:
-                raise err
-            del out
-    res = {"changes": sum(int.from_bytes(bytes(h.raw[h.body_at:h.body_at + 4]), "little") for h in heads),
-           "segments": len(heads), "s_1_thread": times[1], "s_2_threads": times[2],
-           "fastest_1": min(times[1]), "fastest_2": min(times[2]),
-           "speedup_fastest": round(min(times[1]) / min(times[2]), 3),
-           "loadavg": [round(x, 2) for x in os.getloadavg()]}
-    print(json.dumps(res), flush=True)
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(res) + "\n")
+            times[threads].append(timed(order, threads))
+    points = []
+    for frac in fractions:
+        ks, got = [], 0
+        for k in order:  # the largest segments first, up to about ``frac`` of the changes
+            if got >= frac * sum(counts):
+                break
+            ks.append(k)
+            got += counts[k]
+        for threads in (1, 2):
+            points.append({"changes": got, "segments": len(ks), "threads": threads,
+                           "s": min(timed(ks, threads) for _ in range(max(1, reps // 2)))})
+    return {"changes": sum(counts), "segments": len(heads), "s_1_thread": times[1], "s_2_threads": times[2],
+            "fastest_1": min(times[1]), "fastest_2": min(times[2]),
+            "speedup_fastest": round(min(times[1]) / min(times[2]), 3), "points": points, "loadavg": loadavg()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--from", dest="src", required=True, help="the --out folder of tools/bench_vllm_apply.py")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    emit(measure(Path(args.src), args.reps), args.json)
     return 0
 
 

@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchout import emit, loadavg
+
 
 def child(args: argparse.Namespace) -> dict:
     import asyncio
@@ -92,23 +94,25 @@ def main() -> int:
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return 0
+    emit(measure(args.preset, args.lr, args.steps, args.cold), args.json)
+    return 0
+
+
+def measure(preset: str = "small", lr: float = 1e-5, steps: int = 6, cold: bool = False) -> dict:
+    """One fresh trainer process's publishes (see module doc); ``cold``: from an empty kernel cache."""
     env = dict(os.environ)
     with tempfile.TemporaryDirectory(prefix="bench-first-use-") as cache:
-        if args.cold:
+        if cold:
             env["NUMBA_CACHE_DIR"] = cache
-        argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--preset", args.preset,
-                "--lr", str(args.lr), "--steps", str(args.steps)] + (["--cold"] if args.cold else [])
+        argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--preset", preset,
+                "--lr", str(lr), "--steps", str(steps)] + (["--cold"] if cold else [])
         t = time.perf_counter()
         out = subprocess.run(argv, env=env, stdout=subprocess.PIPE, text=True, check=True)
         wall = time.perf_counter() - t
     res = json.loads(out.stdout.strip().splitlines()[-1])
     res["process_wall_s"] = round(wall, 1)
-    res["loadavg"] = [round(x, 2) for x in os.getloadavg()]
-    print(json.dumps(res), flush=True)
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(res) + "\n")
-    return 0
+    res["loadavg"] = loadavg()
+    return res
 
 
 if __name__ == "__main__":

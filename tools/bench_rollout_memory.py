@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchout import emit, loadavg
+
 TOKEN = "bench-cluster-token-0123456789"
 
 
@@ -50,8 +52,13 @@ def _switched_to(events: Path, version: int) -> bool:
 
 
 def rollout(src: Path, work: Path, hold: bool, timeout: float) -> dict:
+    from p2psync.certs import Authority
+
     keys = src / "keys"
     work.mkdir(parents=True, exist_ok=True)
+    ca = Authority(keys)  # mutual TLS, as every node runs: each node's certificate in <data_dir>/tls
+    ca.node("trainer", "default", work / "t" / "tls")
+    ca.node("r1", "default", work / "r" / "tls")
     common = [f"--cluster_token={TOKEN}", f"--trainer_public_key={keys / 'trainer.pub'}", "--listen.port=0"]
     trainer = subprocess.Popen([sys.executable, "-m", "p2psync.cli", "node", "--role", "trainer", "--id", "trainer",
                                 f"--data_dir={work / 't'}", f"--trainer_private_key={keys / 'trainer.key'}",
@@ -74,7 +81,8 @@ def rollout(src: Path, work: Path, hold: bool, timeout: float) -> dict:
         t0 = time.time()
         while not _switched_to(events, 1):
             if time.time() - t0 > timeout or node.poll() is not None:
-                raise SystemExit(f"the rollout node did not reach version 1 (see {work / 'rollout.log'})")
+                tail = (work / "rollout.log").read_text(errors="replace")[-1500:]
+                raise SystemExit(f"the rollout node did not reach version 1; its log ends:\n{tail}")
             time.sleep(2)
         time.sleep(5)  # the node's housekeeping after the version (retention) settles
         return {"rss": _rss(node.pid), "s_to_version_1": round(time.time() - t0, 1)}
@@ -128,26 +136,30 @@ def main() -> int:
     if args.engine_only:
         print(json.dumps(engine_only(src)), flush=True)
         return 0
+    emit(measure(src, args.timeout, args.only_default), args.json)
+    return 0
+
+
+def measure(src: Path, timeout: float = 1200.0, only_default: bool = False, holding: bool = True) -> dict:
+    """The three processes of the module doc, one after the other (``only_default``: the first;
+    ``holding=False``: all but the holding node)."""
     res: dict = {}
     with tempfile.TemporaryDirectory(prefix="bench-rollout-mem-") as d:
-        res["rollout"] = rollout(src, Path(d) / "drop", False, args.timeout)
-        if args.only_default:
-            print(json.dumps(res), flush=True)
-            return 0
-        res["rollout_holding"] = rollout(src, Path(d) / "hold", True, args.timeout)
+        res["rollout"] = rollout(src, Path(d) / "drop", False, timeout)
+        if only_default:
+            return res
+        if holding:
+            res["rollout_holding"] = rollout(src, Path(d) / "hold", True, timeout)
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--from", str(src), "--engine-only"],
                          stdout=subprocess.PIPE, text=True, check=True)
     res["engine_only"] = json.loads(out.stdout.strip().splitlines()[-1])
     mb = res["engine_only"]["model_bytes"]
     res["model_bytes"] = mb
     res["extra_fraction"] = round((res["rollout"]["rss"] - res["engine_only"]["rss"]) / mb, 4)
-    res["extra_fraction_holding"] = round((res["rollout_holding"]["rss"] - res["engine_only"]["rss"]) / mb, 4)
-    res["loadavg"] = [round(x, 2) for x in os.getloadavg()]
-    print(json.dumps(res), flush=True)
-    if args.json:
-        with open(args.json, "a") as f:
-            f.write(json.dumps(res) + "\n")
-    return 0
+    if holding:
+        res["extra_fraction_holding"] = round((res["rollout_holding"]["rss"] - res["engine_only"]["rss"]) / mb, 4)
+    res["loadavg"] = loadavg()
+    return res
 
 
 if __name__ == "__main__":

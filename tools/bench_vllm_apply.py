@@ -52,6 +52,7 @@ the inputs of the vLLM paths are already resident then and not counted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -60,7 +61,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+from benchout import emit, loadavg
 
 TOKEN = "bench-cluster-token-0123456789"
 
@@ -255,7 +259,8 @@ def main() -> int:
     args = ap.parse_args()
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
     if args.engine_part:  # inside the engine's machine (see run_linked)
-        return run_engine(json.loads(Path(args.engine_part).read_text()), args.url, args.dense)
+        run_engine(json.loads(Path(args.engine_part).read_text()), args.url, args.dense)
+        return 0
     out = Path(args.out or tempfile.mkdtemp(prefix="bench-vllm-"))
     out.mkdir(parents=True, exist_ok=True)
     if args.reuse and (out / "context.json").exists():
@@ -264,8 +269,17 @@ def main() -> int:
                    json=str(Path(args.json).resolve()) if args.json else None)
         (out / "context.json").write_text(json.dumps(ctx))
         shutil.rmtree(out / "node", ignore_errors=True)
-        return serve_and_run(ctx, args.link_mbit)
+        res = serve_and_run(ctx, args.link_mbit)
+        return res if isinstance(res, int) else 0
 
+    ctx = build_workload(args, out)
+    res = serve_and_run(ctx, args.link_mbit)
+    return res if isinstance(res, int) else 0
+
+
+def build_workload(args: argparse.Namespace, out: Path) -> dict:
+    """Version 0 and 1 of the model of ``args`` in ``out``: the checkpoint, the dense and sparse inputs
+    of vLLM's paths, the signed snapshot and delta; returns the run's context (``context.json``)."""
     import numpy as np
     import torch
     from safetensors.torch import save_file
@@ -312,14 +326,13 @@ def main() -> int:
            "chunk_bytes": opts.chunk_size,
            "json": str(Path(args.json).resolve()) if args.json else None}
     (out / "context.json").write_text(json.dumps(ctx))
-    del s0, s1, changed
-    return serve_and_run(ctx, args.link_mbit)
+    return ctx
 
 
-def serve_and_run(ctx: dict, link_mbit: float) -> int:
-    """A trainer node serving the artifacts of ``ctx``, and the engine's part against it, over mutual
-    TLS as every node runs: certificates of a CA in the key folder, the node's and one for node id
-    ``bench`` that the engine presents (its requests name it so; a client-only one would be refused)."""
+def node_argv(ctx: dict) -> list[str]:
+    """The command of a trainer node serving the artifacts of ``ctx``, over mutual TLS as every node
+    runs: certificates of a CA in the key folder, the node's and one for node id ``bench`` that the
+    engine presents (its requests name it so; a client-only one would be refused; ``ctx["tls_dir"]``)."""
     from p2psync.certs import Authority
 
     out, keydir, pub = Path(ctx["out"]), Path(ctx["keydir"]), Path(ctx["out"]) / "publish"
@@ -327,19 +340,36 @@ def serve_and_run(ctx: dict, link_mbit: float) -> int:
     ca.node("trainer", "default", out / "node" / "tls")
     ctx["tls_dir"] = str(ca.node("bench", "default", out / "bench-tls"))
     (out / "context.json").write_text(json.dumps(ctx))
-    node_argv = [sys.executable, "-m", "p2psync.cli", "node", "--role", "trainer", "--id", "trainer",
-                 f"--data_dir={out / 'node'}", f"--cluster_token={TOKEN}",
-                 f"--trainer_public_key={keydir / 'trainer.pub'}", f"--trainer_private_key={keydir / 'trainer.key'}",
-                 f"--publish-dir={pub}", "--listen.port=0"]
-    if link_mbit:
-        return run_linked(ctx, node_argv, link_mbit)
-    node = subprocess.Popen(node_argv, stdout=subprocess.PIPE, stderr=open(out / "node.log", "ab"), text=True)
+    return [sys.executable, "-m", "p2psync.cli", "node", "--role", "trainer", "--id", "trainer",
+            f"--data_dir={out / 'node'}", f"--cluster_token={TOKEN}",
+            f"--trainer_public_key={keydir / 'trainer.pub'}", f"--trainer_private_key={keydir / 'trainer.key'}",
+            f"--publish-dir={pub}", "--listen.port=0"]
+
+
+@contextlib.contextmanager
+def serving(ctx: dict) -> Iterator[str]:
+    """The address of a trainer node on loopback serving the artifacts of ``ctx`` (ended on exit)."""
+    out = Path(ctx["out"])
+    shutil.rmtree(out / "node", ignore_errors=True)
+    node = subprocess.Popen(node_argv(ctx), stdout=subprocess.PIPE, stderr=open(out / "node.log", "ab"), text=True)
     try:
-        url = node.stdout.readline().strip()
-        return run_engine(ctx, url, str(out / "dense_v0.safetensors"))
+        yield node.stdout.readline().strip()
     finally:
         node.terminate()
-        node.wait(20)
+        try:
+            node.wait(60)
+        except subprocess.TimeoutExpired:  # a loaded machine: it did not finish stopping in time
+            node.kill()
+            node.wait()
+
+
+def serve_and_run(ctx: dict, link_mbit: float) -> dict | int:
+    """The engine's part against a trainer node serving ``ctx``: its summary (on loopback), or the
+    return code of the engine's emulated machine (``link_mbit``, which prints its own)."""
+    if link_mbit:
+        return run_linked(ctx, node_argv(ctx), link_mbit)
+    with serving(ctx) as url:
+        return run_engine(ctx, url, str(Path(ctx["out"]) / "dense_v0.safetensors"))
 
 
 def run_linked(ctx: dict, node_argv: list[str], mbit: float) -> int:
@@ -367,7 +397,7 @@ def run_linked(ctx: dict, node_argv: list[str], mbit: float) -> int:
             tb.stop([node, files])
 
 
-def run_engine(ctx: dict, url: str, dense: str) -> int:
+def run_engine(ctx: dict, url: str, dense: str) -> dict:
     import urllib.request
 
     from vllm import LLM
@@ -475,13 +505,13 @@ def _ranks(eng) -> list[dict]:
     return out
 
 
-def _report(ctx: dict, res: dict) -> int:
-    """Print (and append to ``--json``) the summary line of the paths that ran."""
+def _report(ctx: dict, res: dict) -> dict:
+    """The summary of the paths that ran, printed (and appended to ``--json``)."""
     p = res["p2psync"]["s"]
     summary = {k: ctx.get(k) for k in ("model", "params", "changed", "delta_bytes", "link_mbit", "tp", "chunk_bytes")}
     summary.update({k: ({kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()}
                         if isinstance(v, dict) else v) for k, v in res.items()})
-    summary["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    summary["loadavg"] = loadavg()
     summary["p2psync_over_dense"] = round(p / res["dense"]["s"], 4)
     summary.update(ctx.get("extra", {}))
     summary["p2psync_us_per_changed"] = round(1e6 * p / max(1, ctx["changed"]), 4)
@@ -493,11 +523,7 @@ def _report(ctx: dict, res: dict) -> int:
         summary["p2psync_over_dense_fetched"] = round(p / res["dense_fetched"]["s_with_transfer"], 4)
     if "s" in res.get("sparse_patch", {}):
         summary["p2psync_over_sparse_patch"] = round(p / res["sparse_patch"]["s"], 4)
-    print(json.dumps(summary), flush=True)
-    if ctx.get("json"):
-        with open(ctx["json"], "a") as f:
-            f.write(json.dumps(summary) + "\n")
-    return 0
+    return emit(summary, ctx.get("json"))
 
 
 if __name__ == "__main__":
