@@ -58,7 +58,7 @@ from p2psync.workers import run_ordered
 from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, TensorTableMismatch, WrongBase
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
 from rollout.engines.vllm_layout import LayoutError
-from rollout.engines.vllm_placement import Placement
+from rollout.engines.vllm_placement import Placement, strided_range
 from rollout.engines.vllm_probe import placements
 from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, gather_range, together
 
@@ -147,6 +147,11 @@ class LiveWeights:
         compiled loops. Else (a device) decode against a host copy of one segment's range at a time
         and write with torch's index ops."""
         self._words = [dtypes.from_code(s.dtype).word for s in self.specs]
+        self._views: list[np.ndarray | None] = [
+            pl.strided(self._mem(i)) if self.host_memory and pl is not None and self.offset[i] is None else None
+            for i, pl in enumerate(self.places)]
+        """Tensors held whole as one strided block (an expert in a repacked ``w13_weight``, a transposed
+        weight) as n-D views of host memory in checkpoint order: a range is read by copying its slices."""
         self._seeds = [tensor_seed(s.name) for s in self.specs]
         self.sums: list[tuple[int, int]] = self._compute_sums()
 
@@ -188,6 +193,9 @@ class LiveWeights:
         """Checkpoint words ``[start, stop)`` of tensor ``i``, held whole here, as unsigned host words
         (a view on CPU when stored contiguously, a copy otherwise)."""
         if self.offset[i] is None:
+            view = self._views[i]
+            if view is not None:
+                return strided_range(view, start, stop)
             place = self.places[i]
             assert place is not None
             which, dst = place.local(np.arange(start, stop, dtype=np.int64))
