@@ -174,17 +174,28 @@ class Placement:
             f"{f.ck.shape[0]} x {[(s, cs, ds) for s, cs, ds in f.dims]}" for f in self.families)
 
 
-def compress(name: str, param: str, shape: tuple[int, ...], ck: np.ndarray, dst: np.ndarray) -> Placement:
-    """The placement holding checkpoint positions ``ck`` at parameter positions ``dst`` (pairs, any order).
+def same(a: Placement, b: Placement) -> bool:
+    """``a`` and ``b`` hold the same elements at the same positions of the same parameter, in the same
+    compressed form."""
+    return (a.param == b.param and a.shape == b.shape and len(a.families) == len(b.families)
+            and all(f.dims == g.dims and np.array_equal(f.ck, g.ck) and np.array_equal(f.dst, g.dst)
+                    for f, g in zip(a.families, b.families)))
+
+
+def compress(name: str, param: str, shape: tuple[int, ...], ck: np.ndarray, dst: np.ndarray,
+             ck_sorted: bool = False) -> Placement:
+    """The placement holding checkpoint positions ``ck`` at parameter positions ``dst`` (pairs, any order;
+    ``ck_sorted``: ``ck`` is strictly ascending already, as probing returns it).
 
     Tries one nested strided block (:func:`_factor`); falls back to 1-D runs."""
     ck = np.asarray(ck, dtype=np.int64)
     dst = np.asarray(dst, dtype=np.int64)
     if ck.shape[0] == 0:
         return Placement(name, param, tuple(shape), [])
-    order = np.argsort(ck, kind="stable")
-    ck, dst = ck[order], dst[order]
-    if ck.shape[0] > 1 and bool((np.diff(ck) == 0).any()):
+    if not ck_sorted:
+        order = np.argsort(ck, kind="stable")
+        ck, dst = ck[order], dst[order]
+    if not ck_sorted and ck.shape[0] > 1 and bool((np.diff(ck) == 0).any()):
         raise LayoutError(f"{name}: vLLM's loader writes some of its elements to more than one place in {param}")
     fam = _factor(ck, dst)
     return Placement(name, param, tuple(shape), [fam] if fam is not None else _runs(ck, dst))
