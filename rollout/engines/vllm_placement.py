@@ -136,13 +136,11 @@ class Placement:
                 ck0, dst0 = f.ck[lo:lo + per], f.dst[lo:lo + per]
                 yield (ck0[:, None] + c[None, :]).reshape(-1), (dst0[:, None] + d[None, :]).reshape(-1)
 
-    def strided(self, mem: np.ndarray) -> np.ndarray | None:
-        """This tensor, held whole as one block, as a read-only n-D view of ``mem`` (its parameter's
-        flat words) whose C order is checkpoint order; None when the placement is not that (several
-        blocks or families, checkpoint strides not row-major, a non-positive parameter stride).
-
-        A transposed weight is such a view too: its C order walks memory with a stride, so a range of
-        it is not a slice of ``mem`` (:func:`strided_range` copies it)."""
+    def block_map(self) -> tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+        """``(base, sizes, checkpoint strides, parameter strides)`` when this tensor is held whole as
+        one block whose checkpoint strides are row-major (outermost first, sizes above 1 only), so
+        that position ``p`` lives at ``base + sum_k (p // cstr_k mod size_k) * dstr_k``; None when
+        the placement is not that (several blocks or families, or a non-positive parameter stride)."""
         if not self.whole or len(self.families) != 1:
             return None
         f = self.families[0]
@@ -156,13 +154,23 @@ class Placement:
             if cs != expect or ds <= 0:
                 return None
             expect *= size
-        start = int(f.dst[0])
-        last = start + sum((size - 1) * ds for size, _, ds in dims)
+        return (int(f.dst[0]), tuple(d[0] for d in dims), tuple(d[1] for d in dims), tuple(d[2] for d in dims))
+
+    def strided(self, mem: np.ndarray) -> np.ndarray | None:
+        """This tensor, held whole as one block (:meth:`block_map`), as a read-only n-D view of
+        ``mem`` (its parameter's flat words) whose C order is checkpoint order; None when it is not.
+
+        A transposed weight is such a view too: its C order walks memory with a stride, so a range of
+        it is not a slice of ``mem`` (:func:`strided_range` copies it)."""
+        bm = self.block_map()
+        if bm is None:
+            return None
+        start, sizes, _, dstr = bm
+        last = start + sum((size - 1) * ds for size, ds in zip(sizes, dstr))
         if start < 0 or last >= mem.shape[0]:
             return None
-        return np.lib.stride_tricks.as_strided(mem[start:], shape=tuple(s for s, _, _ in dims),
-                                               strides=tuple(ds * mem.itemsize for _, _, ds in dims),
-                                               writeable=False)
+        return np.lib.stride_tricks.as_strided(mem[start:], shape=sizes,
+                                               strides=tuple(ds * mem.itemsize for ds in dstr), writeable=False)
 
     def key(self) -> str:
         """The set of checkpoint positions held, as text (equal on ranks holding the same copy)."""

@@ -111,7 +111,10 @@ def _moe_perm(fe: Any, layer: Any, short: str) -> np.ndarray:
         out = getattr(fake, short).data
         halves.append(out.reshape(-1).view(torch.int16).numpy().view(np.uint16).astype(np.int64) << shift)
     after = np.bitwise_or.reduce(halves) if len(halves) > 1 else halves[0]
-    if after.shape[0] != n or not np.array_equal(np.sort(after), ids):
+    seen = np.zeros(n + 1, dtype=bool)
+    if after.shape[0] == n and int(after.min()) >= 1 and int(after.max()) <= n:
+        seen[after] = True  # n values in [1, n] covering all of them: a permutation (no sort)
+    if not seen[1:].all():
         raise LayoutError(f"{short}: vLLM's expert repacking ({type(fe).__name__}) is not a permutation of "
                           "the loaded elements")
     perm = np.empty(n, dtype=np.int64)

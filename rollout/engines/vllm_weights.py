@@ -57,6 +57,7 @@ from p2psync.codec.segment import KIND_DELTA, parse_head
 from p2psync.workers import run_ordered
 from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, TensorTableMismatch, WrongBase
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
+from rollout.engines import vllm_kernels
 from rollout.engines.vllm_layout import LayoutError
 from rollout.engines.vllm_placement import Placement, strided_range
 from rollout.engines.vllm_probe import placements
@@ -73,6 +74,8 @@ MASK64 = 0xFFFFFFFFFFFFFFFF
 _HOST_RANGE = 1 << 22
 """Elements copied to the host at a time when hashing a device tensor."""
 _SIGNED = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+_Item = tuple[int, "np.ndarray | None", np.ndarray, np.ndarray]
+"""A part of a delta to write: ``(tensor, local positions or None, checkpoint positions, new words)``."""
 
 
 class UnwritableParameter(P2PSyncError):
@@ -152,6 +155,13 @@ class LiveWeights:
             for i, pl in enumerate(self.places)]
         """Tensors held whole as one strided block (an expert in a repacked ``w13_weight``, a transposed
         weight) as n-D views of host memory in checkpoint order: a range is read by copying its slices."""
+        self._maps: list[tuple[int, np.ndarray, np.ndarray] | None] = []
+        """The same tensors' ``(base, checkpoint strides, parameter strides)``: written by one
+        compiled pass that maps, keeps, writes and hashes (:mod:`rollout.engines.vllm_kernels`)."""
+        for view, pl in zip(self._views, self.places):
+            bm = pl.block_map() if view is not None and pl is not None else None
+            self._maps.append(None if bm is None else
+                              (bm[0], np.array(bm[2], dtype=np.int64), np.array(bm[3], dtype=np.int64)))
         self._seeds = [tensor_seed(s.name) for s in self.specs]
         self.sums: list[tuple[int, int]] = self._compute_sums()
 
@@ -193,7 +203,7 @@ class LiveWeights:
         """Checkpoint words ``[start, stop)`` of tensor ``i``, held whole here, as unsigned host words
         (a view on CPU when stored contiguously, a copy otherwise)."""
         if self.offset[i] is None:
-            view = self._views[i]
+            view = self._views[i] if self.host_memory else None
             if view is not None:
                 return strided_range(view, start, stop)
             place = self.places[i]
@@ -406,7 +416,7 @@ class LiveWeights:
         undo: list[Any] = [None] * len(items)
         lanes: list[tuple[int, int] | None] = [None] * len(items)
         write = self._write_host if self.host_memory else self._write_device
-        order = sorted(range(len(items)), key=lambda j: -items[j][1].shape[0])
+        order = sorted(range(len(items)), key=lambda j: -items[j][2].shape[0])
         failed: BaseException | None = None
         try:
             _, _, failed = run_ordered(len(items), order, lambda j: write(j, items[j], undo, lanes),
@@ -429,16 +439,21 @@ class LiveWeights:
         return got
 
     def _local_parts(self, changes: dict[int, list[tuple[np.ndarray, np.ndarray]]]
-                     ) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-        """``(tensor, local positions, global positions, new words)`` of the changes this rank holds."""
-        items = []
+                     ) -> list[_Item]:
+        """``(tensor, local positions, global positions, new words)`` of the changes this rank holds
+        (local None: a strided block, mapped while written)."""
+        items: list[_Item] = []
         for t, parts in changes.items():
             place = self.places[t]
             if place is None:
                 continue
+            mapped = self.host_memory and self._maps[t] is not None
             for pos, new in parts:
                 if self.offset[t] is not None:
                     items.append((t, pos, pos, new))
+                    continue
+                if mapped:  # mapped while written (:func:`vllm_kernels.scatter_mapped_logged`)
+                    items.append((t, None, pos, new))
                     continue
                 which, local = place.local(pos)
                 if which.shape[0] == pos.shape[0]:
@@ -447,13 +462,20 @@ class LiveWeights:
                     items.append((t, local, pos[which], new[which]))
         return items
 
-    def _write_host(self, j: int, item: tuple[int, np.ndarray, np.ndarray, np.ndarray], undo: list[Any],
+    def _write_host(self, j: int, item: _Item, undo: list[Any],
                     lanes: list[tuple[int, int] | None]) -> None:
         t, local, glob, new = item
         words = self._mem(t)
         new = np.ascontiguousarray(new).view(words.dtype)
         seed = np.uint64(self._seeds[t])
-        if local is glob:  # one pass: keep, write, hash
+        if local is None:  # a strided block: map, keep, write, hash in one pass
+            mp = self._maps[t]
+            assert mp is not None
+            base, cstr, dstr = mp
+            old = np.empty_like(words, shape=new.shape)
+            undo[j] = old
+            a, b = vllm_kernels.scatter_mapped_logged(words, glob, new, old, seed, base, cstr, dstr)
+        elif local is glob:  # one pass: keep, write, hash
             old = np.empty_like(words, shape=new.shape)
             undo[j] = old  # set before the write: a failure part-way is taken back whole
             a, b = wordops.scatter_logged(words, local, new, old, seed)
@@ -468,11 +490,12 @@ class LiveWeights:
         place = self.places[t]
         return place is not None and place.counted
 
-    def _write_device(self, j: int, item: tuple[int, np.ndarray, np.ndarray, np.ndarray], undo: list[Any],
+    def _write_device(self, j: int, item: _Item, undo: list[Any],
                       lanes: list[tuple[int, int] | None]) -> None:
         import torch
 
         t, local, glob, new = item
+        assert local is not None  # strided blocks are mapped while written in host memory only
         flat = self.flat[t]
         idx = torch.from_numpy(local).to(self.device)
         old = flat.index_select(0, idx)
@@ -484,11 +507,15 @@ class LiveWeights:
         a, b = wordops.hash_change(glob, _to_host(old).view(self._words[t]), back, np.uint64(self._seeds[t]))
         lanes[j] = (int(a), int(b)) if self._counted(t) else (0, 0)
 
-    def _undo(self, items: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], undo: list[Any]) -> None:
+    def _undo(self, items: list[_Item], undo: list[Any]) -> None:
         """Write back the old words of every part that was (or may have been) written."""
-        for (t, local, _, _), entry in zip(items, undo):
+        for (t, local, glob, _), entry in zip(items, undo):
             if entry is None:
                 continue
+            if local is None:
+                mp = self._maps[t]
+                assert mp is not None
+                local = vllm_kernels.map_positions(glob, *mp)
             if isinstance(entry, np.ndarray):
                 wordops.scatter(self._mem(t), local, entry)
             else:

@@ -110,3 +110,22 @@ def test_deltas_of_small_segments_land_through_strided_blocks(segment):
         for name in versions[v]:
             assert np.array_equal(live.read(name), versions[v].words(name)), (v, name)
     assert live.audit() == versions[3].fingerprint
+
+
+def test_a_refused_write_through_strided_blocks_is_taken_back():
+    from p2psync.errors import FingerprintMismatch
+
+    old, new = _state(0), None
+    new = _step(old, 1)
+    model = _Params(old)
+    live = LiveWeights(model, old.specs, places=model.places)
+    assert all(live._maps[i] is not None for i in range(1 + E))  # written by the mapped compiled pass
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    enc = encode_delta(old, new, CodecOptions(chunk_size=64 << 10, segment_elements=1024))
+    m = build_manifest(enc, model_id="t", base_version=0, target_version=1, chunk_size=64 << 10, private_key=None)
+    changes, _ = live.decode(m, enc.chunks)
+    with pytest.raises(FingerprintMismatch):
+        live.commit(changes, "0" * 64)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.view(torch.int16), before[n].view(torch.int16)), n
+    assert live.audit() == old.fingerprint
