@@ -25,7 +25,9 @@ parameter as a probe. Layers alike (same checkpoint names up to the layer
 number, shapes, dtypes, parameters, module classes, weight loaders and expert
 maps) are probed once: every other one is predicted from the first and checked
 by probing a few of its tensors of small parameters, one per kind of weight
-loader (a mismatch probes it whole). Post-load transforms that vLLM applies to the loaded
+loader (a mismatch probes it whole). Inside a probed layer, experts are placed
+once per kind of expert tensor: the first two and the last are probed, the
+others predicted at the step between the first two, the last checking it. Post-load transforms that vLLM applies to the loaded
 weights are either replayed on probes or refused naming the layer
 (:mod:`rollout.engines.vllm_repack`).
 """
@@ -44,7 +46,7 @@ import numpy as np
 from p2psync.state import TensorSpec
 from rollout.engines import vllm_place_cache
 from rollout.engines.vllm_layout import LayoutError
-from rollout.engines.vllm_placement import Placement, compress, same
+from rollout.engines.vllm_placement import Family, Placement, compress, same
 from rollout.engines.vllm_repack import layer_of, moe_experts, post_load, transformed_reason
 
 logger = logging.getLogger(__name__)
@@ -90,7 +92,7 @@ def derive(model: Any, specs: Sequence[TensorSpec]) -> dict[str, Placement]:
                 got = _reuse(model, params, batch, key, *templates[sig])
                 reused += got is not None
             if got is None:
-                got = _place(model, params, batch, own)
+                got = _place_layer(model, params, batch, own)
                 if sig is not None and sig not in templates:
                     templates[sig] = (key, got)
             out.update(got)
@@ -117,6 +119,61 @@ def _place(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
         dst = post_load(model, param, params[param], dst)
         out[s.name] = compress(s.name, param, tuple(s.shape), ck, dst, ck_sorted=True)
     return out
+
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _place_layer(model: Any, params: dict[str, Any], batch: list[TensorSpec], own: list[str]
+                 ) -> dict[str, Placement]:
+    """:func:`_place` of a layer, its experts placed once per tensor kind: of each kind (the same
+    name but for the expert number, and shape; four or more experts) only the first two and the
+    last experts are probed; the others are predicted by the step between the first two, and the
+    last one checks the prediction (a mismatch, or a sampled expert this rank does not hold, probes
+    the layer whole)."""
+    groups: dict[tuple[str, tuple[int, ...]], list[tuple[int, TensorSpec]]] = {}
+    for s in batch:
+        m = _EXPERT.search(s.name)
+        if m:
+            kind = (s.name[:m.start()] + ".experts.*." + s.name[m.end():], tuple(s.shape))
+            groups.setdefault(kind, []).append((int(m.group(1)), s))
+    groups = {k: sorted(v, key=lambda x: x[0]) for k, v in groups.items() if len(v) >= 4}
+    if not groups:
+        return _place(model, params, batch, own)
+    grouped = {s.name for v in groups.values() for _, s in v}
+    sampled = {v[i][1].name for v in groups.values() for i in (0, 1, len(v) - 1)}
+    got = _place(model, params, [s for s in batch if s.name not in grouped or s.name in sampled], own)
+    for v in groups.values():
+        (ea, sa), (eb, sb), (ec, sc) = v[0], v[1], v[-1]
+        pa, pb, pc = got.get(sa.name), got.get(sb.name), got.get(sc.name)
+        step = _expert_step(pa, pb, eb - ea)
+        if pa is None or pc is None or step is None or not same(_shifted(pa, sc.name, (ec - ea) * step), pc):
+            logger.info("p2psync: the experts of %s are not placed at a fixed step: probed whole", sa.name)
+            return _place(model, params, batch, own)
+        for e, s in v:
+            got[s.name] = _shifted(pa, s.name, (e - ea) * step)
+    return got
+
+
+def _expert_step(pa: Placement | None, pb: Placement | None, apart: int) -> int | None:
+    """The parameter offset from one expert to the next, if ``pb`` is ``pa`` shifted by ``apart`` of them."""
+    if pa is None or pb is None or pa.param != pb.param or len(pa.families) != len(pb.families):
+        return None
+    shift = None
+    for f, g in zip(pa.families, pb.families):
+        if f.dims != g.dims or not np.array_equal(f.ck, g.ck) or f.dst.shape[0] == 0:
+            return None
+        d = g.dst - f.dst
+        if not (d == d[0]).all() or (shift is not None and int(d[0]) != shift):
+            return None
+        shift = int(d[0])
+    if shift is None or shift % apart:
+        return None
+    return shift // apart
+
+
+def _shifted(pl: Placement, name: str, delta: int) -> Placement:
+    return Placement(name, pl.param, pl.shape, [Family(f.dims, f.ck, f.dst + delta) for f in pl.families], pl.counted)
 
 
 def _norm(name: str, key: int | None) -> str:

@@ -77,19 +77,27 @@ def post_load(model: Any, param: str, live: Any, dst: np.ndarray) -> np.ndarray:
         raise LayoutError(transformed_reason(model, param) or f"layer {lname}: unknown expert repacking")
     if getattr(fe, "_use_zentorch", False):
         return dst
-    return _moe_perm(fe, layer, short)[dst]
+    shapes = {n: tuple(getattr(layer, n).shape) for n in ("w13_weight", "w2_weight")}
+    experts = shapes[short][0]
+    if experts >= 2:
+        # The repacking is per expert when two experts repack as one does, shifted by a block:
+        # then only one expert's permutation is replayed and kept.
+        two = _moe_perm(fe, layer, short, {n: (2,) + shp[1:] for n, shp in shapes.items()})
+        block = two.shape[0] // 2
+        if np.array_equal(two[block:], two[:block] + block):
+            return (dst // block) * block + two[:block][dst % block]
+    return _moe_perm(fe, layer, short, shapes)[dst]
 
 
 _PERMS: dict[tuple[Any, ...], np.ndarray] = {}
 
 
-def _moe_perm(fe: Any, layer: Any, short: str) -> np.ndarray:
-    """Where vLLM's CPU experts' ``process_weights_after_loading`` moves each element of ``short``:
-    replayed on a stand-in layer holding element ids in raw 16-bit words (low, then high half),
-    checked to be a permutation."""
+def _moe_perm(fe: Any, layer: Any, short: str, shapes: dict[str, tuple[int, ...]]) -> np.ndarray:
+    """Where vLLM's CPU experts' ``process_weights_after_loading`` moves each element of ``short``
+    in parameters of ``shapes``: replayed on a stand-in layer holding element ids in raw 16-bit
+    words (low, then high half), checked to be a permutation."""
     import torch
 
-    shapes = {n: tuple(getattr(layer, n).shape) for n in ("w13_weight", "w2_weight")}
     key = (type(fe).__name__, fe.isa, tuple(shapes.items()), short)
     if key in _PERMS:
         return _PERMS[key]
