@@ -290,3 +290,33 @@ def test_placements_are_kept_on_disk_and_a_bad_file_is_derived_again(moe, tmp_pa
     assert all(same(third[n], first[n]) for n in first)
     assert vllm_place_cache.load(files[0].stem, specs) is not None  # written again
     vllm_probe._CACHE.clear()
+
+
+def test_experts_are_probed_once_per_kind_and_a_wrong_step_is_caught(moe, monkeypatch, caplog):
+    """Of each kind of expert tensor, the first two and the last experts are probed and the others
+    predicted; when the last one is not where the step predicts (here: its probe result shifted),
+    the layer is probed whole and every expert is still where vLLM loaded it."""
+    import logging
+
+    from rollout.engines import vllm_probe
+    from rollout.engines.vllm_placement import same
+
+    lin, model = moe
+    specs = lin.states[0].specs
+    truth = derive(model, specs)
+    fed: list[int] = []
+    real = vllm_probe._probe
+
+    def shifted_last(model_, params_, batch, probed):
+        got = real(model_, params_, batch, probed)
+        fed.append(sum(".experts." in s.name for s in batch))
+        if sum(".experts.3." in s.name for s in batch) and not any(".experts.2." in s.name for s in batch):
+            got = {n: (p, ck, dst + 1 if ".experts.3." in n else dst) for n, (p, ck, dst) in got.items()}
+        return got
+
+    monkeypatch.setattr(vllm_probe, "_probe", shifted_last)
+    with caplog.at_level(logging.INFO, logger="rollout.engines.vllm_probe"):
+        places = derive(model, specs)
+    assert "not placed at a fixed step" in caplog.text
+    assert 9 in fed and 12 in fed  # 3 of 4 experts x 3 tensors sampled, then all 12 probed
+    assert sorted(places) == sorted(truth) and all(same(places[n], truth[n]) for n in truth)
