@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from p2psync.wordops import change_lanes
+from p2psync.wordops import SCATTER_AHEAD, change_lanes, prefetch_l2
 
 _U64 = np.uint64
 
@@ -32,6 +32,14 @@ def scatter_mapped_logged(words, positions, values, undo, seed, base, cstr, dstr
     a = _U64(0)
     b = _U64(0)
     for j in range(n):
+        if j + SCATTER_AHEAD < n:  # the line written SCATTER_AHEAD changes later, as scatter_logged does
+            rem = positions[j + SCATTER_AHEAD]
+            ahead = base
+            for k in range(nd):
+                q = rem // cstr[k]
+                rem -= q * cstr[k]
+                ahead += q * dstr[k]
+            prefetch_l2(words, ahead)
         p = positions[j]
         rem = p
         dst = base
