@@ -5,6 +5,9 @@ import pytest
 
 # numba compiles the codec kernels once and caches them next to the sources.
 os.environ.setdefault("NUMBA_CACHE_DIR", os.path.join(os.path.dirname(__file__), "..", ".numba_cache"))
+# Engines the tests start derive their placements (no reuse of a placement cache from ~/.cache);
+# tests of the cache name their own folder.
+os.environ.setdefault("P2PSYNC_PLACEMENT_CACHE", "off")
 
 _exit_status: int | None = None
 

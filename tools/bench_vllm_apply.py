@@ -16,7 +16,10 @@ experts of ``--moe-mlp`` rows, top-8 routing, per-expert checkpoint tensors as
 ``save_pretrained`` writes them); vLLM's CPU kernel repacks the experts, so
 every expert is written through a placement derived from vLLM's loaders. The
 result also gives the seconds the backend took to derive the placement at bind
-time (``derive_s``, to compare with vLLM's own ``load_weights``: ``dense.s``).
+time (``derive_s``, to compare with vLLM's own ``load_weights``: ``dense.s``, and
+with the engine's whole start: ``vllm_build_s``). Run it with
+``P2PSYNC_PLACEMENT_CACHE=off`` to time a derivation rather than a read of the
+placement cache.
 
 A random-init Qwen3-shaped model (default ~0.53 B parameters: hidden 1024, 24
 layers, MLP 3072, 16 q / 8 kv heads of 128, vocabulary 151,936, tied
@@ -425,7 +428,8 @@ def run_engine(ctx: dict, url: str, dense: str) -> dict:
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(c) for c in cpus[:tp]))
     t = time.perf_counter()
     eng = VLLMEngine(LLM(**kw))
-    print(f"vLLM built in {time.perf_counter() - t:.0f} s", flush=True)
+    ctx["vllm_build_s"] = time.perf_counter() - t
+    print(f"vLLM built in {ctx['vllm_build_s']:.0f} s", flush=True)
     try:
         eng.attach(ParentInfo(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench", tls_dir), version=0)
         rpc = eng.llm.collective_rpc
@@ -517,6 +521,9 @@ def _report(ctx: dict, res: dict) -> dict:
     summary["p2psync_us_per_changed"] = round(1e6 * p / max(1, ctx["changed"]), 4)
     if res["p2psync"].get("derive_s") is not None:
         summary["derive_over_dense_load"] = round(res["p2psync"]["derive_s"] / res["dense"]["s"], 4)
+        if ctx.get("vllm_build_s"):
+            summary["vllm_build_s"] = round(ctx["vllm_build_s"], 2)
+            summary["derive_over_vllm_build"] = round(res["p2psync"]["derive_s"] / ctx["vllm_build_s"], 4)
     if "s_with_transfer" in res["dense"]:
         summary["p2psync_over_dense_with_transfer"] = round(p / res["dense"]["s_with_transfer"], 4)
     if "dense_fetched" in res:

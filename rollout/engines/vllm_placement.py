@@ -136,6 +136,42 @@ class Placement:
                 ck0, dst0 = f.ck[lo:lo + per], f.dst[lo:lo + per]
                 yield (ck0[:, None] + c[None, :]).reshape(-1), (dst0[:, None] + d[None, :]).reshape(-1)
 
+    def block_map(self) -> tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+        """``(base, sizes, checkpoint strides, parameter strides)`` when this tensor is held whole as
+        one block whose checkpoint strides are row-major (outermost first, sizes above 1 only), so
+        that position ``p`` lives at ``base + sum_k (p // cstr_k mod size_k) * dstr_k``; None when
+        the placement is not that (several blocks or families, or a non-positive parameter stride)."""
+        if not self.whole or len(self.families) != 1:
+            return None
+        f = self.families[0]
+        if f.ck.shape[0] != 1 or int(f.ck[0]) != 0:
+            return None
+        dims = [d for d in f.dims if d[0] > 1]
+        if not dims:
+            return None
+        expect = 1
+        for size, cs, ds in reversed(dims):
+            if cs != expect or ds <= 0:
+                return None
+            expect *= size
+        return (int(f.dst[0]), tuple(d[0] for d in dims), tuple(d[1] for d in dims), tuple(d[2] for d in dims))
+
+    def strided(self, mem: np.ndarray) -> np.ndarray | None:
+        """This tensor, held whole as one block (:meth:`block_map`), as a read-only n-D view of
+        ``mem`` (its parameter's flat words) whose C order is checkpoint order; None when it is not.
+
+        A transposed weight is such a view too: its C order walks memory with a stride, so a range of
+        it is not a slice of ``mem`` (:func:`strided_range` copies it)."""
+        bm = self.block_map()
+        if bm is None:
+            return None
+        start, sizes, _, dstr = bm
+        last = start + sum((size - 1) * ds for size, ds in zip(sizes, dstr))
+        if start < 0 or last >= mem.shape[0]:
+            return None
+        return np.lib.stride_tricks.as_strided(mem[start:], shape=sizes,
+                                               strides=tuple(ds * mem.itemsize for ds in dstr), writeable=False)
+
     def key(self) -> str:
         """The set of checkpoint positions held, as text (equal on ranks holding the same copy)."""
         parts = [f"{f.dims}:{f.ck.tolist()}" for f in self.families]
@@ -146,17 +182,28 @@ class Placement:
             f"{f.ck.shape[0]} x {[(s, cs, ds) for s, cs, ds in f.dims]}" for f in self.families)
 
 
-def compress(name: str, param: str, shape: tuple[int, ...], ck: np.ndarray, dst: np.ndarray) -> Placement:
-    """The placement holding checkpoint positions ``ck`` at parameter positions ``dst`` (pairs, any order).
+def same(a: Placement, b: Placement) -> bool:
+    """``a`` and ``b`` hold the same elements at the same positions of the same parameter, in the same
+    compressed form."""
+    return (a.param == b.param and a.shape == b.shape and len(a.families) == len(b.families)
+            and all(f.dims == g.dims and np.array_equal(f.ck, g.ck) and np.array_equal(f.dst, g.dst)
+                    for f, g in zip(a.families, b.families)))
+
+
+def compress(name: str, param: str, shape: tuple[int, ...], ck: np.ndarray, dst: np.ndarray,
+             ck_sorted: bool = False) -> Placement:
+    """The placement holding checkpoint positions ``ck`` at parameter positions ``dst`` (pairs, any order;
+    ``ck_sorted``: ``ck`` is strictly ascending already, as probing returns it).
 
     Tries one nested strided block (:func:`_factor`); falls back to 1-D runs."""
     ck = np.asarray(ck, dtype=np.int64)
     dst = np.asarray(dst, dtype=np.int64)
     if ck.shape[0] == 0:
         return Placement(name, param, tuple(shape), [])
-    order = np.argsort(ck, kind="stable")
-    ck, dst = ck[order], dst[order]
-    if ck.shape[0] > 1 and bool((np.diff(ck) == 0).any()):
+    if not ck_sorted:
+        order = np.argsort(ck, kind="stable")
+        ck, dst = ck[order], dst[order]
+    if not ck_sorted and ck.shape[0] > 1 and bool((np.diff(ck) == 0).any()):
         raise LayoutError(f"{name}: vLLM's loader writes some of its elements to more than one place in {param}")
     fam = _factor(ck, dst)
     return Placement(name, param, tuple(shape), [fam] if fam is not None else _runs(ck, dst))
@@ -209,3 +256,35 @@ def from_piece(piece: Piece, param_shape: tuple[int, ...]) -> Placement:
     dims = ((r1 - r0, piece.width, pcols), (c1 - c0, 1, 1))
     fam = Family(dims, np.array([r0 * piece.width + c0], np.int64), np.array([piece.at_row * pcols], np.int64))
     return Placement(piece.name, piece.param, piece.shape, [fam], piece.counted)
+
+
+def strided_range(view: np.ndarray, start: int, stop: int) -> np.ndarray:
+    """Elements ``[start, stop)`` of ``view`` in C order as a new contiguous 1-D array, copying only
+    those: whole outer slices in the middle, the partial ones at both ends taken recursively (never a
+    strided 1-D view, which a compiled decoder expecting contiguous words would misread)."""
+    if not 0 <= start <= stop <= view.size:
+        raise ValueError(f"range [{start}, {stop}) outside a view of {view.size} elements")
+    parts: list[np.ndarray] = []
+    _take(view, start, stop, parts)
+    if not parts:
+        return np.empty(0, dtype=view.dtype)
+    if len(parts) == 1:
+        return np.ascontiguousarray(parts[0]).reshape(-1)
+    return np.concatenate([p.reshape(-1) for p in parts])
+
+
+def _take(view: np.ndarray, start: int, stop: int, parts: list[np.ndarray]) -> None:
+    if stop <= start:
+        return
+    if view.ndim == 1:
+        parts.append(np.ascontiguousarray(view[start:stop]))
+        return
+    inner = view.size // view.shape[0]
+    lo, hi = start // inner, -(-stop // inner)
+    if hi - lo == 1:
+        _take(view[lo], start - lo * inner, stop - lo * inner, parts)
+        return
+    _take(view[lo], start - lo * inner, inner, parts)
+    if hi - lo > 2:
+        parts.append(np.ascontiguousarray(view[lo + 1:hi - 1]).reshape(-1))
+    _take(view[hi - 1], 0, stop - (hi - 1) * inner, parts)

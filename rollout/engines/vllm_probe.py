@@ -19,11 +19,17 @@ slices (a rank's loader skips what it does not hold). :func:`derive` asks it:
 4. the original ``.data`` is put back (``finally``): the live weights are never
    written, only their tensors swapped out and back.
 
-A batch whose loader reaches outside its layer is probed again with every
-parameter as a probe. Post-load transforms that vLLM applies to the loaded
-weights are either replayed on probes (CPU MoE experts' blocked repacking, by
-vLLM's own ``process_weights_after_loading`` on a stand-in layer) or refused
-naming the layer (quantized layers, CPU GEMM handles, padded expert sizes).
+Ids are dense integers, so step 3 inverts them with one scatter per probe (no
+sort). A batch whose loader reaches outside its layer is probed again with every
+parameter as a probe. Layers alike (same checkpoint names up to the layer
+number, shapes, dtypes, parameters, module classes, weight loaders and expert
+maps) are probed once: every other one is predicted from the first and checked
+by probing a few of its tensors of small parameters, one per kind of weight
+loader (a mismatch probes it whole). Inside a probed layer, experts are placed
+once per kind of expert tensor: the first two and the last are probed, the
+others predicted at the step between the first two, the last checking it. Post-load transforms that vLLM applies to the loaded
+weights are either replayed on probes or refused naming the layer
+(:mod:`rollout.engines.vllm_repack`).
 """
 
 from __future__ import annotations
@@ -32,13 +38,16 @@ import logging
 import re
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
 from p2psync.state import TensorSpec
+from rollout.engines import vllm_place_cache
 from rollout.engines.vllm_layout import LayoutError
-from rollout.engines.vllm_placement import Placement, compress
+from rollout.engines.vllm_placement import Family, Placement, compress, same
+from rollout.engines.vllm_repack import layer_of, moe_experts, post_load, transformed_reason
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +64,12 @@ def _layer_key(name: str) -> int | None:
 def derive(model: Any, specs: Sequence[TensorSpec]) -> dict[str, Placement]:
     """Where each checkpoint tensor of ``specs`` lives in ``model`` on this rank (see module doc).
 
-    Tensors this rank holds nothing of are absent from the result. Raises :class:`LayoutError`
-    naming the tensor when vLLM's loader refuses it or writes computed (not copied) values."""
+    Layers alike (the same checkpoint names, shapes and dtypes up to the layer number, the same
+    parameters, module classes and weight loaders) are placed alike: the first of them is probed
+    whole, every other one is predicted from it and checked by probing its smaller tensors (a
+    mismatch probes that layer whole). Tensors this rank holds nothing of are absent from the result.
+    Raises :class:`LayoutError` naming the tensor when vLLM's loader refuses it or writes computed
+    (not copied) values."""
     import torch
 
     t0 = time.perf_counter()
@@ -67,30 +80,174 @@ def derive(model: Any, specs: Sequence[TensorSpec]) -> dict[str, Placement]:
     owners: dict[int | None, list[str]] = {}
     for n in params:
         owners.setdefault(_layer_key(n), []).append(n)
-    found: dict[str, list[tuple[str, np.ndarray, np.ndarray]]] = {}
+    out: dict[str, Placement] = {}
+    templates: dict[tuple[Any, ...], tuple[int | None, dict[str, Placement]]] = {}
+    reused = 0
     with torch.no_grad():
         for key, batch in batches.items():
-            try:
-                got = _probe(model, params, batch, owners.get(key, []))
-            except _Outside:
-                got = _probe(model, params, batch, list(params))
-            for name, hits in got.items():
-                found.setdefault(name, []).extend(hits)
-    out: dict[str, Placement] = {}
-    shapes = {s.name: tuple(s.shape) for s in specs}
-    for name, hits in found.items():
-        targets = {h[0] for h in hits}
-        if len(targets) > 1:
-            raise LayoutError(f"{name}: vLLM's loader spreads it over several parameters ({sorted(targets)})")
-        param = hits[0][0]
-        ck = np.concatenate([h[1] for h in hits])
-        dst = np.concatenate([h[2] for h in hits])
-        dst = _post_load(model, param, params[param], dst)
-        out[name] = compress(name, param, shapes[name], ck, dst)
+            own = owners.get(key, [])
+            sig = _signature(model, params, batch, own, key) if key is not None else None
+            got = None
+            if key is not None and sig is not None and sig in templates:
+                got = _reuse(model, params, batch, key, *templates[sig])
+                reused += got is not None
+            if got is None:
+                got = _place_layer(model, params, batch, own)
+                if sig is not None and sig not in templates:
+                    templates[sig] = (key, got)
+            out.update(got)
     global LAST_DERIVE_S
     LAST_DERIVE_S = time.perf_counter() - t0
-    logger.info("p2psync: placement of %d tensors derived from vLLM's loaders in %.2f s", len(out), LAST_DERIVE_S)
+    logger.info("p2psync: placement of %d tensors derived from vLLM's loaders in %.2f s (%d of %d layers "
+                "predicted from a layer alike)", len(out), LAST_DERIVE_S, reused, len(batches))
     return out
+
+
+def _place(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: list[str]
+           ) -> dict[str, Placement]:
+    """The placements of ``batch``, probed with ``probed`` as probes (every parameter when the loader
+    writes outside them)."""
+    try:
+        got = _probe(model, params, batch, probed)
+    except _Outside:
+        got = _probe(model, params, batch, list(params))
+    out: dict[str, Placement] = {}
+    for s in batch:
+        if s.name not in got:
+            continue
+        param, ck, dst = got[s.name]
+        dst = post_load(model, param, params[param], dst)
+        out[s.name] = compress(s.name, param, tuple(s.shape), ck, dst, ck_sorted=True)
+    return out
+
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def _place_layer(model: Any, params: dict[str, Any], batch: list[TensorSpec], own: list[str]
+                 ) -> dict[str, Placement]:
+    """:func:`_place` of a layer, its experts placed once per tensor kind: of each kind (the same
+    name but for the expert number, and shape; four or more experts) only the first two and the
+    last experts are probed; the others are predicted by the step between the first two, and the
+    last one checks the prediction (a mismatch, or a sampled expert this rank does not hold, probes
+    the layer whole)."""
+    groups: dict[tuple[str, tuple[int, ...]], list[tuple[int, TensorSpec]]] = {}
+    for s in batch:
+        m = _EXPERT.search(s.name)
+        if m:
+            kind = (s.name[:m.start()] + ".experts.*." + s.name[m.end():], tuple(s.shape))
+            groups.setdefault(kind, []).append((int(m.group(1)), s))
+    groups = {k: sorted(v, key=lambda x: x[0]) for k, v in groups.items() if len(v) >= 4}
+    if not groups:
+        return _place(model, params, batch, own)
+    grouped = {s.name for v in groups.values() for _, s in v}
+    sampled = {v[i][1].name for v in groups.values() for i in (0, 1, len(v) - 1)}
+    got = _place(model, params, [s for s in batch if s.name not in grouped or s.name in sampled], own)
+    for v in groups.values():
+        (ea, sa), (eb, sb), (ec, sc) = v[0], v[1], v[-1]
+        pa, pb, pc = got.get(sa.name), got.get(sb.name), got.get(sc.name)
+        step = _expert_step(pa, pb, eb - ea)
+        if pa is None or pc is None or step is None or not same(_shifted(pa, sc.name, (ec - ea) * step), pc):
+            logger.info("p2psync: the experts of %s are not placed at a fixed step: probed whole", sa.name)
+            return _place(model, params, batch, own)
+        for e, s in v:
+            got[s.name] = _shifted(pa, s.name, (e - ea) * step)
+    return got
+
+
+def _expert_step(pa: Placement | None, pb: Placement | None, apart: int) -> int | None:
+    """The parameter offset from one expert to the next, if ``pb`` is ``pa`` shifted by ``apart`` of them."""
+    if pa is None or pb is None or pa.param != pb.param or len(pa.families) != len(pb.families):
+        return None
+    shift = None
+    for f, g in zip(pa.families, pb.families):
+        if f.dims != g.dims or not np.array_equal(f.ck, g.ck) or f.dst.shape[0] == 0:
+            return None
+        d = g.dst - f.dst
+        if not (d == d[0]).all() or (shift is not None and int(d[0]) != shift):
+            return None
+        shift = int(d[0])
+    if shift is None or shift % apart:
+        return None
+    return shift // apart
+
+
+def _shifted(pl: Placement, name: str, delta: int) -> Placement:
+    return Placement(name, pl.param, pl.shape, [Family(f.dims, f.ck, f.dst + delta) for f in pl.families], pl.counted)
+
+
+def _norm(name: str, key: int | None) -> str:
+    """``name`` with its layer number (the first ``.N.``) replaced by ``#``."""
+    return name if key is None else _NUM.sub(".#.", "." + name, count=1)[1:]
+
+
+def _renamed(name: str, key: int) -> str:
+    return _NUM.sub(f".{key}.", "." + name.replace(".#.", ".\0."), count=0)[1:] if False else \
+        ("." + name).replace(".#.", f".{key}.", 1)[1:]
+
+
+def _loader_id(p: Any) -> str:
+    fn = getattr(p, "weight_loader", None)
+    fn = getattr(fn, "__func__", fn)
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
+def _signature(model: Any, params: dict[str, Any], batch: list[TensorSpec], own: list[str], key: int
+               ) -> tuple[Any, ...] | None:
+    """What a layer's placement depends on, up to its layer number (None: not comparable)."""
+    parts: list[Any] = [tuple((_norm(s.name, key), tuple(s.shape), s.dtype) for s in batch)]
+    for n in own:
+        p = params[n]
+        _, layer = layer_of(model, n)
+        extra: Any = None
+        emap = getattr(layer, "expert_map", None) if layer is not None else None
+        if emap is not None:
+            extra = tuple(emap.reshape(-1).tolist())
+        fe = moe_experts(layer)
+        parts.append((_norm(n, key), tuple(p.shape), str(p.dtype), type(p).__name__, _loader_id(p),
+                      type(layer).__name__, type(fe).__name__ if fe is not None else None, extra,
+                      type(getattr(layer, "quant_method", None)).__name__))
+    return tuple(parts)
+
+
+_CHECK_ELEMENTS = 1 << 20
+"""A predicted layer is checked by probing its tensors whose parameter is at most this large."""
+
+
+def _reuse(model: Any, params: dict[str, Any], batch: list[TensorSpec], key: int, tkey: int | None,
+           template: dict[str, Placement]) -> dict[str, Placement] | None:
+    """``batch``'s placements predicted from the layer alike ``template`` (layer ``tkey``), checked by
+    probing its tensors of small parameters; None when the check fails (the caller probes it whole)."""
+    assert tkey is not None
+    pred: dict[str, Placement] = {}
+    for s in batch:
+        t = template.get(_renamed(_norm(s.name, key), tkey))
+        if t is not None:
+            pred[s.name] = replace(t, name=s.name, param=_renamed(_norm(t.param, tkey), key))
+    if any(pl.param not in params for pl in pred.values()):
+        return None
+    small = sorted((s for s in batch if s.name in pred and params[pred[s.name].param].numel() <= _CHECK_ELEMENTS),
+                   key=lambda s: params[pred[s.name].param].numel())
+    check: list[TensorSpec] = []
+    seen: set[str] = set()
+    for first in (True, False):  # one tensor per kind of weight loader first, then others up to 4
+        loaders = {_loader_id(params[pred[s.name].param]) for s in check}
+        for s in small:
+            param = pred[s.name].param
+            if len(check) < 4 and param not in seen and (not first or _loader_id(params[param]) not in loaders):
+                seen.add(param)
+                loaders.add(_loader_id(params[param]))
+                check.append(s)
+    if not check:
+        return None
+    try:
+        got = _place(model, params, check, sorted({pred[s.name].param for s in check}))
+    except LayoutError:
+        return None
+    if sorted(got) != sorted(s.name for s in check) or any(not same(got[s.name], pred[s.name]) for s in check):
+        logger.info("p2psync: layer %s is not placed as layer %s, alike in shapes: probed whole", key, tkey)
+        return None
+    return pred
 
 
 class _Outside(Exception):
@@ -98,8 +255,9 @@ class _Outside(Exception):
 
 
 def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: list[str]
-           ) -> dict[str, list[tuple[str, np.ndarray, np.ndarray]]]:
-    """Feed ``batch`` through ``model.load_weights`` with ``probed`` parameters as probes (module doc)."""
+           ) -> dict[str, tuple[str, np.ndarray, np.ndarray]]:
+    """Feed ``batch`` through ``model.load_weights`` with ``probed`` parameters as probes (module doc);
+    per tensor held: ``(parameter, checkpoint positions (ascending), parameter positions as loaded)``."""
     import torch
 
     live = {n: p.data for n, p in params.items()}
@@ -107,7 +265,8 @@ def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
     bases = np.zeros(len(batch) + 1, dtype=np.int64)
     for i, s in enumerate(batch):
         bases[i + 1] = bases[i] + s.numel
-    if int(bases[-1]) >= 1 << 53:
+    total = int(bases[-1])
+    if total >= 1 << 53:
         raise LayoutError(f"{batch[0].name}: a layer of more than 2**53 elements cannot be probed")
     wanted = set(probed)
     try:
@@ -132,26 +291,64 @@ def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
     finally:
         for n, p in params.items():
             p.data = live[n]
-    got: dict[str, list[tuple[str, np.ndarray, np.ndarray]]] = {}
-    for n, probe in probes.items():
-        v = probe.reshape(-1).cpu().numpy()
+    # Element ids are dense integers: invert them with a scatter (where each landed, in which probe).
+    names = [n for n in probes]
+    inv = np.full(total, -1, dtype=np.int64)
+    which = np.full(total, -1, dtype=np.int32)
+    hits = 0
+    landed: list[np.ndarray] = []
+    for k, n in enumerate(names):
+        v = probes.pop(n).reshape(-1).cpu().numpy()
         dst = np.flatnonzero(v >= 0)
         if dst.shape[0] == 0:
+            landed.append(dst)
             continue
         vals = v[dst]
         ids = vals.astype(np.int64)
-        if not np.array_equal(ids.astype(np.float64), vals) or int(ids.max()) >= int(bases[-1]):
+        if not np.array_equal(ids.astype(np.float64), vals) or int(ids.max()) >= total:
             owner = batch[min(len(batch) - 1, int(np.searchsorted(bases, ids[0], side="right")) - 1)].name
             raise LayoutError(f"{owner}: vLLM's loader computes the values of {n} from the checkpoint "
                               "(not a copy of its elements); it cannot be updated in place")
-        which = np.searchsorted(bases, ids, side="right") - 1
-        order = np.argsort(which, kind="stable")
-        which, ids, dst = which[order], ids[order], dst[order]
-        cuts = np.flatnonzero(np.diff(which)) + 1
-        for part_w, part_i, part_d in zip(np.split(which, cuts), np.split(ids, cuts), np.split(dst, cuts)):
-            k = int(part_w[0])
-            got.setdefault(batch[k].name, []).append((n, part_i - bases[k], part_d))
+        inv[ids] = dst
+        which[ids] = k
+        hits += ids.shape[0]
+        landed.append(ids)
+    if hits != int(np.count_nonzero(inv >= 0)):
+        _name_duplicate(batch, bases, names, landed, total)
+    del landed
+    got: dict[str, tuple[str, np.ndarray, np.ndarray]] = {}
+    for i, s in enumerate(batch):
+        lo, hi = int(bases[i]), int(bases[i + 1])
+        w = which[lo:hi]
+        held = w >= 0
+        nheld = int(np.count_nonzero(held))
+        if nheld == 0:
+            continue
+        if nheld == hi - lo:
+            ck, dst, w_held = np.arange(hi - lo, dtype=np.int64), inv[lo:hi].copy(), w
+        else:
+            ck = np.flatnonzero(held)
+            dst, w_held = inv[lo:hi][ck], w[ck]
+        if int(w_held.min()) != int(w_held.max()):
+            targets = sorted({names[int(k)] for k in np.unique(w_held)})
+            raise LayoutError(f"{s.name}: vLLM's loader spreads it over several parameters ({targets})")
+        got[s.name] = (names[int(w_held[0])], ck, dst)
     return got
+
+
+def _name_duplicate(batch: list[TensorSpec], bases: np.ndarray, names: list[str], landed: list[np.ndarray],
+                    total: int) -> None:
+    """Raise naming the tensor some element of which the loader wrote to more than one place (only
+    called on that error: ``landed[k]`` are the ids found in probe ``names[k]``)."""
+    counts = np.zeros(total, dtype=np.int64)
+    for ids in landed:
+        counts += np.bincount(ids, minlength=total)
+    dup = int(np.flatnonzero(counts > 1)[0])
+    s = batch[int(np.searchsorted(bases, dup, side="right")) - 1]
+    inside = [n for n, ids in zip(names, landed) if ids.shape[0] and bool((ids == dup).any())]
+    if len(inside) > 1:
+        raise LayoutError(f"{s.name}: vLLM's loader spreads it over several parameters ({sorted(inside)})")
+    raise LayoutError(f"{s.name}: vLLM's loader writes some of its elements to more than one place in {inside[0]}")
 
 
 def _guard_error(exc: BaseException) -> bool:
@@ -174,109 +371,6 @@ def _name_culprit(feed: Any, batch: list[TensorSpec], params: dict[str, Any], ex
                       f"{type(exc).__name__}: {exc}") from exc
 
 
-# --- transformed copies --------------------------------------------------------------------
-def layer_of(model: Any, param: str) -> tuple[str, Any]:
-    name = param.rsplit(".", 1)[0] if "." in param else ""
-    return name, (model.get_submodule(name) if name else model)
-
-
-def _moe_experts(layer: Any) -> Any:
-    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
-    return getattr(kernel, "fused_experts", None)
-
-
-def transformed_reason(model: Any, param: str) -> str | None:
-    """Why the live parameter ``param`` is not where the loader's copy of the checkpoint stays
-    (None: it is, possibly through a transform :func:`derive` replays)."""
-    lname, layer = layer_of(model, param)
-    qm = getattr(layer, "quant_method", None)
-    if qm is not None and not type(qm).__name__.startswith("Unquantized"):
-        return f"layer {lname} is quantized ({type(qm).__name__}): its parameters hold a transformed copy"
-    fe = _moe_experts(layer)
-    if fe is not None and _replays(fe) is None and _overrides_post_load(fe):
-        return (f"layer {lname} repacks its experts after loading ({type(fe).__name__}) in a way p2psync "
-                "cannot replay")
-    return None
-
-
-def _overrides_post_load(fe: Any) -> bool:
-    from vllm.model_executor.layers.fused_moe import modular_kernel as mk
-
-    base = getattr(mk, "FusedMoEExpertsModular", None) or getattr(mk, "FusedMoEPermuteExpertsUnpermute", None)
-    own = type(fe).process_weights_after_loading
-    return base is None or own is not getattr(base, "process_weights_after_loading", None)
-
-
-def _replays(fe: Any) -> Any:
-    """The CPU experts class whose repacking can be replayed on probes (None: not one)."""
-    try:
-        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-    except ImportError:  # pragma: no cover - a build without CPU MoE
-        return None
-    if not isinstance(fe, CPUUnquantizedExperts):
-        return None
-    if getattr(fe, "_use_zentorch", False):
-        return fe
-    cfg = fe.moe_config
-    if type(fe)._padded_intermediate_size(cfg) != cfg.intermediate_size_per_partition:
-        return None  # padded: the live shape is not the loader's
-    return fe
-
-
-def _post_load(model: Any, param: str, live: Any, dst: np.ndarray) -> np.ndarray:
-    """``dst`` (flat positions as the loader wrote them) moved through the layer's post-load repacking."""
-    lname, layer = layer_of(model, param)
-    fe = _moe_experts(layer)
-    short = param.rsplit(".", 1)[-1]
-    if fe is None or not _overrides_post_load(fe) or short not in ("w13_weight", "w2_weight"):
-        return dst
-    if _replays(fe) is None:
-        raise LayoutError(transformed_reason(model, param) or f"layer {lname}: unknown expert repacking")
-    if getattr(fe, "_use_zentorch", False):
-        return dst
-    return _moe_perm(fe, layer, short)[dst]
-
-
-_PERMS: dict[tuple[Any, ...], np.ndarray] = {}
-
-
-def _moe_perm(fe: Any, layer: Any, short: str) -> np.ndarray:
-    """Where vLLM's CPU experts' ``process_weights_after_loading`` moves each element of ``short``:
-    replayed on a stand-in layer holding element ids in raw 16-bit words (low, then high half),
-    checked to be a permutation."""
-    import torch
-
-    shapes = {n: tuple(getattr(layer, n).shape) for n in ("w13_weight", "w2_weight")}
-    key = (type(fe).__name__, fe.isa, tuple(shapes.items()), short)
-    if key in _PERMS:
-        return _PERMS[key]
-    n = int(np.prod(shapes[short]))
-    ids = np.arange(1, n + 1, dtype=np.int64)  # 0 marks padding
-    halves = []
-    for shift in (0, 16, 32):
-        if shift and not (ids >> shift).any():
-            break
-        fake = torch.nn.Module()
-        for name, shp in shapes.items():
-            words = ((ids >> shift) & 0xFFFF).astype(np.uint16) if name == short else \
-                np.zeros(int(np.prod(shp)), dtype=np.uint16)
-            t = torch.from_numpy(words.view(np.int16)).view(torch.bfloat16).reshape(shp)
-            fake.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
-        for attr in ("moe_config", "activation"):  # what the experts' post-load step reads of its layer
-            object.__setattr__(fake, attr, getattr(layer, attr, None))
-        fe.process_weights_after_loading(fake)
-        out = getattr(fake, short).data
-        halves.append(out.reshape(-1).view(torch.int16).numpy().view(np.uint16).astype(np.int64) << shift)
-    after = np.bitwise_or.reduce(halves) if len(halves) > 1 else halves[0]
-    if after.shape[0] != n or not np.array_equal(np.sort(after), ids):
-        raise LayoutError(f"{short}: vLLM's expert repacking ({type(fe).__name__}) is not a permutation of "
-                          "the loaded elements")
-    perm = np.empty(n, dtype=np.int64)
-    perm[after - 1] = np.arange(n, dtype=np.int64)
-    _PERMS[key] = perm
-    return perm
-
-
 # --- the placements LiveWeights binds ------------------------------------------------------
 _CACHE: dict[tuple[int, int, str, int], dict[str, Placement]] = {}
 
@@ -285,9 +379,9 @@ def placements(model: Any, specs: Sequence[TensorSpec], params: dict[str, Any], 
     """Where this rank holds each tensor of ``specs`` (absent: nowhere), with ``counted`` set so that
     every element counts on exactly one rank (a copy held by several ranks counts on the lowest).
 
-    A vLLM model: derived from its loaders (:func:`derive`, cached per model, rank, table and
-    parameter storage) and
-    checked for transformed copies. Any other module (tests' stand-ins): the hand rules of
+    A vLLM model: derived from its loaders (:func:`derive`; kept per model, rank, table and
+    parameter storage in this process, and on disk across restarts by
+    :mod:`rollout.engines.vllm_place_cache`) and checked for transformed copies. Any other module (tests' stand-ins): the hand rules of
     :func:`rollout.engines.vllm_layout.place`."""
     import hashlib
 
@@ -314,7 +408,13 @@ def placements(model: Any, specs: Sequence[TensorSpec], params: dict[str, Any], 
     layout = hash(tuple((n, p.data_ptr(), tuple(p.shape)) for n, p in params.items()))
     key = (id(model), group.rank, table_hash(list(specs)), layout)
     if key not in _CACHE:
-        derived = derive(model, specs)
+        disk = vllm_place_cache.cache_key(model, key[2], params, group.rank, group.size)
+        derived = vllm_place_cache.load(disk, specs)
+        if derived is None:
+            derived = derive(model, specs)
+            vllm_place_cache.save(disk, derived)
+        else:
+            logger.info("p2psync: placement of %d tensors read from the placement cache (%s)", len(derived), disk)
         for pl in derived.values():
             why = transformed_reason(model, pl.param)
             if why is not None:

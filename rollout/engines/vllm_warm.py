@@ -5,9 +5,10 @@ loaded machine; :mod:`p2psync.codec.precompile`) and imports the fetch path
 (HTTP client, signatures) inside its first update. :func:`start` does both in a
 daemon thread while the engine starts and serves: the codec's own warm-up for
 the model's word types, then :func:`exercise`, which applies a small delta
-through :class:`~rollout.engines.vllm_weights.LiveWeights` on a parameter of its
-own (the host-memory and the device-copy paths), so that every kernel of the
-apply, with the array types the apply passes, is ready.
+through :class:`~rollout.engines.vllm_weights.LiveWeights` on parameters of its
+own, one stored as the checkpoint is and one transposed (the host-memory and
+the device-copy paths), so that every kernel of the apply, with the array types
+the apply passes, is ready.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def exercise(codes: Iterable[str]) -> None:
     from p2psync.codec.encode import CodecOptions, encode_delta
     from p2psync.state import ModelState
     from p2psync.transport import client  # noqa: F401 - the fetch path's imports
+    from rollout.engines.vllm_placement import compress
     from rollout.engines.vllm_weights import LiveWeights
 
     priv = keys.generate()
@@ -55,15 +57,21 @@ def exercise(codes: Iterable[str]) -> None:
         module = torch.nn.Module()
         param = torch.nn.Parameter(torch.randn(64, 128, generator=g).to(d.torch_dtype()), requires_grad=False)
         module.register_parameter("w", param)
-        old = ModelState([("w", param.detach().clone())])
+        # "t" is held transposed (a strided block: read through a view, written by the mapped pass)
+        module.register_parameter("t", torch.nn.Parameter(param.detach().t().contiguous(), requires_grad=False))
+        old = ModelState([("w", param.detach().clone()), ("t", param.detach().clone())])
         new = old.clone()
-        w = new.words("w")
-        key = w & d.word.type(context.key_mask(d))
-        idx = np.arange(w.shape[0])
-        w[(key < np.median(key)) & (idx % 2 == 0)] += d.word.type(1)
-        w[idx % 61 == 0] += d.word.type(40)
+        for name in ("w", "t"):
+            w = new.words(name)
+            key = w & d.word.type(context.key_mask(d))
+            idx = np.arange(w.shape[0])
+            w[(key < np.median(key)) & (idx % 2 == 0)] += d.word.type(1)
+            w[idx % 61 == 0] += d.word.type(40)
         new.invalidate()
-        live = LiveWeights(module, old.specs, threads=2)
+        ck = np.arange(64 * 128, dtype=np.int64)
+        places = {"w": compress("w", "w", (64, 128), ck, ck),
+                  "t": compress("t", "t", (64, 128), ck, (ck % 128) * 64 + ck // 128)}
+        live = LiveWeights(module, old.specs, threads=2, places=places)
         for host, (a, b, base, target) in zip((True, False), ((old, new, 0, 1), (new, old, 1, 2))):
             enc = encode_delta(a, b, opts)
             m = build_manifest(enc, model_id="warm", base_version=base, target_version=target,

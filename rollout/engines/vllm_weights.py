@@ -5,9 +5,11 @@ rank holds it (a :class:`~rollout.engines.vllm_placement.Placement` learnt from
 vLLM's own loaders, :mod:`rollout.engines.vllm_probe`), as integer views of the
 raw bits: same memory, on the parameter's own device. A tensor held whole and
 contiguous is bound to its slice (the fast path: decoded against in place);
-any other (an expert inside a repacked ``w13_weight``, a transposed or sharded
-tensor) is bound to its whole parameter and read and written through the
-placement. Then:
+any other is bound to its whole parameter: one held whole as a strided block
+(an expert inside a repacked ``w13_weight``, a transposed weight) is read
+through an n-D view of it and written by a compiled pass that maps each
+position; others (sharded, permuted per head) through the placement's
+positions. Then:
 
 - **Fingerprint.** The per-tensor sums of element hashes of
   :mod:`p2psync.state` over those views (:meth:`LiveWeights.audit` recomputes
@@ -17,7 +19,7 @@ placement. Then:
   words (a segment's base range is read in place on CPU, copied to the host
   elsewhere: one segment at a time, never a whole tensor) and checks that the
   changes lead to the manifest's target before anything is written. It then
-  keeps an undo log (the old words at the changed positions), scatters only the
+  (:mod:`rollout.engines.vllm_commit`) keeps an undo log (the old words at the changed positions), scatters only the
   changed words as integers (bit-exact for every pattern: NaN payloads, -0.0,
   subnormals, inf) and folds the fingerprint from the words as read from the
   live memory (host memory: one compiled pass per segment that keeps, writes
@@ -58,8 +60,9 @@ from p2psync.codec.segment import KIND_DELTA, parse_head
 from p2psync.workers import run_ordered
 from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, TensorTableMismatch, WrongBase
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
+from rollout.engines.vllm_commit import Committer, np_signed, sum_add, to_host
 from rollout.engines.vllm_layout import LayoutError
-from rollout.engines.vllm_placement import Placement
+from rollout.engines.vllm_placement import Placement, strided_range
 from rollout.engines.vllm_probe import placements
 from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, together
 
@@ -70,7 +73,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MASK64 = 0xFFFFFFFFFFFFFFFF
 _HOST_RANGE = 1 << 22
 """Elements copied to the host at a time when hashing a device tensor."""
 _SIGNED = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
@@ -92,11 +94,7 @@ def packed_reason(layer: Any, param: Any) -> str | None:
     return None
 
 
-def _sum_add(s: tuple[int, int], a: int, b: int) -> tuple[int, int]:
-    return ((s[0] + int(a)) & MASK64, (s[1] + int(b)) & MASK64)
-
-
-class LiveWeights:
+class LiveWeights(Committer):
     """The trainer's tensor table bound to a vLLM model's live parameters (see module doc)."""
 
     def __init__(self, model: Any, specs: Sequence[TensorSpec], threads: int = 2,
@@ -151,6 +149,18 @@ class LiveWeights:
         compiled loops. Else (a device) decode against a host copy of one segment's range at a time
         and write with torch's index ops."""
         self._words = [dtypes.from_code(s.dtype).word for s in self.specs]
+        self._views: list[np.ndarray | None] = [
+            pl.strided(self._mem(i)) if self.host_memory and pl is not None and self.offset[i] is None else None
+            for i, pl in enumerate(self.places)]
+        """Tensors held whole as one strided block (an expert in a repacked ``w13_weight``, a transposed
+        weight) as n-D views of host memory in checkpoint order: a range is read by copying its slices."""
+        self._maps: list[tuple[int, np.ndarray, np.ndarray] | None] = []
+        """The same tensors' ``(base, checkpoint strides, parameter strides)``: written by one
+        compiled pass that maps, keeps, writes and hashes (:mod:`rollout.engines.vllm_kernels`)."""
+        for view, pl in zip(self._views, self.places):
+            bm = pl.block_map() if view is not None and pl is not None else None
+            self._maps.append(None if bm is None else
+                              (bm[0], np.array(bm[2], dtype=np.int64), np.array(bm[3], dtype=np.int64)))
         self._seeds = [tensor_seed(s.name) for s in self.specs]
         self.sums: list[tuple[int, int]] = self._compute_sums()
 
@@ -185,12 +195,15 @@ class LiveWeights:
         import torch
 
         got = self.flat[i].index_select(0, torch.from_numpy(dst).to(self.device))
-        return _to_host(got).view(self._words[i])
+        return to_host(got).view(self._words[i])
 
     def host_words(self, i: int, start: int, stop: int) -> np.ndarray:
         """Checkpoint words ``[start, stop)`` of tensor ``i``, held whole here, as unsigned host words
         (a view on CPU when stored contiguously, a copy otherwise)."""
         if self.offset[i] is None:
+            view = self._views[i] if self.host_memory else None
+            if view is not None:
+                return strided_range(view, start, stop)
             place = self.places[i]
             assert place is not None
             which, dst = place.local(np.arange(start, stop, dtype=np.int64))
@@ -212,11 +225,11 @@ class LiveWeights:
                 n = self.specs[i].numel
                 step = n if self.host_memory else _HOST_RANGE
                 for lo in range(0, n, max(1, step)):
-                    s = _sum_add(s, *_hash_at(self.host_words(i, lo, min(n, lo + step)), lo, self._seeds[i]))
+                    s = sum_add(s, *_hash_at(self.host_words(i, lo, min(n, lo + step)), lo, self._seeds[i]))
                 return s
             for ck, dst in place.chunks(_HOST_RANGE):
                 a, b = wordops.hash_sparse(ck, self._gather(i, dst), self._seeds[i])
-                s = _sum_add(s, int(a), int(b))
+                s = sum_add(s, int(a), int(b))
             return s
 
         held = [pl.held if pl is not None else 0 for pl in self.places]
@@ -324,108 +337,6 @@ class LiveWeights:
                        "segments_decoded": self.decoded}
         return fp
 
-    def commit(self, changes: dict[int, list[tuple[np.ndarray, np.ndarray]]], target: str) -> str:
-        """Scatter ``changes`` with an undo log; keep them only if the live words hash to ``target``.
-
-        Parts are written on ``threads`` threads. In host memory one compiled pass per part keeps
-        the old word, stores the new one and hashes both as read from the live words
-        (:func:`p2psync.wordops.scatter_logged`). On a device, torch's index ops keep the old words,
-        write, and read the written words back to the host to be hashed. With tensor parallelism
-        each rank writes the changes its pieces hold, hashes those it owns, and the ranks sum the
-        lanes and vote: one rank's failure takes every rank's writes back."""
-        items = self._local_parts(changes)
-        undo: list[Any] = [None] * len(items)
-        lanes: list[tuple[int, int] | None] = [None] * len(items)
-        write = self._write_host if self.host_memory else self._write_device
-        order = sorted(range(len(items)), key=lambda j: -items[j][1].shape[0])
-        failed: BaseException | None = None
-        try:
-            _, _, failed = run_ordered(len(items), order, lambda j: write(j, items[j], undo, lanes),
-                                       min(self.threads, max(1, len(items))), self.cpus)
-        except BaseException as exc:
-            failed = exc
-        if not self.group.all_true(failed is None):
-            self._undo(items, undo)
-            raise failed or RankRefused("another tensor-parallel rank could not write the delta")
-        delta = [(0, 0)] * len(self.specs)
-        for (t, *_), ln in zip(items, lanes):
-            assert ln is not None
-            delta[t] = _sum_add(delta[t], ln[0], ln[1])
-        sums = [_sum_add(a, *d) for a, d in zip(self.sums, self._group_sums(delta))]
-        got = fold_root(self.table_hash, sums)  # the same on every rank
-        if got != target:
-            self._undo(items, undo)
-            raise FingerprintMismatch(target, got)
-        self.sums = sums
-        return got
-
-    def _local_parts(self, changes: dict[int, list[tuple[np.ndarray, np.ndarray]]]
-                     ) -> list[tuple[int, np.ndarray, np.ndarray, np.ndarray]]:
-        """``(tensor, local positions, global positions, new words)`` of the changes this rank holds."""
-        items = []
-        for t, parts in changes.items():
-            place = self.places[t]
-            if place is None:
-                continue
-            for pos, new in parts:
-                if self.offset[t] is not None:
-                    items.append((t, pos, pos, new))
-                    continue
-                which, local = place.local(pos)
-                if which.shape[0] == pos.shape[0]:
-                    items.append((t, local, pos, new))
-                elif which.shape[0]:
-                    items.append((t, local, pos[which], new[which]))
-        return items
-
-    def _write_host(self, j: int, item: tuple[int, np.ndarray, np.ndarray, np.ndarray], undo: list[Any],
-                    lanes: list[tuple[int, int] | None]) -> None:
-        t, local, glob, new = item
-        words = self._mem(t)
-        new = np.ascontiguousarray(new).view(words.dtype)
-        seed = np.uint64(self._seeds[t])
-        if local is glob:  # one pass: keep, write, hash
-            old = np.empty_like(words, shape=new.shape)
-            undo[j] = old  # set before the write: a failure part-way is taken back whole
-            a, b = wordops.scatter_logged(words, local, new, old, seed)
-        else:  # mapped: positions in memory are not the hashed ones
-            old = words[local]
-            undo[j] = old
-            wordops.scatter(words, local, new)
-            a, b = wordops.hash_change(glob, old, words[local], seed)
-        lanes[j] = (int(a), int(b)) if self._counted(t) else (0, 0)
-
-    def _counted(self, t: int) -> bool:
-        place = self.places[t]
-        return place is not None and place.counted
-
-    def _write_device(self, j: int, item: tuple[int, np.ndarray, np.ndarray, np.ndarray], undo: list[Any],
-                      lanes: list[tuple[int, int] | None]) -> None:
-        import torch
-
-        t, local, glob, new = item
-        flat = self.flat[t]
-        idx = torch.from_numpy(local).to(self.device)
-        old = flat.index_select(0, idx)
-        undo[j] = (idx, old)
-        flat.index_copy_(0, idx, torch.from_numpy(np.ascontiguousarray(new).view(_np_signed(new))).to(self.device))
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        back = _to_host(flat.index_select(0, idx)).view(self._words[t])
-        a, b = wordops.hash_change(glob, _to_host(old).view(self._words[t]), back, np.uint64(self._seeds[t]))
-        lanes[j] = (int(a), int(b)) if self._counted(t) else (0, 0)
-
-    def _undo(self, items: list[tuple[int, np.ndarray, np.ndarray, np.ndarray]], undo: list[Any]) -> None:
-        """Write back the old words of every part that was (or may have been) written."""
-        for (t, local, _, _), entry in zip(items, undo):
-            if entry is None:
-                continue
-            if isinstance(entry, np.ndarray):
-                wordops.scatter(self._mem(t), local, entry)
-            else:
-                idx, old = entry
-                self.flat[t].index_copy_(0, idx, old)
-
     def load_snapshot(self, manifest: Manifest, chunks: Sequence[bytes | memoryview]) -> str:
         """Write a verified snapshot into every live word; returns the audited fingerprint."""
         import torch
@@ -444,12 +355,12 @@ class LiveWeights:
             if place is None:
                 continue
             if self.offset[i] is not None:
-                self.flat[i].copy_(torch.from_numpy(w.view(_np_signed(w))).to(self.device))
+                self.flat[i].copy_(torch.from_numpy(w.view(np_signed(w))).to(self.device))
                 continue
             for ck, dst in place.chunks(_HOST_RANGE):
                 part = np.ascontiguousarray(w[ck])
                 self.flat[i].index_copy_(0, torch.from_numpy(dst).to(self.device),
-                                         torch.from_numpy(part.view(_np_signed(part))).to(self.device))
+                                         torch.from_numpy(part.view(np_signed(part))).to(self.device))
         got = self.audit()
         if got != manifest.target_fingerprint:
             raise FingerprintMismatch(manifest.target_fingerprint, got)
@@ -463,11 +374,3 @@ def _hash_at(words: np.ndarray, offset: int, seed: np.uint64) -> tuple[int, int]
     else:
         a, b = wordops.hash_sparse(np.arange(offset, offset + words.shape[0], dtype=np.int64), words, seed)
     return int(a), int(b)
-
-
-def _np_signed(a: np.ndarray) -> type:
-    return {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize]
-
-
-def _to_host(t: Any) -> np.ndarray:
-    return (t.cpu() if t.device.type != "cpu" else t).numpy()

@@ -1,0 +1,131 @@
+"""Tensors held as one strided block of a parameter (transposed, blocked like CPU MoE experts, at an
+offset in a fused parameter): their ranges are read through an n-D view of the live memory, and a
+delta of many small segments lands bit-exact through it (no vLLM needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from p2psync.artifact import build_manifest
+from p2psync.codec.encode import CodecOptions, encode_delta
+from p2psync.state import ModelState
+from rollout.engines.vllm_placement import Placement, compress, strided_range
+from rollout.engines.vllm_weights import LiveWeights
+
+R, C = 6, 2048  # checkpoint shape of the transposed tensor: a 1024-element segment lies inside one row
+E, I, H = 3, 32, 64  # experts, rows, columns of the blocked one
+
+
+def _blocked(rows: int, cols: int) -> np.ndarray:
+    """Flat position, in a [rows, cols] parameter stored as 16-row blocks column by column (the CPU
+    MoE kernel's repacking), of each row-major element."""
+    r, c = np.divmod(np.arange(rows * cols, dtype=np.int64), cols)
+    return (r // 16) * 16 * cols + c * 16 + r % 16
+
+
+class _Params(torch.nn.Module):
+    """Live parameters: ``t`` holds ``a.weight`` transposed; ``w13`` holds expert ``e``'s ``b.{e}``
+    blocked at offset ``e * I * H``; ``f`` holds ``c`` and ``d`` one after the other."""
+
+    def __init__(self, state: ModelState) -> None:
+        super().__init__()
+        self.places: dict[str, Placement] = {}
+        ck = np.arange(R * C, dtype=np.int64)
+        r, c = np.divmod(ck, C)
+        t = np.empty(R * C, dtype=np.uint16)
+        t[c * R + r] = state.words("a.weight")
+        self.places["a.weight"] = compress("a.weight", "t", (R, C), ck, c * R + r)
+        w13 = np.empty(E * I * H, dtype=np.uint16)
+        for e in range(E):
+            dst = e * I * H + _blocked(I, H)
+            w13[dst] = state.words(f"b.{e}")
+            self.places[f"b.{e}"] = compress(f"b.{e}", "w13", (I, H), np.arange(I * H, dtype=np.int64), dst)
+        f = np.concatenate([state.words("c"), state.words("d")])
+        self.places["c"] = compress("c", "f", (7, 9), np.arange(63, dtype=np.int64), np.arange(63, dtype=np.int64))
+        self.places["d"] = compress("d", "f", (5, 3, 4), np.arange(60, dtype=np.int64),
+                                    63 + np.arange(60, dtype=np.int64))
+        for name, words, shape in (("t", t, (C, R)), ("w13", w13, (E, I, H)), ("f", f, (123,))):
+            tensor = torch.from_numpy(words.view(np.int16).copy()).view(torch.bfloat16).reshape(shape)
+            self.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+
+
+def _state(seed: int) -> ModelState:
+    g = torch.Generator().manual_seed(seed)
+    items = [("a.weight", torch.randn(R, C, generator=g))] + [(f"b.{e}", torch.randn(I, H, generator=g))
+                                                             for e in range(E)]
+    items += [("c", torch.randn(7, 9, generator=g)), ("d", torch.randn(5, 3, 4, generator=g))]
+    return ModelState([(n, t.to(torch.bfloat16)) for n, t in items])
+
+
+def _step(old: ModelState, seed: int) -> ModelState:
+    new = old.clone()
+    g = np.random.default_rng(seed)
+    for n in new:
+        w = new.words(n)
+        idx = g.choice(w.shape[0], size=max(1, w.shape[0] // 7), replace=False)
+        w[idx] ^= g.integers(1, 64, size=idx.shape[0]).astype(w.dtype)
+    new.invalidate()
+    return new
+
+
+def test_a_range_of_a_strided_block_is_the_words_its_positions_map_to():
+    state = _state(0)
+    model = _Params(state)
+    flat = {n: p.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16) for n, p in model.named_parameters()}
+    g = np.random.default_rng(3)
+    for name in ("a.weight", "b.1", "b.2"):
+        pl = model.places[name]
+        view = pl.strided(flat[pl.param])
+        assert view is not None, name
+        n = pl.numel
+        for start, stop in [(0, n), (0, 1), (n - 1, n), (5, 6), (3, 3)] + [
+                tuple(sorted(g.integers(0, n + 1, size=2))) for _ in range(50)]:
+            got = strided_range(view, int(start), int(stop))
+            assert got.flags.c_contiguous and got.ndim == 1
+            assert np.array_equal(got, state.words(name)[start:stop]), (name, start, stop)
+    assert model.places["c"].strided(flat["f"]) is None or model.places["c"].simple() == 0
+    with pytest.raises(ValueError):
+        strided_range(model.places["a.weight"].strided(flat["t"]), 4, 2)
+
+
+@pytest.mark.parametrize("segment", [1024, 1536, 1 << 16])
+def test_deltas_of_small_segments_land_through_strided_blocks(segment):
+    """Segments shorter than one row of the transposed tensor (the range is then one strided row
+    of memory), and longer ones, over several versions."""
+    versions = [_state(0)]
+    for v in range(1, 4):
+        versions.append(_step(versions[-1], v))
+    model = _Params(versions[0])
+    live = LiveWeights(model, versions[0].specs, places=model.places)
+    assert live._views[0] is not None  # the transposed tensor is read through its view
+    assert live.fingerprint == versions[0].fingerprint
+    opts = CodecOptions(chunk_size=64 << 10, segment_elements=segment)
+    for v in range(1, 4):
+        enc = encode_delta(versions[v - 1], versions[v], opts)
+        m = build_manifest(enc, model_id="t", base_version=v - 1, target_version=v, chunk_size=64 << 10,
+                           private_key=None)
+        assert live.apply_delta(m, enc.chunks) == versions[v].fingerprint
+        for name in versions[v]:
+            assert np.array_equal(live.read(name), versions[v].words(name)), (v, name)
+    assert live.audit() == versions[3].fingerprint
+
+
+def test_a_refused_write_through_strided_blocks_is_taken_back():
+    from p2psync.errors import FingerprintMismatch
+
+    old, new = _state(0), None
+    new = _step(old, 1)
+    model = _Params(old)
+    live = LiveWeights(model, old.specs, places=model.places)
+    assert all(live._maps[i] is not None for i in range(1 + E))  # written by the mapped compiled pass
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    enc = encode_delta(old, new, CodecOptions(chunk_size=64 << 10, segment_elements=1024))
+    m = build_manifest(enc, model_id="t", base_version=0, target_version=1, chunk_size=64 << 10, private_key=None)
+    changes, _ = live.decode(m, enc.chunks)
+    with pytest.raises(FingerprintMismatch):
+        live.commit(changes, "0" * 64)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.view(torch.int16), before[n].view(torch.int16)), n
+    assert live.audit() == old.fingerprint
