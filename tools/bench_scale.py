@@ -255,6 +255,9 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true", help="reuse the workload already in --out")
     ap.add_argument("--repeats", type=int, default=3, help="repeated updates at tensor parallel 1")
     ap.add_argument("--reps", type=int, default=3, help="repetitions of the decode and codec timings")
+    ap.add_argument("--chunk-mib", type=float, default=0.0,
+                    help="chunk size of the artifacts in MiB (default: 1/16, the smallest, with --quick, 1 otherwise: a delta "
+                         "of many chunks, as a large model's is, so that a rank's share of them shows)")
     ap.add_argument("--changed-fraction", type=float, default=0.02, help="the projection's changed fraction per step")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out (apply,tp2,decode_threads,"
                                                "first_publish,rollout_memory,position_coding)")
@@ -275,8 +278,9 @@ def main() -> int:
     if args.reuse and (out / "context.json").exists():
         ctx = json.loads((out / "context.json").read_text())
     else:
+        chunk_mib = args.chunk_mib or (1 / 16 if args.quick else 1.0)
         ns = argparse.Namespace(**(QUICK if args.quick else FULL), lr=1e-6, model="dense", experts=0, moe_mlp=0,
-                                link_mbit=0, repeats=args.repeats, json=None)
+                                link_mbit=0, repeats=args.repeats, json=None, tp=1, chunk_mib=chunk_mib)
         ctx = bench_vllm_apply.build_workload(ns, out)
     ctx.update(repeats=args.repeats, json=None)
     res["workload"] = {k: ctx[k] for k in ("params", "changed", "delta_bytes")}
