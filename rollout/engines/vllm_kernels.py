@@ -19,6 +19,18 @@ from p2psync.wordops import SCATTER_AHEAD, change_lanes, prefetch_l2
 _U64 = np.uint64
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _mapped(p, base, cstr, dstr):
+    """The parameter position of checkpoint position ``p`` in the block (module doc)."""
+    rem = p
+    dst = base
+    for k in range(cstr.shape[0]):
+        q = rem // cstr[k]
+        rem -= q * cstr[k]
+        dst += q * dstr[k]
+    return dst
+
+
 @njit(nogil=True, cache=True)
 def scatter_mapped_logged(words, positions, values, undo, seed, base, cstr, dstr):
     """For each change ``j``: the word at the parameter position of checkpoint position
@@ -27,26 +39,14 @@ def scatter_mapped_logged(words, positions, values, undo, seed, base, cstr, dstr
     ``words``). ``cstr`` are the block's row-major checkpoint strides, outermost first, and
     ``dstr`` its parameter strides; positions must lie in the tensor (the decoder checks)."""
     n = positions.shape[0]
-    nd = cstr.shape[0]
     s = _U64(seed)
     a = _U64(0)
     b = _U64(0)
     for j in range(n):
         if j + SCATTER_AHEAD < n:  # the line written SCATTER_AHEAD changes later, as scatter_logged does
-            rem = positions[j + SCATTER_AHEAD]
-            ahead = base
-            for k in range(nd):
-                q = rem // cstr[k]
-                rem -= q * cstr[k]
-                ahead += q * dstr[k]
-            prefetch_l2(words, ahead)
+            prefetch_l2(words, _mapped(positions[j + SCATTER_AHEAD], base, cstr, dstr))
         p = positions[j]
-        rem = p
-        dst = base
-        for k in range(nd):
-            q = rem // cstr[k]
-            rem -= q * cstr[k]
-            dst += q * dstr[k]
+        dst = _mapped(p, base, cstr, dstr)
         o = words[dst]
         undo[j] = o
         words[dst] = values[j]
@@ -61,13 +61,6 @@ def map_positions(positions, base, cstr, dstr):
     """The parameter positions of checkpoint ``positions`` (the map of :func:`scatter_mapped_logged`)."""
     n = positions.shape[0]
     out = np.empty(n, dtype=np.int64)
-    nd = cstr.shape[0]
     for j in range(n):
-        rem = positions[j]
-        dst = base
-        for k in range(nd):
-            q = rem // cstr[k]
-            rem -= q * cstr[k]
-            dst += q * dstr[k]
-        out[j] = dst
+        out[j] = _mapped(positions[j], base, cstr, dstr)
     return out
