@@ -319,9 +319,17 @@ def suite(args, cfg, art: dict, methods: list[str]) -> dict:
 
 
 def machine_note() -> str:
+    """The machine as measured: cores, memory, GPU if any, and the load at the start
+    (``P2PSYNC_BENCH_MACHINE`` adds what the host cannot tell, e.g. who else shares it)."""
     load = os.getloadavg()
-    return (f"{platform.machine()} {os.cpu_count()} cores (shared with other engineers' work), "
-            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, no GPU; "
+    gpu = "no GPU"
+    if shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                           capture_output=True, text=True, check=False)
+        gpu = q.stdout.strip().replace("\n", ", ") or gpu
+    extra = os.environ.get("P2PSYNC_BENCH_MACHINE", "shared with other engineers' work")
+    return (f"{platform.machine()} {os.cpu_count()} cores ({extra}), "
+            f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB, {gpu}; "
             f"load average at start {load[0]:.1f}")
 
 

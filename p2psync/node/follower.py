@@ -123,7 +123,10 @@ class Follower:
         await self.client.close()
 
     async def _pad_once_warm(self) -> None:
+        # Both, in either order: on a fast host the kernels load before the weights do, and a
+        # stream left unpadded until the first apply carries that first delta slowly.
         await self.replica.warm.wait()
+        await self.replica.loaded.wait()
         self._pad_stream_if_settled()
 
     def _after_apply(self, first: Any = None, snapshot_of: int | None = None) -> None:

@@ -354,6 +354,49 @@ def test_a_new_stream_is_padded_as_the_child_asked_capped_by_the_parent_and_push
     asyncio.run(go())
 
 
+def test_a_node_whose_kernels_load_before_its_weights_pads_its_stream_before_the_next_delta(
+        tmp_path, setup, monkeypatch):
+    """Settled is warm kernels and weights held, whichever comes last: a restarted node whose
+    codec was ready before its stored weights had loaded must not wait for an apply to pad."""
+    from p2psync.store import VersionStore
+    from p2psync.transport import warm
+
+    _, _, arts = setup
+    cap = 1 << 20
+
+    async def go():
+        tr = await Node.create(_cfg(tmp_path, "trainer", "trainer", limits={"stream_warmup_bytes": cap}))
+        try:
+            await tr.publish(*arts[0])
+            first = await Node.create(_cfg(tmp_path, "leaf", "rollout", [tr.address]))
+            await asyncio.wait_for(first.wait_version(0), 30)
+            await first.close()  # checkpoints version 0 on exit
+            padded = tr.metrics.total("p2psync_stream_padding_bytes_total")
+
+            async def instant(**_kw):
+                return 0.0
+            load = VersionStore.load_state
+
+            def slow_load(store):
+                import time
+                time.sleep(0.5)  # the weights load after the kernels
+                return load(store)
+            monkeypatch.setattr(warm, "warm_up_process", instant)
+            monkeypatch.setattr(VersionStore, "load_state", slow_load)
+            leaf = await Node.create(_cfg(tmp_path, "leaf", "rollout", [tr.address]))
+            try:
+                await asyncio.wait_for(leaf.wait_version(0), 30)
+                async with asyncio.timeout(10):  # no new version: only settling can pad it
+                    while tr.metrics.total("p2psync_stream_padding_bytes_total") < padded + cap:
+                        await asyncio.sleep(0.05)
+            finally:
+                await leaf.close()
+        finally:
+            await tr.close()
+
+    asyncio.run(go())
+
+
 def test_a_malformed_warm_request_is_refused(tmp_path, setup):
     import aiohttp
 

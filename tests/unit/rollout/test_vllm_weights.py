@@ -73,6 +73,27 @@ def test_delta_lands_bit_exact_with_every_bit_pattern(in_place):
     assert live.audit() == new.fingerprint
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_resident_weights_take_a_delta_bit_exact_and_refuse_bad_ones():
+    """The path every CUDA engine takes: decode on the host, scatter into device memory, read back."""
+    model = _model()
+    old = _snapshot(model)
+    model.to("cuda")
+    live = LiveWeights(model, old.specs)
+    assert not live.host_memory and live.fingerprint == old.fingerprint
+    new, m, chunks = _delta(old)
+    with pytest.raises(CodecError):  # truncated chunk: nothing written
+        live.apply_delta(m, [chunks[0][:-7], *chunks[1:]])
+    changes, _ = live.decode(m, chunks)
+    with pytest.raises(FingerprintMismatch):  # a read-back that does not hash as signed: undone
+        live.commit(changes, "0" * 32)
+    assert live.audit() == old.fingerprint
+    assert live.apply_delta(m, chunks) == new.fingerprint
+    assert live.audit() == new.fingerprint
+    assert _words(model.cpu(), new) == []
+
+
 def test_bad_artifacts_change_nothing():
     model = _model()
     old = _snapshot(model)
