@@ -122,12 +122,14 @@ class LimitsConfig:
     decode; it costs at most the push's transfer time before the apply (a few ms for a few MB
     on a fast link). Default: the node chooses per artifact, on with children or without a
     spare core, off on a leaf with spare cores (:mod:`p2psync.node.priority`)."""
-    stream_warmup_bytes: int = 4 << 20
+    stream_warmup_bytes: int = 32 << 20
     """When a child opens its push stream, the parent first sends this many bytes of padding
     (asked for by the child, capped by the parent; 0: none). A new stream's TCP windows start
     small (the sender's congestion window and the receiver's advertised window grow one round
     trip at a time), so the first deltas pushed on it would take several round trips of a WAN
-    link; the padding opens both once per connection, off the critical path. The windows stay
+    link; the padding opens both once per connection, off the critical path. 32 MiB: a few
+    bandwidth-delay products of a 200 Mbit/s link with 100 ms one way, which a BBR sender needs
+    to measure its full rate (:mod:`p2psync.transport.push`). The windows stay
     open across idle gaps only where ``net.ipv4.tcp_slow_start_after_idle`` is 0 on the sender
     (see :mod:`p2psync.transport.push`, "TCP windows")."""
 

@@ -33,7 +33,8 @@ child wants pushed; 0 = announcements only) answers ``200`` with
 - ``4`` padding (ignored by the child), only when the child asked for it with
   ``&warm=W`` (bytes): right after the first catalogue, at most W bytes in all
   (capped by the parent's ``limits.stream_warmup_bytes``), frames of at most
-  ``MAX_PADDING_FRAME`` bytes. A parent that does not know ``warm`` ignores it.
+  ``MAX_PADDING_FRAME`` bytes, cut short when the catalogue changes (a delta
+  never waits behind padding). A parent that does not know ``warm`` ignores it.
 
 TCP windows. A new connection's windows start small: the sender's congestion
 window at ten segments, and the receiver's advertised window at a few segments,
@@ -43,8 +44,14 @@ The first delta pushed on such a stream then takes several round trips of the
 link instead of one: on the WAN testbed a 1.78 MB push over a 200 Mbit/s link
 with 100 ms of one-way delay took 1.6-4.4 s on a fresh stream and 0.17-0.36 s
 after 2-8 MB of padding had opened the windows (docs/benchmarks/wan.md, "TCP
-windows"). The padding is paid once per stream (a parent switch opens a new
-one). It only opens the windows if the child reads it at once: the receiver's
+windows"). How much padding: a BBR sender paces a burst at the bottleneck rate it
+measured while the padding flowed, and it measures the full rate only after
+several round trips at it, so a few bandwidth-delay products of padding are
+needed (200 Mbit/s x 200 ms round trip: 5 MB). On the testbed's raw TCP
+(``tools/wan/tcp_windows.py``), the 1.78 MB burst to ``ap-south`` took 0.313 s
+(median of 7) after 4 MiB of padding, 0.237 s after 16 MiB and 0.179 s (1.05x
+the link's bound, 5 runs) after 32 MiB, the default. The padding is paid once
+per stream (a parent switch opens a new one). It only opens the windows if the child reads it at once: the receiver's
 window grows with what its application reads per round trip, and a BBR sender
 keeps the rate it measured. Padded while every node of the testbed was still
 compiling its codec and pulling its first snapshot, the stream to ``ap-south``
@@ -169,7 +176,8 @@ async def serve_stream(server: Responder, request: web.Request) -> web.StreamRes
                     text = cat.dumps().encode()
                     await server.write(resp, _header(CATALOGUE, len(text)) + text)
                     if warm:
-                        await _pad(server, resp, warm)
+                        opened = seq
+                        await _pad(server, resp, warm, lambda: heads.seq != opened)
                         warm = 0
                     for m in pushing:
                         await _push_chunks(server, resp, m)
@@ -183,15 +191,19 @@ async def serve_stream(server: Responder, request: web.Request) -> web.StreamRes
     return resp
 
 
-async def _pad(server: Responder, resp: web.StreamResponse, total: int) -> None:
-    """``total`` bytes of padding frames: open the stream's TCP windows (module doc)."""
+async def _pad(server: Responder, resp: web.StreamResponse, total: int,
+               moved: Callable[[], bool] = lambda: False) -> int:
+    """Up to ``total`` bytes of padding frames: open the stream's TCP windows (module doc).
+    Stops early once ``moved()`` (the catalogue changed: a delta waits behind the padding, and
+    the child takes less than it asked for as complete). Returns the bytes sent."""
     sent = 0
-    while sent < total:
+    while sent < total and not moved():
         n = min(MAX_PADDING_FRAME, total - sent)
         await server.write(resp, _header(PADDING, n))
         await server.write(resp, memoryview(_PADDING)[:n])
         sent += n
     server.view.metrics.inc("p2psync_stream_padding_bytes_total", sent)
+    return sent
 
 
 async def _push_chunks(server: Responder, resp: web.StreamResponse, manifest: Manifest) -> None:

@@ -397,6 +397,25 @@ def test_a_node_whose_kernels_load_before_its_weights_pads_its_stream_before_the
     asyncio.run(go())
 
 
+def test_padding_stops_when_the_catalogue_moves_so_a_delta_never_waits_behind_it():
+    from types import SimpleNamespace
+
+    written: list[int] = []
+    counted: list[int] = []
+    server = SimpleNamespace(view=SimpleNamespace(metrics=SimpleNamespace(inc=lambda _n, v: counted.append(v))))
+
+    async def write(_resp, data):
+        written.append(len(data))
+    server.write = write
+    frames = lambda: sum(1 for n in written if n == push.MAX_PADDING_FRAME)  # noqa: E731
+    total = 8 * push.MAX_PADDING_FRAME
+    assert asyncio.run(push._pad(server, None, total, lambda: frames() >= 3)) == 3 * push.MAX_PADDING_FRAME
+    assert counted == [3 * push.MAX_PADDING_FRAME]
+    written.clear()
+    assert asyncio.run(push._pad(server, None, total + 5)) == total + 5  # nothing moved: all of it
+    assert sum(written) == total + 5 + 9 * push._HEADER.size
+
+
 def test_a_malformed_warm_request_is_refused(tmp_path, setup):
     import aiohttp
 
