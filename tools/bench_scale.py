@@ -17,7 +17,8 @@ other benchmarks' functions:
   (``collective_rpc``, one answer per rank; :func:`rank_fields`);
 - ``bench_decode_threads.measure``: the decode alone on 1 and 2 threads, and on the largest
   segments holding 25 / 50 / 100 % of the changes (points for the cost model's fit);
-- ``bench_first_use.measure``: a fresh trainer process's first publish against later ones;
+- ``bench_first_use.measure``: a fresh trainer process's first publish against later ones, like
+  for like (``alternate``: every delta changes the same elements; the figure) and in an AdamW run;
 - ``bench_rollout_memory.measure``: a rollout node's resident memory beyond its engine's;
 - :func:`position_coding`: the delta coded with positions ranked in buckets of the base words
   (the default) and base-free (``context_buckets=1``; same wire format), payload against
@@ -189,11 +190,13 @@ def figures(parts: dict, ctx: dict, fraction: float) -> dict:
     apply, tp2, dec = parts.get("apply") or {}, parts.get("tp2") or {}, parts.get("decode_threads") or {}
     fig["apply_vs_dense_memory"] = apply.get("again_over_dense")  # median repeated / median dense
     fig["first_vs_repeated"] = apply.get("first_over_again")
-    pub = parts.get("first_publish") or {}
+    # Like for like: every delta of the first_publish part changes the same elements (bench_first_use
+    # --alternate); an AdamW run's first delta changes about twice the elements of its later ones.
+    pub, adamw = parts.get("first_publish") or {}, parts.get("first_publish_adamw") or {}
     fig["first_publish_vs_later"] = pub.get("first_over_later")
-    per = [d["total_s"] / d["changed"] for d in pub.get("deltas", []) if d.get("changed")]
-    if len(per) > 1:  # the first AdamW step changes more elements than later ones: per change is like for like
-        fig["first_publish_vs_later_per_change"] = round(per[0] / sorted(per[1:])[len(per[1:]) // 2], 4)
+    fig["first_publish_vs_later_cpu"] = pub.get("first_over_later_cpu")
+    fig["first_publish_vs_later_adamw"] = adamw.get("first_over_later")
+    fig["first_publish_vs_later_adamw_per_change"] = adamw.get("first_over_later_per_change")
     fig["rollout_host_extra_fraction"] = (parts.get("rollout_memory") or {}).get("extra_fraction")
     fig["decode_threads_speedup"] = dec.get("speedup_fastest")
     # Tensor parallel 1: the engine of run_engine (its status after the repeated update).
@@ -260,7 +263,7 @@ def main() -> int:
                          "of many chunks, as a large model's is, so that a rank's share of them shows)")
     ap.add_argument("--changed-fraction", type=float, default=0.02, help="the projection's changed fraction per step")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out (apply,tp2,decode_threads,"
-                                               "first_publish,rollout_memory,position_coding)")
+                                               "first_publish,first_publish_adamw,rollout_memory,position_coding)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     tools = str(Path(__file__).resolve().parent)
@@ -300,7 +303,10 @@ def main() -> int:
         _part(parts, "decode_threads",
               lambda: bench_decode_threads.measure(out, args.reps, fractions=(0.25, 0.5, 1.0)))
     if "first_publish" not in skip:
-        _part(parts, "first_publish", lambda: bench_first_use.measure("small", 1e-5, 4 if args.quick else 6))
+        _part(parts, "first_publish", lambda: bench_first_use.measure("small", 1e-5, 4 if args.quick else 6,
+                                                                      alternate=True))
+    if "first_publish_adamw" not in skip:
+        _part(parts, "first_publish_adamw", lambda: bench_first_use.measure("small", 1e-5, 4 if args.quick else 6))
     if "rollout_memory" not in skip:
         _part(parts, "rollout_memory", lambda: bench_rollout_memory.measure(out, holding=False))
     if "position_coding" not in skip:
