@@ -15,6 +15,9 @@ other benchmarks' functions:
   ``tests/integration/test_vllm_tensor_parallel.py``): the same first and repeated update;
   every rank's bytes fetched and fetch / decode / commit seconds come from the backend's status
   (``collective_rpc``, one answer per rank; :func:`rank_fields`);
+- ``bench_rank_rates``: a rank's fetch of each artifact from the node (the vLLM backend's client),
+  and the write of the delta's changes into host memory on 1 and 2 threads (points for the cost
+  model's fit);
 - ``bench_decode_threads.measure``: the decode alone on 1 and 2 threads, and on the largest
   segments holding 25 / 50 / 100 % of the changes (points for the cost model's fit);
 - ``bench_first_use.measure``: a fresh trainer process's first publish against later ones, like
@@ -23,7 +26,8 @@ other benchmarks' functions:
 - :func:`position_coding`: the delta coded with positions ranked in buckets of the base words
   (the default) and base-free (``context_buckets=1``; same wire format), payload against
   decode + apply time, and their sum at 0.1, 1 and 10 Gbit/s;
-- :mod:`scale_model`: the cost model fitted to the measured updates and decodes, projected.
+- :mod:`scale_model`: the cost model fitted to the measured fetches, decodes, writes and updates
+  (and ``--points`` files: e.g. the same points from a many-core machine), projected.
 
 Each figure is written with its target and whether it is met; a part that fails leaves its
 figure ``null`` with the error beside it.
@@ -44,6 +48,7 @@ from pathlib import Path
 
 import bench_decode_threads
 import bench_first_use
+import bench_rank_rates
 import bench_rollout_memory
 import bench_vllm_apply
 import scale_model
@@ -184,8 +189,9 @@ def _update_point(r: dict, s: float) -> dict | None:
     return {**{k: r[k] for k in need}, "s": s}
 
 
-def figures(parts: dict, ctx: dict, fraction: float) -> dict:
-    """The headline figures, the cost model and its projection from the parts' results."""
+def figures(parts: dict, ctx: dict, fraction: float, extra: dict | None = None) -> dict:
+    """The headline figures, the cost model and its projection from the parts' results (``extra``:
+    more measured points for the model, from ``--points`` files)."""
     fig: dict = {}
     apply, tp2, dec = parts.get("apply") or {}, parts.get("tp2") or {}, parts.get("decode_threads") or {}
     fig["apply_vs_dense_memory"] = apply.get("again_over_dense")  # median repeated / median dense
@@ -209,34 +215,35 @@ def figures(parts: dict, ctx: dict, fraction: float) -> dict:
     if tp2_again and tp1 and all(r.get(k) is not None for r in tp2_again for k in work):
         tp1_s = sum(tp1[k] for k in work)
         fig["tp2_apply_fraction"] = round(max(sum(r[k] for k in work) for r in tp2_again) / tp1_s, 4)
-    # The cost model.
-    updates = []
+    # The cost model: fitted to this run's points (and those of --points files), projected.
+    pts: dict = {"fetch": list((parts.get("fetch") or {}).get("points") or []),
+                 "decode": [{"changes": p["changes"], "threads": p["threads"], "s": p["s"]}
+                            for p in dec.get("points", [])],
+                 "write": list((parts.get("write") or {}).get("points") or []), "update": [], "check": []}
     for a in (apply.get("p2psync_again"), apply.get("p2psync")):
         if a:
             p = _update_point({**rank_fields({"timing": a}), "threads": apply.get("threads")}, a["s"])
-            updates += [p] if p else []
-    checks = []  # tensor parallel 2: the ranks' exchange is not in the model; reported, not fitted
-    for key in ("first", "again"):
+            pts["update"] += [p] if p else []
+    for key in ("first", "again"):  # tensor parallel 2: the ranks' exchange is not in the model
         for r in (tp2.get(key) or {}).get("ranks", []):
             p = _update_point(r, tp2[key]["s"])
-            checks += [p] if p else []
-    decodes = [{"changes": p["changes"], "threads": p["threads"], "s": p["s"]} for p in dec.get("points", [])]
-    if updates and dec.get("speedup_fastest"):
-        rates, err = scale_model.fit(updates, decodes, dec["speedup_fastest"], ctx["delta_bytes"] / ctx["changed"],
-                                     ctx["changed"] / ctx["params"], checks)
+            pts["check"] += [p] if p else []
+    for k, v in (extra or {}).items():
+        pts[k] = pts.get(k, []) + v
+    try:
+        rates, err = scale_model.fit(pts, ctx["delta_bytes"] / ctx["changed"], ctx["changed"] / ctx["params"])
+    except ValueError as exc:
+        fig["projection"] = {"error": str(exc)}
+        fig["projection_1t_10gbit_s"] = None
+    else:
         proj = scale_model.project(rates, fraction=fraction)
         proj["fit"] = err
-        proj["headline"] = {"model": scale_model.SHAPES[-1].name, "link_gbit": 10.0, "ranks": HEADLINE_RANKS}
+        proj["headline"] = scale_model.headline(rates, fraction, ranks=HEADLINE_RANKS)
         fig["projection"] = proj
         name = scale_model.SHAPES[-1].name
         fig["projection_1t_10gbit_s"] = scale_model.lookup(proj, name, 10.0, HEADLINE_RANKS, True)
         fig["projection_1t_10gbit_s_without_slices"] = scale_model.lookup(proj, name, 10.0, HEADLINE_RANKS, False)
-        fig["projection_1t_10gbit_s_at_1pct"] = scale_model.lookup(
-            scale_model.project(rates, fraction=0.01, shapes=(scale_model.SHAPES[-1],), links=(10.0,),
-                                ranks=(HEADLINE_RANKS,)), name, 10.0, HEADLINE_RANKS, True)
-    else:
-        fig["projection"] = None
-        fig["projection_1t_10gbit_s"] = None
+        fig["projection_1t_10gbit_s_at_1pct"] = proj["headline"]["s_at_1pct"]
     fig["tp1_rank"] = tp1_rank
     return fig
 
@@ -262,7 +269,9 @@ def main() -> int:
                     help="chunk size of the artifacts in MiB (default: 1/16, the smallest, with --quick, 1 otherwise: a delta "
                          "of many chunks, as a large model's is, so that a rank's share of them shows)")
     ap.add_argument("--changed-fraction", type=float, default=0.02, help="the projection's changed fraction per step")
-    ap.add_argument("--skip", default="", help="comma-separated parts to leave out (apply,tp2,decode_threads,"
+    ap.add_argument("--points", nargs="*", default=[], help="JSON files of more measured points for the cost model "
+                                                             "(tools/bench_rank_rates.py; scale_model.py's doc)")
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out (apply,tp2,fetch,decode_threads,write,"
                                                "first_publish,first_publish_adamw,rollout_memory,position_coding)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -299,9 +308,13 @@ def main() -> int:
             _part(parts, "apply", tp1)
         if "tp2" not in skip:
             _part(parts, "tp2", lambda: tp_run(ctx, url, 2))
+        if "fetch" not in skip:
+            _part(parts, "fetch", lambda: {"points": bench_rank_rates.fetch_points(ctx, url, args.reps)})
     if "decode_threads" not in skip:
         _part(parts, "decode_threads",
               lambda: bench_decode_threads.measure(out, args.reps, fractions=(0.25, 0.5, 1.0)))
+    if "write" not in skip:
+        _part(parts, "write", lambda: {"points": bench_rank_rates.write_points(out, args.reps, (0.25, 0.5, 1.0))})
     if "first_publish" not in skip:
         _part(parts, "first_publish", lambda: bench_first_use.measure("small", 1e-5, 4 if args.quick else 6,
                                                                       alternate=True))
@@ -311,7 +324,8 @@ def main() -> int:
         _part(parts, "rollout_memory", lambda: bench_rollout_memory.measure(out, holding=False))
     if "position_coding" not in skip:
         _part(parts, "position_coding", lambda: position_coding(ctx, args.reps))
-    fig = figures(parts, ctx, args.changed_fraction)
+    extra = scale_model.load_points(args.points)[0] if args.points else None
+    fig = figures(parts, ctx, args.changed_fraction, extra)
     res.update({k: fig.get(k) for k in TARGETS})
     res.update({k: v for k, v in fig.items() if k not in TARGETS})
     res["targets"] = judged(fig)
