@@ -37,11 +37,19 @@ from benchout import emit, loadavg
 TOKEN = "bench-cluster-token-0123456789"
 
 
-def _rss(pid: int) -> int:
+def _mem(pid: int) -> dict:
+    """Resident memory of ``pid``: all of it (``rss``, what ``top`` shows) and its parts: anonymous
+    (heap, the weights), file-backed (mapped files, such as the artifacts in the node's store: page
+    cache the kernel may drop) and shared memory."""
+    got = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            got[{"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}[key]] = \
+                int(rest.split()[0]) * 1024
+    if "rss" not in got:
+        raise RuntimeError(f"no VmRSS for {pid}")
+    return got
 
 
 def _switched_to(events: Path, version: int) -> bool:
@@ -85,7 +93,7 @@ def rollout(src: Path, work: Path, hold: bool, timeout: float) -> dict:
                 raise SystemExit(f"the rollout node did not reach version 1; its log ends:\n{tail}")
             time.sleep(2)
         time.sleep(5)  # the node's housekeeping after the version (retention) settles
-        return {"rss": _rss(node.pid), "s_to_version_1": round(time.time() - t0, 1)}
+        return {**_mem(node.pid), "s_to_version_1": round(time.time() - t0, 1)}
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -120,7 +128,7 @@ def engine_only(src: Path) -> dict:
     engine.apply(delta.manifest, [c for _, c in delta.chunks()])
     gc.collect()
     model_bytes = sum(s.numel * 2 for s in snap.manifest.tensors)
-    return {"rss": _rss(os.getpid()), "model_bytes": model_bytes}
+    return {**_mem(os.getpid()), "model_bytes": model_bytes}
 
 
 def main() -> int:
@@ -156,6 +164,8 @@ def measure(src: Path, timeout: float = 1200.0, only_default: bool = False, hold
     mb = res["engine_only"]["model_bytes"]
     res["model_bytes"] = mb
     res["extra_fraction"] = round((res["rollout"]["rss"] - res["engine_only"]["rss"]) / mb, 4)
+    res["extra_fraction_parts"] = {k: round((res["rollout"].get(k, 0) - res["engine_only"].get(k, 0)) / mb, 4)
+                                   for k in ("anon", "file", "shmem")}
     if holding:
         res["extra_fraction_holding"] = round((res["rollout_holding"]["rss"] - res["engine_only"]["rss"]) / mb, 4)
     res["loadavg"] = loadavg()

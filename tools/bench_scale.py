@@ -228,6 +228,7 @@ def figures(parts: dict, ctx: dict, fraction: float, extra: dict | None = None) 
         for r in (tp2.get(key) or {}).get("ranks", []):
             p = _update_point(r, tp2[key]["s"])
             pts["check"] += [p] if p else []
+    fig["points"] = {k: list(v) for k, v in pts.items()}  # this run's own: scale_model.py --points takes the file
     for k, v in (extra or {}).items():
         pts[k] = pts.get(k, []) + v
     try:

@@ -23,7 +23,8 @@ a rank's chunks before it decodes them (``rollout/engines/vllm_backend.py``, ``r
 and write: ``s = intercept + changes / (rate * S(threads))`` with ``S(n) = 1 / (f + (1 - f) / n)``
 (Amdahl); ``rate`` and ``intercept`` from a least-squares line per thread count, ``f`` from the
 lines' slopes at every measured thread count. Fetch: a least-squares line ``s = fetch_fixed +
-bytes / fetch_rate`` over whole-artifact fetches of different sizes. ``fixed``: the median of
+bytes / fetch_rate`` over whole-artifact fetches of different sizes. A measured engine update's
+fetch, decode and write seconds join those fits as points of their own. ``fixed``: the median of
 what fetch, decode and write leave of each measured whole update (0 without one). The fit error
 is every point's predicted time against its measured time.
 """
@@ -124,16 +125,23 @@ def fit(points: dict, bytes_per_change: float, changed_fraction: float) -> tuple
         if not points.get(k):
             raise ValueError(f"points: no {k!r} points")
     updates = points.get("update") or []
-    rates = Rates(fetch=fit_line(points["fetch"], "bytes"), decode=fit_line(points["decode"], "changes"),
-                  write=fit_line(points["write"], "changes"),
+    # A measured update's parts are points too: the decode and write inside the engine, its fetch.
+    inside = {"fetch": [{"bytes": u["bytes"], "s": u["fetch_s"]} for u in updates],
+              "decode": [{"changes": u["changes"], "threads": u["threads"], "s": u["decode_s"]} for u in updates],
+              "write": [{"changes": u["changes"], "threads": u["threads"], "s": u["commit_s"]} for u in updates]}
+    rates = Rates(fetch=fit_line(points["fetch"] + inside["fetch"], "bytes"),
+                  decode=fit_line(points["decode"] + inside["decode"], "changes"),
+                  write=fit_line(points["write"] + inside["write"], "changes"),
                   fixed_s=max(0.0, statistics.median(u["s"] - u["fetch_s"] - u["decode_s"] - u["commit_s"]
                                                      for u in updates)) if updates else 0.0,
                   bytes_per_change=bytes_per_change, changed_fraction=changed_fraction)
-    rows = [{"kind": "fetch", "measured_s": p["s"], "predicted_s": rates.fetch.s(p["bytes"])} for p in points["fetch"]]
+    rows = [{"kind": "fetch" + tag, "measured_s": p["s"], "predicted_s": rates.fetch.s(p["bytes"])}
+            for src, tag in ((points, ""), (inside, " in an update")) for p in src["fetch"]]
     for k in ("decode", "write"):
         line = getattr(rates, k)
-        rows += [{"kind": f"{k} ({p['threads']} thr)", "measured_s": p["s"],
-                  "predicted_s": line.s(p["changes"], p["threads"])} for p in points[k]]
+        rows += [{"kind": f"{k} ({p['threads']} thr){tag}", "measured_s": p["s"],
+                  "predicted_s": line.s(p["changes"], p["threads"])}
+                 for src, tag in ((points, ""), (inside, " in an update")) for p in src[k]]
     for k, label in (("update", "update"), ("check", "check (not fitted)")):
         rows += [{"kind": label, "measured_s": u["s"], "predicted_s": rates.update_s(u["changes"], u["bytes"],
                                                                                      u["threads"])}

@@ -48,7 +48,7 @@ def test_fit_recovers_the_rates_of_exact_points(sm):
     assert rates.decode.speedup(2) == pytest.approx(1.6)
     assert rates.write.rate == pytest.approx(100e6) and rates.write.serial == pytest.approx(0.5)
     assert rates.fixed_s == pytest.approx(0.05)
-    n = sum(len(v) for v in pts.values())
+    n = sum(len(v) for v in pts.values()) + 3 * len(pts["update"])  # an update's fetch, decode and write too
     assert err["max_abs_rel_error"] < 1e-6 and len(err["points"]) == n
 
 
@@ -62,6 +62,7 @@ def test_fit_reports_the_error_of_points_the_model_cannot_follow(sm):
 def test_fit_refuses_points_without_one_thread_or_a_kind(sm):
     pts = _points()
     pts["write"] = [p for p in pts["write"] if p["threads"] == 2]
+    pts["update"] = []
     with pytest.raises(ValueError, match="one thread"):
         sm.fit(pts, bytes_per_change=0.7, changed_fraction=0.04)
     with pytest.raises(ValueError, match="fetch"):
