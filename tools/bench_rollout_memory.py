@@ -105,6 +105,7 @@ def rollout(src: Path, work: Path, hold: bool, timeout: float) -> dict:
 
 def engine_only(src: Path) -> dict:
     """In this (fresh) process: the engine alone, at version 1."""
+    import ctypes
     import gc
 
     import p2psync.node  # noqa: F401 - the same imports as the rollout process
@@ -122,12 +123,17 @@ def engine_only(src: Path) -> dict:
     state = decode_state(list(snap.manifest.tensors), snap.chunks(), len(snap.manifest.chunks),
                          snap.manifest.target_fingerprint)
     engine.load(state, 0, snap.manifest.target_fingerprint)
+    model_bytes = sum(s.numel * 2 for s in snap.manifest.tensors)
     del state
     gc.collect()
     delta = ArtifactFile(src / "publish" / "000001-delta.p2sa", pub)
     engine.apply(delta.manifest, [c for _, c in delta.chunks()])
+    del delta, snap
     gc.collect()
-    model_bytes = sum(s.numel * 2 for s in snap.manifest.tensors)
+    try:  # the heap the decode freed given back, as the rollout node does when it drops its copy
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     return {**_mem(os.getpid()), "model_bytes": model_bytes}
 
 
