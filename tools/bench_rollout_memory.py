@@ -18,7 +18,11 @@ with the engine serving version 1:
 
 ``extra_fraction`` = (resident memory of ``rollout`` - ``engine_only``) / bf16 bytes
 of the model: what the node adds to the machine (store cache, buffers, the node's
-own imports and threads).
+own imports and threads). Both processes give the heap freed after the snapshot back
+to the system (the rollout node when it drops its copy, the engine alone after its
+load) and neither after the delta, so the engine's own allocations match.
+``extra_fraction_parts``: the same by kind of resident memory (anonymous, mapped
+files, shared).
 """
 
 from __future__ import annotations
@@ -124,16 +128,16 @@ def engine_only(src: Path) -> dict:
                          snap.manifest.target_fingerprint)
     engine.load(state, 0, snap.manifest.target_fingerprint)
     model_bytes = sum(s.numel * 2 for s in snap.manifest.tensors)
-    del state
+    del state, snap
     gc.collect()
-    delta = ArtifactFile(src / "publish" / "000001-delta.p2sa", pub)
-    engine.apply(delta.manifest, [c for _, c in delta.chunks()])
-    del delta, snap
-    gc.collect()
-    try:  # the heap the decode freed given back, as the rollout node does when it drops its copy
+    try:  # the snapshot's decode given back, as the rollout node does once the engine holds the weights
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+    delta = ArtifactFile(src / "publish" / "000001-delta.p2sa", pub)
+    engine.apply(delta.manifest, [c for _, c in delta.chunks()])
+    del delta
+    gc.collect()
     return {**_mem(os.getpid()), "model_bytes": model_bytes}
 
 

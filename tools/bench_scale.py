@@ -70,7 +70,7 @@ def rank_fields(status: dict) -> dict:
     status's field names."""
     t = status.get("timing") or {}
     return {"bytes": t.get("bytes"), "fetch_s": t.get("fetch_s"), "decode_s": t.get("decode_s"),
-            "commit_s": t.get("commit_s"), "changes": t.get("changes")}
+            "commit_s": t.get("commit_s"), "changes": t.get("changes"), "chunks": t.get("fetched_chunks")}
 
 
 def rpc_threads(worker) -> int:
@@ -186,7 +186,7 @@ def _update_point(r: dict, s: float) -> dict | None:
     need = ("bytes", "fetch_s", "decode_s", "commit_s", "changes", "threads")
     if any(r.get(k) is None for k in need):
         return None
-    return {**{k: r[k] for k in need}, "s": s}
+    return {**{k: r[k] for k in need}, "chunks": r.get("chunks") or 1, "s": s}
 
 
 def figures(parts: dict, ctx: dict, fraction: float, extra: dict | None = None) -> dict:
@@ -258,6 +258,23 @@ def judged(fig: dict) -> dict:
     return out
 
 
+def _finish(res: dict, fig: dict) -> None:
+    res.update({k: fig.get(k) for k in TARGETS})
+    res.update({k: v for k, v in fig.items() if k not in TARGETS})
+    res["targets"] = judged(fig)
+
+
+def refit(src: Path, dst: Path, fraction: float, points: list[str]) -> int:
+    """``--refit``: an earlier run's measured parts through the present figures and cost model."""
+    res = json.loads(src.read_text())
+    extra = scale_model.load_points(points)[0] if points else None
+    _finish(res, figures(res["parts"], dict(res["workload"]), fraction, extra))
+    res["refit"] = {"from": str(src), "points": points}
+    dst.write_text(json.dumps(res, indent=1))
+    print(json.dumps(res["targets"], indent=1), flush=True)
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", required=True, help="write the result object to this file")
@@ -274,7 +291,11 @@ def main() -> int:
                                                              "(tools/bench_rank_rates.py; scale_model.py's doc)")
     ap.add_argument("--skip", default="", help="comma-separated parts to leave out (apply,tp2,fetch,decode_threads,write,"
                                                "first_publish,first_publish_adamw,rollout_memory,position_coding)")
+    ap.add_argument("--refit", default=None, metavar="FILE",
+                    help="measure nothing: the figures and projection again from the parts of an earlier run's JSON")
     args = ap.parse_args()
+    if args.refit:
+        return refit(Path(args.refit), Path(args.json), args.changed_fraction, args.points)
     skip = set(filter(None, args.skip.split(",")))
     tools = str(Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tools, os.environ.get("PYTHONPATH")]))  # vLLM's workers
@@ -327,9 +348,7 @@ def main() -> int:
         _part(parts, "position_coding", lambda: position_coding(ctx, args.reps))
     extra = scale_model.load_points(args.points)[0] if args.points else None
     fig = figures(parts, ctx, args.changed_fraction, extra)
-    res.update({k: fig.get(k) for k in TARGETS})
-    res.update({k: v for k, v in fig.items() if k not in TARGETS})
-    res["targets"] = judged(fig)
+    _finish(res, fig)
     res["position_coding"] = parts.get("position_coding")
     res["parts"] = parts
     res["loadavg_end"] = loadavg()

@@ -12,7 +12,7 @@ code does it today::
       + artifact_bytes / link             the whole artifact crosses the regional link once
       + fetch_fixed                       the rank's fetch from its machine's node, which starts once
       + machine_bytes / fetch_rate          the node holds the artifact (the worker is told then); the
-                                            node serves its machine's ranks at one measured rate in all
+      + machine_chunks * per_chunk          node serves its machine's ranks at one measured rate in all
       + decode(changes_rank, threads)     decode + checks on the rank's threads, after its fetch
       + write(changes_rank, threads)      scatter into the live weights + undo log + fingerprint lanes
       + fixed                             plan, manifest, signature, RPCs, fingerprint fold
@@ -23,7 +23,8 @@ a rank's chunks before it decodes them (``rollout/engines/vllm_backend.py``, ``r
 and write: ``s = intercept + changes / (rate * S(threads))`` with ``S(n) = 1 / (f + (1 - f) / n)``
 (Amdahl); ``rate`` and ``intercept`` from a least-squares line per thread count, ``f`` from the
 lines' slopes at every measured thread count. Fetch: a least-squares line ``s = fetch_fixed +
-bytes / fetch_rate`` over whole-artifact fetches of different sizes. A measured engine update's
+bytes / fetch_rate + chunks * per_chunk`` over whole-artifact fetches of different sizes and
+chunk sizes. A measured engine update's
 fetch, decode and write seconds join those fits as points of their own. ``fixed``: the median of
 what fetch, decode and write leave of each measured whole update (0 without one). The fit error
 is every point's predicted time against its measured time.
@@ -65,10 +66,37 @@ class Line:
 
 
 @dataclass(frozen=True)
+class Fetch:
+    """``s = intercept + bytes / rate + chunks * per_chunk_s``: a whole fetch from a node."""
+    rate: float
+    per_chunk_s: float
+    intercept: float
+
+    def s(self, nbytes: float, chunks: float) -> float:
+        return self.intercept + nbytes / self.rate + chunks * self.per_chunk_s
+
+
+def fit_fetch(points: list[dict]) -> Fetch:
+    """:class:`Fetch` by least squares over ``points`` (``bytes``, ``chunks``, ``s``); the
+    chunk term only where the points have more than one chunk size."""
+    x = np.array([[1.0, float(p["bytes"]), float(p["chunks"])] for p in points])
+    y = np.array([float(p["s"]) for p in points])
+    sizes = {round(p["bytes"] / max(1, p["chunks"]), -3) for p in points}
+    if len(sizes) > 1 and len(points) >= 3:
+        (a, b, c), *_ = np.linalg.lstsq(x, y, rcond=None)
+    else:
+        (a, b), *_ = np.linalg.lstsq(x[:, :2], y, rcond=None)
+        c = 0.0
+    if b <= 0:  # noise: through the origin, bytes only
+        a, b, c = 0.0, float(y.sum() / x[:, 1].sum()), 0.0
+    return Fetch(rate=1.0 / float(b), per_chunk_s=max(0.0, float(c)), intercept=max(0.0, float(a)))
+
+
+@dataclass(frozen=True)
 class Rates:
-    fetch: Line
-    """A rank's fetch of its chunks from the node on its machine: bytes (one thread: the node serves
-    at ``fetch.rate`` bytes/s in all)."""
+    fetch: Fetch
+    """A rank's fetch of its chunks from the node on its machine (the node serves its machine's
+    ranks at ``fetch.rate`` bytes/s in all)."""
     decode: Line
     """Changes decoded and checked."""
     write: Line
@@ -84,9 +112,10 @@ class Rates:
         log2(1 / fraction) bits, so positions grow by log2(measured / fraction) bits."""
         return max(0.1, self.bytes_per_change + math.log2(self.changed_fraction / fraction) / 8.0)
 
-    def update_s(self, changes: float, nbytes: float, threads: int) -> float:
+    def update_s(self, changes: float, nbytes: float, threads: int, chunks: float = 1) -> float:
         """One rank's update from a node on its own machine (no regional link), as measured."""
-        return self.fixed_s + self.fetch.s(nbytes) + self.decode.s(changes, threads) + self.write.s(changes, threads)
+        return (self.fixed_s + self.fetch.s(nbytes, chunks) + self.decode.s(changes, threads)
+                + self.write.s(changes, threads))
 
 
 def fit_line(points: list[dict], key: str) -> Line:
@@ -126,16 +155,16 @@ def fit(points: dict, bytes_per_change: float, changed_fraction: float) -> tuple
             raise ValueError(f"points: no {k!r} points")
     updates = points.get("update") or []
     # A measured update's parts are points too: the decode and write inside the engine, its fetch.
-    inside = {"fetch": [{"bytes": u["bytes"], "s": u["fetch_s"]} for u in updates],
+    inside = {"fetch": [{"bytes": u["bytes"], "chunks": u.get("chunks", 1), "s": u["fetch_s"]} for u in updates],
               "decode": [{"changes": u["changes"], "threads": u["threads"], "s": u["decode_s"]} for u in updates],
               "write": [{"changes": u["changes"], "threads": u["threads"], "s": u["commit_s"]} for u in updates]}
-    rates = Rates(fetch=fit_line(points["fetch"] + inside["fetch"], "bytes"),
+    rates = Rates(fetch=fit_fetch(points["fetch"] + inside["fetch"]),
                   decode=fit_line(points["decode"] + inside["decode"], "changes"),
                   write=fit_line(points["write"] + inside["write"], "changes"),
                   fixed_s=max(0.0, statistics.median(u["s"] - u["fetch_s"] - u["decode_s"] - u["commit_s"]
                                                      for u in updates)) if updates else 0.0,
                   bytes_per_change=bytes_per_change, changed_fraction=changed_fraction)
-    rows = [{"kind": "fetch" + tag, "measured_s": p["s"], "predicted_s": rates.fetch.s(p["bytes"])}
+    rows = [{"kind": "fetch" + tag, "measured_s": p["s"], "predicted_s": rates.fetch.s(p["bytes"], p.get("chunks", 1))}
             for src, tag in ((points, ""), (inside, " in an update")) for p in src["fetch"]]
     for k in ("decode", "write"):
         line = getattr(rates, k)
@@ -144,7 +173,7 @@ def fit(points: dict, bytes_per_change: float, changed_fraction: float) -> tuple
                  for src, tag in ((points, ""), (inside, " in an update")) for p in src[k]]
     for k, label in (("update", "update"), ("check", "check (not fitted)")):
         rows += [{"kind": label, "measured_s": u["s"], "predicted_s": rates.update_s(u["changes"], u["bytes"],
-                                                                                     u["threads"])}
+                                                                                     u["threads"], u.get("chunks", 1))}
                  for u in points.get(k) or []]
     for r in rows:
         r["predicted_s"] = round(r["predicted_s"], 4)
@@ -206,7 +235,8 @@ def project_one(rates: Rates, shape: Shape, link_gbit: float, ranks: int, slices
     link = link_gbit * 1e9 / 8
     h = hops(machines)
     parts = {"tree_s": h * CHUNK_BYTES / link, "link_s": total_bytes / link,
-             "rank_fetch_s": rates.fetch.s(min(ranks, RANKS_PER_MACHINE) * rank_bytes),
+             "rank_fetch_s": rates.fetch.s(min(ranks, RANKS_PER_MACHINE) * rank_bytes,
+                                           math.ceil(min(ranks, RANKS_PER_MACHINE) * rank_bytes / CHUNK_BYTES)),
              "decode_s": rates.decode.s(changes, threads), "write_s": rates.write.s(changes, threads),
              "fixed_s": rates.fixed_s}
     return {"model": shape.name, "link_gbit": link_gbit, "ranks": ranks, "slices": slices,

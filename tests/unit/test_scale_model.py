@@ -16,11 +16,15 @@ def sm(monkeypatch):
     return scale_model
 
 
-# Points made by a known model: fetch 200 MB/s after 0.03 s; decode 50 M changes/s per thread,
+# Points made by a known model: fetch 200 MB/s plus 1 ms per chunk after 0.03 s; decode 50 M changes/s per thread,
 # 0.01 s intercept, serial fraction 0.25 (2 threads: 1.6x); write 100 M changes/s, serial 0.5;
 # 0.05 s fixed per update.
 def dec(c, t):
     return 0.01 + c / 50e6 * (0.25 + 0.75 / t)
+
+
+def fe(b, n):
+    return 0.03 + b / 200e6 + n * 1e-3
 
 
 def wr(c, t):
@@ -28,11 +32,10 @@ def wr(c, t):
 
 
 def _points():
-    updates = [{"changes": c, "bytes": c * 0.7, "threads": t, "fetch_s": 0.03 + c * 0.7 / 200e6,
-                "decode_s": dec(c, t), "commit_s": wr(c, t),
-                "s": 0.05 + 0.03 + c * 0.7 / 200e6 + dec(c, t) + wr(c, t)}
+    updates = [{"changes": c, "bytes": c * 0.7, "chunks": 4, "threads": t, "fetch_s": fe(c * 0.7, 4),
+                "decode_s": dec(c, t), "commit_s": wr(c, t), "s": 0.05 + fe(c * 0.7, 4) + dec(c, t) + wr(c, t)}
                for c, t in ((20e6, 2), (20e6, 1), (10e6, 1))]
-    return {"fetch": [{"bytes": b, "s": 0.03 + b / 200e6} for b in (3e6, 137e6)],
+    return {"fetch": [{"bytes": b, "chunks": n, "s": fe(b, n)} for b, n in ((3e6, 13), (137e6, 184), (19e6, 376))],
             "decode": [{"changes": c, "threads": t, "s": dec(c, t)} for c in (5e6, 10e6, 20e6) for t in (1, 2)],
             "write": [{"changes": c, "threads": t, "s": wr(c, t)} for c in (5e6, 20e6) for t in (1, 2)],
             "update": updates}
@@ -42,6 +45,7 @@ def test_fit_recovers_the_rates_of_exact_points(sm):
     pts = _points()
     rates, err = sm.fit(pts, bytes_per_change=0.7, changed_fraction=0.04)
     assert rates.fetch.rate == pytest.approx(200e6, rel=1e-6) and rates.fetch.intercept == pytest.approx(0.03)
+    assert rates.fetch.per_chunk_s == pytest.approx(1e-3)
     assert rates.decode.rate == pytest.approx(50e6, rel=1e-6)
     assert rates.decode.intercept == pytest.approx(0.01, abs=1e-6)
     assert rates.decode.serial == pytest.approx(0.25)
@@ -85,7 +89,8 @@ def test_projection_covers_every_model_link_and_rank_count_with_and_without_slic
     row = next(r for r in proj["rows"] if (r["model"], r["link_gbit"], r["ranks"], r["slices"]) == (one_t, 10.0, 32, True))
     assert row["link_s"] == pytest.approx(1.04e12 * 0.02 * rates.bytes_per_change_at(0.02) * 8 / 1e10, rel=1e-3)
     # the node serves its 8 ranks' bytes at the fetch rate; decode and write at 16 threads
-    assert row["rank_fetch_s"] == pytest.approx(0.03 + 8 * row["rank_changes"] * 0.825 / 200e6, rel=1e-3)
+    machine = 8 * row["rank_changes"] * 0.825
+    assert row["rank_fetch_s"] == pytest.approx(fe(machine, -(-machine // sm.CHUNK_BYTES)), rel=1e-3)
     assert row["decode_s"] == pytest.approx(0.01 + row["rank_changes"] / 50e6 * (0.25 + 0.75 / 16), rel=1e-3)
     assert row["s"] == pytest.approx(sum(row[k] for k in ("tree_s", "link_s", "rank_fetch_s", "decode_s", "write_s",
                                                           "fixed_s")), abs=0.02)
