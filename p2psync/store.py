@@ -228,6 +228,17 @@ class VersionStore:
                 self._cache.move_to_end((aid, index))
             return data
 
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of chunks held in memory now (at most ``cache_bytes``)."""
+        return self._cached
+
+    def clear_cache(self) -> None:
+        """Drop every chunk held in memory (they stay on disk, read back and re-verified when asked for)."""
+        with self._cache_lock:
+            self._cache.clear()
+            self._cached = 0
+
     def _forget(self, aid: str) -> None:
         with self._cache_lock:
             for key in [k for k in self._cache if k[0] == aid]:

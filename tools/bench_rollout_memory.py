@@ -18,7 +18,11 @@ with the engine serving version 1:
 
 ``extra_fraction`` = (resident memory of ``rollout`` - ``engine_only``) / bf16 bytes
 of the model: what the node adds to the machine (store cache, buffers, the node's
-own imports and threads).
+own imports and threads). Both processes give the heap freed after the snapshot back
+to the system (the rollout node when it drops its copy, the engine alone after its
+load) and neither after the delta, so the engine's own allocations match.
+``extra_fraction_parts``: the same by kind of resident memory (anonymous, mapped
+files, shared).
 """
 
 from __future__ import annotations
@@ -37,11 +41,19 @@ from benchout import emit, loadavg
 TOKEN = "bench-cluster-token-0123456789"
 
 
-def _rss(pid: int) -> int:
+def _mem(pid: int) -> dict:
+    """Resident memory of ``pid``: all of it (``rss``, what ``top`` shows) and its parts: anonymous
+    (heap, the weights), file-backed (mapped files, such as the artifacts in the node's store: page
+    cache the kernel may drop) and shared memory."""
+    got = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for {pid}")
+        key, _, rest = line.partition(":")
+        if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            got[{"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}[key]] = \
+                int(rest.split()[0]) * 1024
+    if "rss" not in got:
+        raise RuntimeError(f"no VmRSS for {pid}")
+    return got
 
 
 def _switched_to(events: Path, version: int) -> bool:
@@ -85,7 +97,7 @@ def rollout(src: Path, work: Path, hold: bool, timeout: float) -> dict:
                 raise SystemExit(f"the rollout node did not reach version 1; its log ends:\n{tail}")
             time.sleep(2)
         time.sleep(5)  # the node's housekeeping after the version (retention) settles
-        return {"rss": _rss(node.pid), "s_to_version_1": round(time.time() - t0, 1)}
+        return {**_mem(node.pid), "s_to_version_1": round(time.time() - t0, 1)}
     finally:
         for p in reversed(procs):
             p.terminate()
@@ -97,6 +109,7 @@ def rollout(src: Path, work: Path, hold: bool, timeout: float) -> dict:
 
 def engine_only(src: Path) -> dict:
     """In this (fresh) process: the engine alone, at version 1."""
+    import ctypes
     import gc
 
     import p2psync.node  # noqa: F401 - the same imports as the rollout process
@@ -114,13 +127,18 @@ def engine_only(src: Path) -> dict:
     state = decode_state(list(snap.manifest.tensors), snap.chunks(), len(snap.manifest.chunks),
                          snap.manifest.target_fingerprint)
     engine.load(state, 0, snap.manifest.target_fingerprint)
-    del state
+    model_bytes = sum(s.numel * 2 for s in snap.manifest.tensors)
+    del state, snap
     gc.collect()
+    try:  # the snapshot's decode given back, as the rollout node does once the engine holds the weights
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
     delta = ArtifactFile(src / "publish" / "000001-delta.p2sa", pub)
     engine.apply(delta.manifest, [c for _, c in delta.chunks()])
+    del delta
     gc.collect()
-    model_bytes = sum(s.numel * 2 for s in snap.manifest.tensors)
-    return {"rss": _rss(os.getpid()), "model_bytes": model_bytes}
+    return {**_mem(os.getpid()), "model_bytes": model_bytes}
 
 
 def main() -> int:
@@ -156,6 +174,8 @@ def measure(src: Path, timeout: float = 1200.0, only_default: bool = False, hold
     mb = res["engine_only"]["model_bytes"]
     res["model_bytes"] = mb
     res["extra_fraction"] = round((res["rollout"]["rss"] - res["engine_only"]["rss"]) / mb, 4)
+    res["extra_fraction_parts"] = {k: round((res["rollout"].get(k, 0) - res["engine_only"].get(k, 0)) / mb, 4)
+                                   for k in ("anon", "file", "shmem")}
     if holding:
         res["extra_fraction_holding"] = round((res["rollout_holding"]["rss"] - res["engine_only"]["rss"]) / mb, 4)
     res["loadavg"] = loadavg()

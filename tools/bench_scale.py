@@ -15,14 +15,19 @@ other benchmarks' functions:
   ``tests/integration/test_vllm_tensor_parallel.py``): the same first and repeated update;
   every rank's bytes fetched and fetch / decode / commit seconds come from the backend's status
   (``collective_rpc``, one answer per rank; :func:`rank_fields`);
+- ``bench_rank_rates``: a rank's fetch of each artifact from the node (the vLLM backend's client),
+  and the write of the delta's changes into host memory on 1 and 2 threads (points for the cost
+  model's fit);
 - ``bench_decode_threads.measure``: the decode alone on 1 and 2 threads, and on the largest
   segments holding 25 / 50 / 100 % of the changes (points for the cost model's fit);
-- ``bench_first_use.measure``: a fresh trainer process's first publish against later ones;
+- ``bench_first_use.measure``: a fresh trainer process's first publish against later ones, like
+  for like (``alternate``: every delta changes the same elements; the figure) and in an AdamW run;
 - ``bench_rollout_memory.measure``: a rollout node's resident memory beyond its engine's;
 - :func:`position_coding`: the delta coded with positions ranked in buckets of the base words
   (the default) and base-free (``context_buckets=1``; same wire format), payload against
   decode + apply time, and their sum at 0.1, 1 and 10 Gbit/s;
-- :mod:`scale_model`: the cost model fitted to the measured updates and decodes, projected.
+- :mod:`scale_model`: the cost model fitted to the measured fetches, decodes, writes and updates
+  (and ``--points`` files: e.g. the same points from a many-core machine), projected.
 
 Each figure is written with its target and whether it is met; a part that fails leaves its
 figure ``null`` with the error beside it.
@@ -43,6 +48,7 @@ from pathlib import Path
 
 import bench_decode_threads
 import bench_first_use
+import bench_rank_rates
 import bench_rollout_memory
 import bench_vllm_apply
 import scale_model
@@ -64,7 +70,7 @@ def rank_fields(status: dict) -> dict:
     status's field names."""
     t = status.get("timing") or {}
     return {"bytes": t.get("bytes"), "fetch_s": t.get("fetch_s"), "decode_s": t.get("decode_s"),
-            "commit_s": t.get("commit_s"), "changes": t.get("changes")}
+            "commit_s": t.get("commit_s"), "changes": t.get("changes"), "chunks": t.get("fetched_chunks")}
 
 
 def rpc_threads(worker) -> int:
@@ -180,20 +186,23 @@ def _update_point(r: dict, s: float) -> dict | None:
     need = ("bytes", "fetch_s", "decode_s", "commit_s", "changes", "threads")
     if any(r.get(k) is None for k in need):
         return None
-    return {**{k: r[k] for k in need}, "s": s}
+    return {**{k: r[k] for k in need}, "chunks": r.get("chunks") or 1, "s": s}
 
 
-def figures(parts: dict, ctx: dict, fraction: float) -> dict:
-    """The headline figures, the cost model and its projection from the parts' results."""
+def figures(parts: dict, ctx: dict, fraction: float, extra: dict | None = None) -> dict:
+    """The headline figures, the cost model and its projection from the parts' results (``extra``:
+    more measured points for the model, from ``--points`` files)."""
     fig: dict = {}
     apply, tp2, dec = parts.get("apply") or {}, parts.get("tp2") or {}, parts.get("decode_threads") or {}
     fig["apply_vs_dense_memory"] = apply.get("again_over_dense")  # median repeated / median dense
     fig["first_vs_repeated"] = apply.get("first_over_again")
-    pub = parts.get("first_publish") or {}
+    # Like for like: every delta of the first_publish part changes the same elements (bench_first_use
+    # --alternate); an AdamW run's first delta changes about twice the elements of its later ones.
+    pub, adamw = parts.get("first_publish") or {}, parts.get("first_publish_adamw") or {}
     fig["first_publish_vs_later"] = pub.get("first_over_later")
-    per = [d["total_s"] / d["changed"] for d in pub.get("deltas", []) if d.get("changed")]
-    if len(per) > 1:  # the first AdamW step changes more elements than later ones: per change is like for like
-        fig["first_publish_vs_later_per_change"] = round(per[0] / sorted(per[1:])[len(per[1:]) // 2], 4)
+    fig["first_publish_vs_later_cpu"] = pub.get("first_over_later_cpu")
+    fig["first_publish_vs_later_adamw"] = adamw.get("first_over_later")
+    fig["first_publish_vs_later_adamw_per_change"] = adamw.get("first_over_later_per_change")
     fig["rollout_host_extra_fraction"] = (parts.get("rollout_memory") or {}).get("extra_fraction")
     fig["decode_threads_speedup"] = dec.get("speedup_fastest")
     # Tensor parallel 1: the engine of run_engine (its status after the repeated update).
@@ -206,34 +215,36 @@ def figures(parts: dict, ctx: dict, fraction: float) -> dict:
     if tp2_again and tp1 and all(r.get(k) is not None for r in tp2_again for k in work):
         tp1_s = sum(tp1[k] for k in work)
         fig["tp2_apply_fraction"] = round(max(sum(r[k] for k in work) for r in tp2_again) / tp1_s, 4)
-    # The cost model.
-    updates = []
+    # The cost model: fitted to this run's points (and those of --points files), projected.
+    pts: dict = {"fetch": list((parts.get("fetch") or {}).get("points") or []),
+                 "decode": [{"changes": p["changes"], "threads": p["threads"], "s": p["s"]}
+                            for p in dec.get("points", [])],
+                 "write": list((parts.get("write") or {}).get("points") or []), "update": [], "check": []}
     for a in (apply.get("p2psync_again"), apply.get("p2psync")):
         if a:
             p = _update_point({**rank_fields({"timing": a}), "threads": apply.get("threads")}, a["s"])
-            updates += [p] if p else []
-    checks = []  # tensor parallel 2: the ranks' exchange is not in the model; reported, not fitted
-    for key in ("first", "again"):
+            pts["update"] += [p] if p else []
+    for key in ("first", "again"):  # tensor parallel 2: the ranks' exchange is not in the model
         for r in (tp2.get(key) or {}).get("ranks", []):
             p = _update_point(r, tp2[key]["s"])
-            checks += [p] if p else []
-    decodes = [{"changes": p["changes"], "threads": p["threads"], "s": p["s"]} for p in dec.get("points", [])]
-    if updates and dec.get("speedup_fastest"):
-        rates, err = scale_model.fit(updates, decodes, dec["speedup_fastest"], ctx["delta_bytes"] / ctx["changed"],
-                                     ctx["changed"] / ctx["params"], checks)
+            pts["check"] += [p] if p else []
+    fig["points"] = {k: list(v) for k, v in pts.items()}  # this run's own: scale_model.py --points takes the file
+    for k, v in (extra or {}).items():
+        pts[k] = pts.get(k, []) + v
+    try:
+        rates, err = scale_model.fit(pts, ctx["delta_bytes"] / ctx["changed"], ctx["changed"] / ctx["params"])
+    except ValueError as exc:
+        fig["projection"] = {"error": str(exc)}
+        fig["projection_1t_10gbit_s"] = None
+    else:
         proj = scale_model.project(rates, fraction=fraction)
         proj["fit"] = err
-        proj["headline"] = {"model": scale_model.SHAPES[-1].name, "link_gbit": 10.0, "ranks": HEADLINE_RANKS}
+        proj["headline"] = scale_model.headline(rates, fraction, ranks=HEADLINE_RANKS)
         fig["projection"] = proj
         name = scale_model.SHAPES[-1].name
         fig["projection_1t_10gbit_s"] = scale_model.lookup(proj, name, 10.0, HEADLINE_RANKS, True)
         fig["projection_1t_10gbit_s_without_slices"] = scale_model.lookup(proj, name, 10.0, HEADLINE_RANKS, False)
-        fig["projection_1t_10gbit_s_at_1pct"] = scale_model.lookup(
-            scale_model.project(rates, fraction=0.01, shapes=(scale_model.SHAPES[-1],), links=(10.0,),
-                                ranks=(HEADLINE_RANKS,)), name, 10.0, HEADLINE_RANKS, True)
-    else:
-        fig["projection"] = None
-        fig["projection_1t_10gbit_s"] = None
+        fig["projection_1t_10gbit_s_at_1pct"] = proj["headline"]["s_at_1pct"]
     fig["tp1_rank"] = tp1_rank
     return fig
 
@@ -245,6 +256,23 @@ def judged(fig: dict) -> dict:
         met = None if target is None or v is None else (v <= target[1] if target[0] == "<=" else v >= target[1])
         out[key] = {"value": v, "target": f"{target[0]} {target[1]}" if target else None, "met": met}
     return out
+
+
+def _finish(res: dict, fig: dict) -> None:
+    res.update({k: fig.get(k) for k in TARGETS})
+    res.update({k: v for k, v in fig.items() if k not in TARGETS})
+    res["targets"] = judged(fig)
+
+
+def refit(src: Path, dst: Path, fraction: float, points: list[str]) -> int:
+    """``--refit``: an earlier run's measured parts through the present figures and cost model."""
+    res = json.loads(src.read_text())
+    extra = scale_model.load_points(points)[0] if points else None
+    _finish(res, figures(res["parts"], dict(res["workload"]), fraction, extra))
+    res["refit"] = {"from": str(src), "points": points}
+    dst.write_text(json.dumps(res, indent=1))
+    print(json.dumps(res["targets"], indent=1), flush=True)
+    return 0
 
 
 def main() -> int:
@@ -259,9 +287,15 @@ def main() -> int:
                     help="chunk size of the artifacts in MiB (default: 1/16, the smallest, with --quick, 1 otherwise: a delta "
                          "of many chunks, as a large model's is, so that a rank's share of them shows)")
     ap.add_argument("--changed-fraction", type=float, default=0.02, help="the projection's changed fraction per step")
-    ap.add_argument("--skip", default="", help="comma-separated parts to leave out (apply,tp2,decode_threads,"
-                                               "first_publish,rollout_memory,position_coding)")
+    ap.add_argument("--points", nargs="*", default=[], help="JSON files of more measured points for the cost model "
+                                                             "(tools/bench_rank_rates.py; scale_model.py's doc)")
+    ap.add_argument("--skip", default="", help="comma-separated parts to leave out (apply,tp2,fetch,decode_threads,write,"
+                                               "first_publish,first_publish_adamw,rollout_memory,position_coding)")
+    ap.add_argument("--refit", default=None, metavar="FILE",
+                    help="measure nothing: the figures and projection again from the parts of an earlier run's JSON")
     args = ap.parse_args()
+    if args.refit:
+        return refit(Path(args.refit), Path(args.json), args.changed_fraction, args.points)
     skip = set(filter(None, args.skip.split(",")))
     tools = str(Path(__file__).resolve().parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [tools, os.environ.get("PYTHONPATH")]))  # vLLM's workers
@@ -296,19 +330,25 @@ def main() -> int:
             _part(parts, "apply", tp1)
         if "tp2" not in skip:
             _part(parts, "tp2", lambda: tp_run(ctx, url, 2))
+        if "fetch" not in skip:
+            _part(parts, "fetch", lambda: {"points": bench_rank_rates.fetch_points(ctx, url, args.reps)})
     if "decode_threads" not in skip:
         _part(parts, "decode_threads",
               lambda: bench_decode_threads.measure(out, args.reps, fractions=(0.25, 0.5, 1.0)))
+    if "write" not in skip:
+        _part(parts, "write", lambda: {"points": bench_rank_rates.write_points(out, args.reps, (0.25, 0.5, 1.0))})
     if "first_publish" not in skip:
-        _part(parts, "first_publish", lambda: bench_first_use.measure("small", 1e-5, 4 if args.quick else 6))
+        _part(parts, "first_publish", lambda: bench_first_use.measure("small", 1e-5, 4 if args.quick else 6,
+                                                                      alternate=True))
+    if "first_publish_adamw" not in skip:
+        _part(parts, "first_publish_adamw", lambda: bench_first_use.measure("small", 1e-5, 4 if args.quick else 6))
     if "rollout_memory" not in skip:
         _part(parts, "rollout_memory", lambda: bench_rollout_memory.measure(out, holding=False))
     if "position_coding" not in skip:
         _part(parts, "position_coding", lambda: position_coding(ctx, args.reps))
-    fig = figures(parts, ctx, args.changed_fraction)
-    res.update({k: fig.get(k) for k in TARGETS})
-    res.update({k: v for k, v in fig.items() if k not in TARGETS})
-    res["targets"] = judged(fig)
+    extra = scale_model.load_points(args.points)[0] if args.points else None
+    fig = figures(parts, ctx, args.changed_fraction, extra)
+    _finish(res, fig)
     res["position_coding"] = parts.get("position_coding")
     res["parts"] = parts
     res["loadavg_end"] = loadavg()

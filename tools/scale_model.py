@@ -1,29 +1,42 @@
 """A cost model of one update, fitted to measured points, projected to 8B, 70B and 1T-parameter models.
 
-Pure (no I/O, no clock): ``tools/bench_scale.py`` measures, this module fits and projects.
+    PYTHONPATH=$PWD .venv/bin/python tools/scale_model.py --points points.json [more.json ...] [--threads 16]
 
-One update of one engine rank, from the trainer's announcement until the rank serves it::
+``fit`` and ``project`` are pure (no I/O, no clock): ``tools/bench_rank_rates.py`` and
+``tools/bench_scale.py`` measure, this module fits and projects; ``--points`` reads their JSON.
 
-    T = hops * chunk / link                      cut-through tree: one chunk time per hop
-      + artifact_bytes / link                    the whole artifact crosses the regional link once
-      + rank_bytes / fetch_rate                  the rank's fetch from its machine's node
-      + changes_rank / (decode_rate * S(threads))  decode + checks on the rank's threads
-      + changes_rank / write_rate                scatter into the live weights + check
-      + fixed                                    plan, manifest, RPCs, fingerprint fold
+What one update costs, from the trainer's announcement until an engine rank serves it, as the
+code does it today::
 
-``S(n) = 1 / (f + (1 - f) / n)`` (Amdahl) with ``f`` from the measured 2-thread speedup. The
-link time and the apply are added, not overlapped (an upper bound: a rank could decode chunks
-as they arrive). Fitted: ``decode_rate`` and a decode intercept by least squares over every
-measured decode (inside the engine and outside it), ``write_rate`` and ``fetch_rate`` as
-total work over total seconds, ``fixed`` as the median of what the three parts leave of each
-measured update; the fit error is each measured update's and decode's predicted time against
-its measured time.
+    T = hops * chunk / link               the cut-through tree: one chunk time per hop
+      + artifact_bytes / link             the whole artifact crosses the regional link once
+      + fetch_fixed                       the rank's fetch from its machine's node, which starts once
+      + machine_bytes / fetch_rate          the node holds the artifact (the worker is told then); the
+      + machine_chunks * per_chunk          node serves its machine's ranks at one measured rate in all
+      + decode(changes_rank, threads)     decode + checks on the rank's threads, after its fetch
+      + write(changes_rank, threads)      scatter into the live weights + undo log + fingerprint lanes
+      + fixed                             plan, manifest, signature, RPCs, fingerprint fold
+
+Nothing is overlapped beyond the tree's cut-through: the rollout worker starts the engine's update
+once its node holds the whole artifact (``rollout/engine_sync.py``), and the vLLM backend fetches
+a rank's chunks before it decodes them (``rollout/engines/vllm_backend.py``, ``reach``). Decode
+and write: ``s = intercept + changes / (rate * S(threads))`` with ``S(n) = 1 / (f + (1 - f) / n)``
+(Amdahl); ``rate`` and ``intercept`` from a least-squares line per thread count, ``f`` from the
+lines' slopes at every measured thread count. Fetch: a least-squares line ``s = fetch_fixed +
+bytes / fetch_rate + chunks * per_chunk`` over whole-artifact fetches of different sizes and
+chunk sizes. A measured engine update's
+fetch, decode and write seconds join those fits as points of their own. ``fixed``: the median of
+what fetch, decode and write leave of each measured whole update (0 without one). The fit error
+is every point's predicted time against its measured time.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import statistics
+import sys
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -32,81 +45,138 @@ LINKS_GBIT = (1.0, 10.0, 100.0)
 RANKS = (8, 16, 32, 64)
 RANKS_PER_MACHINE = 8
 CHUNK_BYTES = 4 << 20
+THREADS = 16
+"""Update threads per rank assumed by the projection: cores per GPU of a typical 8-GPU host (96-192
+cores: 12-24 per GPU)."""
+
+
+@dataclass(frozen=True)
+class Line:
+    """``s = intercept + n / (rate * S(threads))``, Amdahl's ``S`` with serial fraction ``serial``."""
+    rate: float
+    """Items per second on one thread."""
+    intercept: float
+    serial: float
+
+    def speedup(self, threads: int) -> float:
+        return 1.0 / (self.serial + (1.0 - self.serial) / max(1, threads))
+
+    def s(self, n: float, threads: int = 1) -> float:
+        return self.intercept + n / (self.rate * self.speedup(threads))
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """``s = intercept + bytes / rate + chunks * per_chunk_s``: a whole fetch from a node."""
+    rate: float
+    per_chunk_s: float
+    intercept: float
+
+    def s(self, nbytes: float, chunks: float) -> float:
+        return self.intercept + nbytes / self.rate + chunks * self.per_chunk_s
+
+
+def fit_fetch(points: list[dict]) -> Fetch:
+    """:class:`Fetch` by least squares over ``points`` (``bytes``, ``chunks``, ``s``); the
+    chunk term only where the points have more than one chunk size."""
+    x = np.array([[1.0, float(p["bytes"]), float(p["chunks"])] for p in points])
+    y = np.array([float(p["s"]) for p in points])
+    sizes = {round(p["bytes"] / max(1, p["chunks"]), -3) for p in points}
+    if len(sizes) > 1 and len(points) >= 3:
+        (a, b, c), *_ = np.linalg.lstsq(x, y, rcond=None)
+    else:
+        (a, b), *_ = np.linalg.lstsq(x[:, :2], y, rcond=None)
+        c = 0.0
+    if b <= 0:  # noise: through the origin, bytes only
+        a, b, c = 0.0, float(y.sum() / x[:, 1].sum()), 0.0
+    return Fetch(rate=1.0 / float(b), per_chunk_s=max(0.0, float(c)), intercept=max(0.0, float(a)))
 
 
 @dataclass(frozen=True)
 class Rates:
-    decode_changes_per_s: float
-    """Changes decoded (and checked) per second on one thread."""
-    decode_intercept_s: float
-    """Fixed seconds of one decode (segment set-up, thread start)."""
-    serial_fraction: float
-    """Amdahl's serial fraction of the decode, from the measured 2-thread speedup."""
-    write_changes_per_s: float
-    """Changes scattered into the live weights (and the written words checked) per second."""
-    fetch_bytes_per_s: float
-    """A rank's fetch from a node on its own machine (loopback), bytes per second."""
+    fetch: Fetch
+    """A rank's fetch of its chunks from the node on its machine (the node serves its machine's
+    ranks at ``fetch.rate`` bytes/s in all)."""
+    decode: Line
+    """Changes decoded and checked."""
+    write: Line
+    """Changes written into the live weights with their undo log and fingerprint lanes."""
     fixed_s: float
     """Per update: plan, manifest and signature, collective RPCs, fingerprint fold."""
     bytes_per_change: float
     """Compressed artifact bytes per changed element, measured at ``changed_fraction``."""
     changed_fraction: float
-    """The changed fraction of the measured delta."""
-
-    def speedup(self, threads: int) -> float:
-        return 1.0 / (self.serial_fraction + (1.0 - self.serial_fraction) / max(1, threads))
 
     def bytes_per_change_at(self, fraction: float) -> float:
         """Bytes per change at another changed fraction: gaps between changes cost about
         log2(1 / fraction) bits, so positions grow by log2(measured / fraction) bits."""
         return max(0.1, self.bytes_per_change + math.log2(self.changed_fraction / fraction) / 8.0)
 
-    def decode_s(self, changes: float, threads: int) -> float:
-        return self.decode_intercept_s + changes / (self.decode_changes_per_s * self.speedup(threads))
-
-    def update_s(self, changes: float, nbytes: float, threads: int) -> float:
-        """One measured-kind update of a rank (no link): fetch + decode + write + fixed."""
-        return (self.fixed_s + nbytes / self.fetch_bytes_per_s + self.decode_s(changes, threads)
-                + changes / self.write_changes_per_s)
+    def update_s(self, changes: float, nbytes: float, threads: int, chunks: float = 1) -> float:
+        """One rank's update from a node on its own machine (no regional link), as measured."""
+        return (self.fixed_s + self.fetch.s(nbytes, chunks) + self.decode.s(changes, threads)
+                + self.write.s(changes, threads))
 
 
-def fit(updates: list[dict], decodes: list[dict], speedup_2: float, bytes_per_change: float,
-        changed_fraction: float, checks: list[dict] = ()) -> tuple[Rates, dict]:
+def fit_line(points: list[dict], key: str) -> Line:
+    """:class:`Line` through ``points`` (each with ``key``, ``threads`` (default 1) and ``s``; the
+    one-thread points give the rate, the others the serial fraction)."""
+    by: dict[int, list[tuple[float, float]]] = {}
+    for p in points:
+        by.setdefault(int(p.get("threads", 1)), []).append((float(p[key]), float(p["s"])))
+    if 1 not in by:
+        raise ValueError(f"no measured points with {key!r} on one thread")
+    slopes, icpts = {}, []
+    for t, xy in by.items():
+        x, y = np.array([a for a, _ in xy]), np.array([b for _, b in xy])
+        slope, icpt = np.polyfit(x, y, 1) if len(set(x.tolist())) > 1 else (0.0, 0.0)
+        if slope <= 0:  # one size, or noise: through the origin
+            slope, icpt = float(y.sum() / x.sum()), 0.0
+        slopes[t] = float(slope)
+        icpts.append(max(0.0, float(icpt)))
+    b1 = slopes[1]
+    # Serial fraction: b_t = b1 * (f + (1 - f) / t), least squares over the other thread counts.
+    num = sum((b - b1 / t) * b1 * (1 - 1 / t) for t, b in slopes.items() if t > 1)
+    den = sum((b1 * (1 - 1 / t)) ** 2 for t in slopes if t > 1)
+    f = min(1.0, max(0.0, num / den)) if den > 0 else 0.0
+    return Line(rate=1.0 / b1, intercept=statistics.median(icpts), serial=f)
+
+
+def fit(points: dict, bytes_per_change: float, changed_fraction: float) -> tuple[Rates, dict]:
     """Rates from measured points, and the fit error on them.
 
-    ``updates``: one rank's update each: ``changes`` (decoded by it), ``bytes`` (fetched),
-    ``threads``, ``fetch_s``, ``decode_s``, ``commit_s`` and ``s`` (the whole update).
-    ``decodes``: decodes alone: ``changes``, ``threads``, ``s``. ``speedup_2``: measured
-    decode time on one thread over two. ``checks``: updates (same fields) whose error is reported
-    but that the fit does not use (tensor-parallel ranks: their exchange is not in the model)."""
-    if not updates:
-        raise ValueError("updates: at least one measured update")
-    f = min(1.0, max(0.0, 2.0 / speedup_2 - 1.0)) if speedup_2 > 0 else 1.0
-
-    def s_of(n: int) -> float:
-        return 1.0 / (f + (1.0 - f) / max(1, n))
-
-    pts = [(u["changes"], u["threads"], u["decode_s"]) for u in updates]
-    pts += [(d["changes"], d["threads"], d["s"]) for d in decodes]
-    a = np.array([[1.0, c / s_of(t)] for c, t, _ in pts])
-    y = np.array([s for _, _, s in pts])
-    (icpt, slope), *_ = np.linalg.lstsq(a, y, rcond=None)
-    if slope <= 0:  # one point, or noise: through the origin
-        icpt, slope = 0.0, float(y.sum() / a[:, 1].sum())
-    icpt = max(0.0, float(icpt))
-    rates = Rates(
-        decode_changes_per_s=1.0 / float(slope), decode_intercept_s=icpt, serial_fraction=f,
-        write_changes_per_s=sum(u["changes"] for u in updates) / max(1e-9, sum(u["commit_s"] for u in updates)),
-        fetch_bytes_per_s=sum(u["bytes"] for u in updates) / max(1e-9, sum(u["fetch_s"] for u in updates)),
-        fixed_s=max(0.0, statistics.median(u["s"] - u["fetch_s"] - u["decode_s"] - u["commit_s"] for u in updates)),
-        bytes_per_change=bytes_per_change, changed_fraction=changed_fraction)
-    rows = [{"kind": "update", "measured_s": u["s"], "predicted_s": rates.update_s(u["changes"], u["bytes"], u["threads"])}
-            for u in updates]
-    rows += [{"kind": "check (not fitted)", "measured_s": u["s"],
-              "predicted_s": rates.update_s(u["changes"], u["bytes"], u["threads"])} for u in checks]
-    rows += [{"kind": "decode", "measured_s": d["s"], "predicted_s": rates.decode_s(d["changes"], d["threads"])}
-             for d in decodes]
+    ``points``: ``fetch`` (``bytes``, ``s``: whole-artifact fetches from a node on loopback),
+    ``decode`` and ``write`` (``changes``, ``threads``, ``s``; one thread among them), optional
+    ``update`` (one rank's measured vLLM update: ``bytes``, ``changes``, ``threads``, ``fetch_s``,
+    ``decode_s``, ``commit_s``, ``s``: its remainder is ``fixed``) and ``check`` (updates whose
+    error is reported but not fitted, such as tensor-parallel ranks, whose exchange is not in it)."""
+    for k in ("fetch", "decode", "write"):
+        if not points.get(k):
+            raise ValueError(f"points: no {k!r} points")
+    updates = points.get("update") or []
+    # A measured update's parts are points too: the decode and write inside the engine, its fetch.
+    inside = {"fetch": [{"bytes": u["bytes"], "chunks": u.get("chunks", 1), "s": u["fetch_s"]} for u in updates],
+              "decode": [{"changes": u["changes"], "threads": u["threads"], "s": u["decode_s"]} for u in updates],
+              "write": [{"changes": u["changes"], "threads": u["threads"], "s": u["commit_s"]} for u in updates]}
+    rates = Rates(fetch=fit_fetch(points["fetch"] + inside["fetch"]),
+                  decode=fit_line(points["decode"] + inside["decode"], "changes"),
+                  write=fit_line(points["write"] + inside["write"], "changes"),
+                  fixed_s=max(0.0, statistics.median(u["s"] - u["fetch_s"] - u["decode_s"] - u["commit_s"]
+                                                     for u in updates)) if updates else 0.0,
+                  bytes_per_change=bytes_per_change, changed_fraction=changed_fraction)
+    rows = [{"kind": "fetch" + tag, "measured_s": p["s"], "predicted_s": rates.fetch.s(p["bytes"], p.get("chunks", 1))}
+            for src, tag in ((points, ""), (inside, " in an update")) for p in src["fetch"]]
+    for k in ("decode", "write"):
+        line = getattr(rates, k)
+        rows += [{"kind": f"{k} ({p['threads']} thr){tag}", "measured_s": p["s"],
+                  "predicted_s": line.s(p["changes"], p["threads"])}
+                 for src, tag in ((points, ""), (inside, " in an update")) for p in src[k]]
+    for k, label in (("update", "update"), ("check", "check (not fitted)")):
+        rows += [{"kind": label, "measured_s": u["s"], "predicted_s": rates.update_s(u["changes"], u["bytes"],
+                                                                                     u["threads"], u.get("chunks", 1))}
+                 for u in points.get(k) or []]
     for r in rows:
+        r["predicted_s"] = round(r["predicted_s"], 4)
         r["rel_error"] = round((r["predicted_s"] - r["measured_s"]) / r["measured_s"], 4) if r["measured_s"] else None
     errs = [abs(r["rel_error"]) for r in rows if r["rel_error"] is not None and not r["kind"].startswith("check")]
     return rates, {"points": rows, "mean_abs_rel_error": round(statistics.mean(errs), 4) if errs else None,
@@ -164,15 +234,17 @@ def project_one(rates: Rates, shape: Shape, link_gbit: float, ranks: int, slices
     rank_bytes = changes * bpc
     link = link_gbit * 1e9 / 8
     h = hops(machines)
-    parts = {"link_s": total_bytes / link, "tree_s": h * CHUNK_BYTES / link,
-             "rank_fetch_s": rank_bytes / rates.fetch_bytes_per_s, "decode_s": rates.decode_s(changes, threads),
-             "write_s": changes / rates.write_changes_per_s, "fixed_s": rates.fixed_s}
+    parts = {"tree_s": h * CHUNK_BYTES / link, "link_s": total_bytes / link,
+             "rank_fetch_s": rates.fetch.s(min(ranks, RANKS_PER_MACHINE) * rank_bytes,
+                                           math.ceil(min(ranks, RANKS_PER_MACHINE) * rank_bytes / CHUNK_BYTES)),
+             "decode_s": rates.decode.s(changes, threads), "write_s": rates.write.s(changes, threads),
+             "fixed_s": rates.fixed_s}
     return {"model": shape.name, "link_gbit": link_gbit, "ranks": ranks, "slices": slices,
             "artifact_gb": round(total_bytes / 1e9, 3), "rank_changes": round(changes), "hops": h,
             **{k: round(v, 3) for k, v in parts.items()}, "s": round(sum(parts.values()), 2)}
 
 
-def project(rates: Rates, fraction: float = 0.02, threads: int = 8, machines: int = 64,
+def project(rates: Rates, fraction: float = 0.02, threads: int = THREADS, machines: int = 64,
             shapes: tuple[Shape, ...] = SHAPES, links: tuple[float, ...] = LINKS_GBIT,
             ranks: tuple[int, ...] = RANKS) -> dict:
     """Announce -> every engine serving for each shape, link rate, TP/EP size, with and without
@@ -181,11 +253,13 @@ def project(rates: Rates, fraction: float = 0.02, threads: int = 8, machines: in
             for s in shapes for link in links for n in ranks for sl in (True, False)]
     return {"assumptions": {
         "changed_fraction": fraction, "bytes_per_change": round(rates.bytes_per_change_at(fraction), 4),
-        "dtype": "bf16", "decode_threads_per_rank": threads, "ranks_per_machine": RANKS_PER_MACHINE,
+        "dtype": "bf16", "update_threads_per_rank": threads, "ranks_per_machine": RANKS_PER_MACHINE,
         "machines_per_region": machines, "tree_fanout": 4, "chunk_bytes": CHUNK_BYTES,
         "slices": "with slices each rank fetches and decodes its 1/N of the sharded tensors plus what it "
                   "holds whole; without, every rank fetches and decodes the whole artifact",
-        "overlap": "none: link time, fetch and apply are added (upper bound)",
+        "overlap": "the tree is cut-through; the ranks' fetch starts once their node holds the artifact, "
+                   "their decode once their fetch ends, their write once their decode ends (as the code does)",
+        "node_serving": "a machine's node serves all its ranks' chunks at the measured fetch rate in all",
         "shapes": [asdict(s) for s in shapes]},
         "rates": asdict(rates), "anchors": list(ANCHORS), "rows": rows}
 
@@ -195,3 +269,59 @@ def lookup(projection: dict, model: str, link_gbit: float, ranks: int, slices: b
         if (r["model"], r["link_gbit"], r["ranks"], r["slices"]) == (model, link_gbit, ranks, slices):
             return float(r["s"])
     raise KeyError(f"no projection row for {model!r} at {link_gbit} Gbit/s, {ranks} ranks")
+
+
+def headline(rates: Rates, fraction: float = 0.02, threads: int = THREADS, ranks: int = 32) -> dict:
+    """The 1T MoE at 10 Gbit/s and EP ``ranks``: its parts, and its seconds at other thread counts."""
+    shape = SHAPES[-1]
+    row = project_one(rates, shape, 10.0, ranks, True, fraction, threads, 64)
+    row["s_at_threads"] = {t: project_one(rates, shape, 10.0, ranks, True, fraction, t, 64)["s"]
+                           for t in (2, 4, 8, 16, 24)}
+    row["s_at_1pct"] = project_one(rates, shape, 10.0, ranks, True, 0.01, threads, 64)["s"]
+    return row
+
+
+def load_points(paths: list[str]) -> tuple[dict, list[str], float, float]:
+    """The points of one or more ``bench_rank_rates.py`` / ``bench_scale.py`` JSON files, pooled;
+    the machines they name; the measured delta's bytes per change and changed fraction."""
+    pts: dict = {"fetch": [], "decode": [], "write": [], "update": [], "check": []}
+    machines, bpc, frac = [], None, None
+    for p in paths:
+        d = json.load(open(p))
+        src = d.get("points") or d
+        for k in pts:
+            pts[k] += src.get(k) or []
+        machines.append(f"{d.get('machine')} ({d.get('date')}, load {d.get('loadavg_start')})")
+        w = d.get("workload") or {}
+        if w.get("changed") and bpc is None:
+            bpc, frac = w["delta_bytes"] / w["changed"], w["changed"] / w["params"]
+    if bpc is None or frac is None:
+        raise SystemExit("--points: no file names its workload (params, changed, delta_bytes)")
+    return pts, machines, bpc, frac
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--points", nargs="+", required=True, help="JSON files of measured points (module doc)")
+    ap.add_argument("--threads", type=int, default=THREADS, help="update threads per rank assumed")
+    ap.add_argument("--changed-fraction", type=float, default=0.02)
+    ap.add_argument("--json", default=None, help="write the fit and projection here")
+    args = ap.parse_args()
+    pts, machines, bpc, frac = load_points(args.points)
+    rates, err = fit(pts, bpc, frac)
+    proj = project(rates, fraction=args.changed_fraction, threads=args.threads)
+    proj["fit"], proj["machines"] = err, machines
+    proj["headline"] = headline(rates, args.changed_fraction, args.threads)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(proj, f, indent=1)
+    print(json.dumps({"rates": proj["rates"], "fit": {k: err[k] for k in ("mean_abs_rel_error", "max_abs_rel_error")},
+                      "headline": proj["headline"]}, indent=1))
+    for r in proj["rows"]:
+        if r["slices"]:
+            print(f"{r['model']:24s} {r['ranks']:3d} ranks {r['link_gbit']:6g} Gbit/s: {r['s']:8.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

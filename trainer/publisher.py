@@ -60,6 +60,7 @@ equals the last version handed to the node.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -249,6 +250,10 @@ class Publisher(ShardIO):
                 self._hand_off(version, None, art, t0, extract_s, time.perf_counter())
         version = self._broadcast(version)
         self.version = version
+        # One full collection now, in the setup: the model's build, the imports and version 0 left
+        # hundreds of thousands of new objects, and the collector's next full pass over them
+        # (0.3-0.6 s on the project VM) would otherwise fall inside one of the first publishes.
+        gc.collect()
         self._base_ready.set()
         if self.optimizer is not None:
             self._hook = self.optimizer.register_step_pre_hook(lambda *_: self._wait_extracted())

@@ -257,6 +257,9 @@ class Replica:
         with self._checkpoint_lock:
             self.store.drop_state()
             self.checkpointed = None
+        # The chunks cached while the weights came in (up to store.cache_bytes of the snapshot, a
+        # tenth of a 1B-parameter model) served the engine's load; it holds the weights now.
+        self.store.clear_cache()
         _give_back_memory()
         self.log.info("weights dropped: the engine holds them; this node keeps the signed artifacts")
         return True

@@ -28,8 +28,10 @@ def test_a_node_without_weights_follows_the_signed_chain_and_serves_a_child(tmp_
             await tr.publish(*arts[0])
             await asyncio.wait_for(mid.wait_version(0), 30)
             assert tr.release_weights() is False and _same(tr.state, states[0])  # the trainer keeps its copy
+            assert mid.store.cached_bytes > 0  # the snapshot's chunks, kept for children and the engine
             assert mid.release_weights() is True
             assert mid.state is None and mid.status()["holds_weights"] is False
+            assert mid.store.cached_bytes == 0  # the engine took them; they stay on disk for late joiners
             assert not (tmp_path / "mid" / "state.p2sa").exists()
             await tr.publish(*arts[1])
             await asyncio.wait_for(mid.wait_version(1), 30)
