@@ -67,11 +67,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import struct
-from collections.abc import AsyncIterator, Callable
-from contextlib import ExitStack
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -95,6 +96,10 @@ _WRITE_PIECE = 256 << 10
 MAX_CATALOGUE = 16 << 20
 MAX_MANIFEST = 80 << 20
 MAX_PADDING_FRAME = 1 << 20
+PAD_WRITE = 256 << 10
+"""Padding frames a parent writes (at most :data:`MAX_PADDING_FRAME`, what a child accepts)."""
+PAD_UNSENT = 128 << 10
+"""While it pads, a parent keeps at most about this much of the stream unsent in the kernel."""
 _PADDING = bytes(MAX_PADDING_FRAME)
 
 
@@ -177,7 +182,8 @@ async def serve_stream(server: Responder, request: web.Request) -> web.StreamRes
                     await server.write(resp, _header(CATALOGUE, len(text)) + text)
                     if warm:
                         opened = seq
-                        await _pad(server, resp, warm, lambda: heads.seq != opened)
+                        await _pad(server, resp, warm, lambda: heads.seq != opened,
+                                   request.transport.get_extra_info("socket") if request.transport else None)
                         warm = 0
                     for m in pushing:
                         await _push_chunks(server, resp, m)
@@ -192,18 +198,45 @@ async def serve_stream(server: Responder, request: web.Request) -> web.StreamRes
 
 
 async def _pad(server: Responder, resp: web.StreamResponse, total: int,
-               moved: Callable[[], bool] = lambda: False) -> int:
+               moved: Callable[[], bool] = lambda: False, sock: Any = None) -> int:
     """Up to ``total`` bytes of padding frames: open the stream's TCP windows (module doc).
-    Stops early once ``moved()`` (the catalogue changed: a delta waits behind the padding, and
-    the child takes less than it asked for as complete). Returns the bytes sent."""
+    Stops early once ``moved()`` (the catalogue changed, and the child takes less than it asked
+    for as complete). Padding is written :data:`PAD_WRITE` bytes at a time with at most about
+    :data:`PAD_UNSENT` of it left unsent in the kernel (``sock``: the stream's socket), so a delta
+    announced meanwhile waits behind a few hundred KB of padding, not behind what a large send
+    buffer holds (seconds on a slow link). Returns the bytes sent."""
     sent = 0
-    while sent < total and not moved():
-        n = min(MAX_PADDING_FRAME, total - sent)
-        await server.write(resp, _header(PADDING, n))
-        await server.write(resp, memoryview(_PADDING)[:n])
-        sent += n
+    with _unsent_capped(sock, PAD_UNSENT):
+        while sent < total and not moved():
+            n = min(PAD_WRITE, total - sent)
+            await server.write(resp, _header(PADDING, n))
+            await server.write(resp, memoryview(_PADDING)[:n])
+            sent += n
     server.view.metrics.inc("p2psync_stream_padding_bytes_total", sent)
     return sent
+
+
+@contextmanager
+def _unsent_capped(sock: Any, limit: int) -> Iterator[None]:
+    """Linux's ``TCP_NOTSENT_LOWAT`` on ``sock`` while inside, then the host's default again
+    (nothing where the socket or the option is missing: the padding is then only less prompt
+    to give way)."""
+    opt = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    capped = False
+    if sock is not None and opt is not None:
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, opt, limit)
+            capped = True
+        except OSError:
+            pass
+    try:
+        yield
+    finally:
+        if capped:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, opt, 0)  # 0: the host's net.ipv4.tcp_notsent_lowat
+            except OSError:
+                pass
 
 
 async def _push_chunks(server: Responder, resp: web.StreamResponse, manifest: Manifest) -> None:

@@ -397,23 +397,37 @@ def test_a_node_whose_kernels_load_before_its_weights_pads_its_stream_before_the
     asyncio.run(go())
 
 
-def test_padding_stops_when_the_catalogue_moves_so_a_delta_never_waits_behind_it():
+def test_padding_stops_when_the_catalogue_moves_with_little_of_it_left_unsent():
+    import socket
     from types import SimpleNamespace
 
     written: list[int] = []
     counted: list[int] = []
     server = SimpleNamespace(view=SimpleNamespace(metrics=SimpleNamespace(inc=lambda _n, v: counted.append(v))))
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # TCP: the option is per TCP socket
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+    lowat = getattr(socket, "TCP_NOTSENT_LOWAT", None)
+    seen: list[int] = []
 
     async def write(_resp, data):
+        if lowat is not None:
+            seen.append(a.getsockopt(socket.IPPROTO_TCP, lowat))
         written.append(len(data))
     server.write = write
-    frames = lambda: sum(1 for n in written if n == push.MAX_PADDING_FRAME)  # noqa: E731
-    total = 8 * push.MAX_PADDING_FRAME
-    assert asyncio.run(push._pad(server, None, total, lambda: frames() >= 3)) == 3 * push.MAX_PADDING_FRAME
-    assert counted == [3 * push.MAX_PADDING_FRAME]
-    written.clear()
-    assert asyncio.run(push._pad(server, None, total + 5)) == total + 5  # nothing moved: all of it
-    assert sum(written) == total + 5 + 9 * push._HEADER.size
+    frames = lambda: sum(1 for n in written if n == push.PAD_WRITE)  # noqa: E731
+    total = 8 * push.PAD_WRITE
+    try:
+        assert asyncio.run(push._pad(server, None, total, lambda: frames() >= 3, a)) == 3 * push.PAD_WRITE
+        assert counted == [3 * push.PAD_WRITE]
+        if lowat is not None:  # capped while padding, the host's default again after
+            assert set(seen) == {push.PAD_UNSENT} and a.getsockopt(socket.IPPROTO_TCP, lowat) == 0
+        written.clear()
+        assert asyncio.run(push._pad(server, None, total + 5)) == total + 5  # nothing moved: all of it
+        assert sum(written) == total + 5 + 9 * push._HEADER.size
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_malformed_warm_request_is_refused(tmp_path, setup):
