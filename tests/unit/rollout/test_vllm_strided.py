@@ -90,6 +90,35 @@ def test_a_range_of_a_strided_block_is_the_words_its_positions_map_to():
         strided_range(model.places["a.weight"].strided(flat["t"]), 4, 2)
 
 
+@pytest.mark.parametrize("word", [np.uint8, np.uint16, np.uint32])
+def test_the_compiled_gather_and_map_give_the_words_the_placement_gives(word):
+    """:func:`vllm_kernels.gather_mapped` (16-row blocks copied by a vector transpose, other lines in
+    groups, partial lines alone) and :func:`vllm_kernels.map_positions` against the placement's own
+    positions, for blocked experts (widths a multiple of 16 or not, 16 rows or many), transposed and
+    one-dimensional strided tensors, over random ranges."""
+    from rollout.engines import vllm_kernels
+
+    g = np.random.default_rng(5)
+    cases = [((r, c), _blocked(r, c)) for r, c in ((64, 1024), (48, 40), (16, 17), (80, 33))]
+    for rows, cols in ((6, 2048), (40, 24), (17, 3)):
+        r, c = np.divmod(np.arange(rows * cols, dtype=np.int64), cols)
+        cases.append(((rows, cols), c * rows + r))
+    cases.append(((100,), np.arange(100, dtype=np.int64) * 3))
+    for shape, layout in cases:
+        n = int(np.prod(shape))
+        mem = g.integers(0, 250, 7 + int(layout.max()) + 5).astype(word)
+        bm = compress("x", "w", shape, np.arange(n, dtype=np.int64), layout + 7).block_map()
+        assert bm is not None, shape
+        cstr, dstr = np.array(bm[2], dtype=np.int64), np.array(bm[3], dtype=np.int64)
+        for k in range(40):
+            a = 0 if k == 0 else int(g.integers(0, n + 1))
+            b = n if k == 0 else int(g.integers(a, n + 1))
+            got = vllm_kernels.gather_mapped(mem, a, b, bm[0], cstr, dstr, np.empty(b - a, dtype=word))
+            assert np.array_equal(got, mem[layout[a:b] + 7]), (shape, a, b)
+            pos = g.permutation(np.arange(a, b, dtype=np.int64))[:(b - a) // 3]
+            assert np.array_equal(vllm_kernels.map_positions(pos, bm[0], cstr, dstr), layout[pos] + 7), shape
+
+
 @pytest.mark.parametrize("segment", [1024, 1536, 1 << 16])
 def test_deltas_of_small_segments_land_through_strided_blocks(segment):
     """Segments shorter than one row of the transposed tensor (the range is then one strided row
@@ -99,7 +128,7 @@ def test_deltas_of_small_segments_land_through_strided_blocks(segment):
         versions.append(_step(versions[-1], v))
     model = _Params(versions[0])
     live = LiveWeights(model, versions[0].specs, places=model.places)
-    assert live._views[0] is not None  # the transposed tensor is read through its view
+    assert live._maps[0] is not None  # the transposed tensor is read and written as a strided block
     assert live.fingerprint == versions[0].fingerprint
     opts = CodecOptions(chunk_size=64 << 10, segment_elements=segment)
     for v in range(1, 4):
