@@ -6,18 +6,21 @@ vLLM's own loaders, :mod:`rollout.engines.vllm_probe`), as integer views of the
 raw bits: same memory, on the parameter's own device. A tensor held whole and
 contiguous is bound to its slice (the fast path: decoded against in place);
 any other is bound to its whole parameter: one held whole as a strided block
-(an expert inside a repacked ``w13_weight``, a transposed weight) is read
-through an n-D view of it and written by a compiled pass that maps each
-position; others (sharded, permuted per head) through the placement's
-positions. Then:
+(an expert inside a repacked ``w13_weight``, a transposed weight) is read by a
+compiled gather of a segment's range (a vector transpose of vLLM's CPU MoE
+16-row blocks) and written by a compiled pass that maps each position
+(:mod:`rollout.engines.vllm_kernels`); others (sharded, permuted per head)
+through the placement's positions. Then:
 
 - **Fingerprint.** The per-tensor sums of element hashes of
   :mod:`p2psync.state` over those views (:meth:`LiveWeights.audit` recomputes
   them from every live word; a device tensor is hashed in bounded host copies).
 - **Delta apply, verify then commit.** :meth:`LiveWeights.apply_delta` checks
   the table and the base fingerprint, decodes every chunk against the live
-  words (a segment's base range is read in place on CPU, copied to the host
-  elsewhere: one segment at a time, never a whole tensor) and checks that the
+  words (a segment's base range is read in place on CPU where the tensor is
+  stored as the checkpoint is, copied into a per-thread scratch range out of a
+  strided block, copied to the host elsewhere: one segment at a time, never a
+  whole tensor) and checks that the
   changes lead to the manifest's target before anything is written. It then
   (:mod:`rollout.engines.vllm_commit`) keeps an undo log (the old words at the changed positions), scatters only the
   changed words as integers (bit-exact for every pattern: NaN payloads, -0.0,
@@ -288,7 +291,10 @@ class LiveWeights(Committer):
         positions, each counted by the rank that owns it)."""
         from rollout.engines import vllm_slices
 
-        return vllm_slices.decode(self, manifest, chunks)
+        try:
+            return vllm_slices.decode(self, manifest, chunks)
+        finally:
+            self._scratch = threading.local()  # the threads' scratch ranges are not kept between updates
 
     def _head(self, seg: memoryview) -> Any:
         """The parsed head of a delta segment, checked against the table."""
@@ -307,7 +313,8 @@ class LiveWeights(Committer):
                         ) -> tuple[int, tuple[int, int], np.ndarray, np.ndarray, tuple[int, int]]:
         """``(tensor, range, positions, new words, sums' change)`` of one segment, decoded against
         the live words in place (host memory, whole tensor), ``base`` (the range rebuilt from every
-        rank) or a host copy of the segment's range."""
+        rank) or a copy of the segment's range (the decoder told its origin: positions and sums'
+        change are the tensor's)."""
         spec = self.specs[p.tensor]
         d, seed = dtypes.from_code(spec.dtype), np.uint64(self._seeds[p.tensor])
         if base is None and self.host_memory and self.offset[p.tensor] is not None:
@@ -324,8 +331,8 @@ class LiveWeights(Committer):
         return p.tensor, (p.start, p.stop), pos, new, ab
 
     def _scratch_words(self, n: int, word: Any) -> np.ndarray:
-        """``n`` words of type ``word`` kept by the calling thread for the next segment (no page faults
-        of fresh memory per segment); valid until its next call."""
+        """``n`` words of type ``word`` kept by the calling thread for its next segment of this update
+        (no page faults of fresh memory per segment); valid until its next call."""
         have = getattr(self._scratch, "words", None)
         if have is None or have.dtype != word or have.shape[0] < n:
             have = self._scratch.words = np.empty(max(n, 1 << 16), dtype=word)

@@ -1,6 +1,6 @@
 """Tensors held as one strided block of a parameter (transposed, blocked like CPU MoE experts, at an
-offset in a fused parameter): their ranges are read through an n-D view of the live memory, and a
-delta of many small segments lands bit-exact through it (no vLLM needed)."""
+offset in a fused parameter): their ranges are copied out of the live memory by a compiled gather, and
+a delta of many small segments lands bit-exact through it (no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from p2psync.artifact import build_manifest
 from p2psync.codec.encode import CodecOptions, encode_delta
 from p2psync.state import ModelState
-from rollout.engines.vllm_placement import Placement, compress, strided_range
+from rollout.engines.vllm_placement import Placement, compress
 from rollout.engines.vllm_weights import LiveWeights
 
 R, C = 6, 2048  # checkpoint shape of the transposed tensor: a 1024-element segment lies inside one row
@@ -73,21 +73,19 @@ def _step(old: ModelState, seed: int) -> ModelState:
 def test_a_range_of_a_strided_block_is_the_words_its_positions_map_to():
     state = _state(0)
     model = _Params(state)
-    flat = {n: p.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16) for n, p in model.named_parameters()}
+    live = LiveWeights(model, state.specs, places=model.places)
+    names = [s.name for s in state.specs]
     g = np.random.default_rng(3)
     for name in ("a.weight", "b.1", "b.2"):
-        pl = model.places[name]
-        view = pl.strided(flat[pl.param])
-        assert view is not None, name
-        n = pl.numel
+        i = names.index(name)
+        assert live._maps[i] is not None, name
+        n = state.specs[i].numel
         for start, stop in [(0, n), (0, 1), (n - 1, n), (5, 6), (3, 3)] + [
                 tuple(sorted(g.integers(0, n + 1, size=2))) for _ in range(50)]:
-            got = strided_range(view, int(start), int(stop))
+            got = live.host_words(i, int(start), int(stop))
             assert got.flags.c_contiguous and got.ndim == 1
             assert np.array_equal(got, state.words(name)[start:stop]), (name, start, stop)
-    assert model.places["c"].strided(flat["f"]) is None or model.places["c"].simple() == 0
-    with pytest.raises(ValueError):
-        strided_range(model.places["a.weight"].strided(flat["t"]), 4, 2)
+    assert live._maps[names.index("c")] is None and live.offset[names.index("c")] == 0  # the fast path
 
 
 @pytest.mark.parametrize("word", [np.uint8, np.uint16, np.uint32])
