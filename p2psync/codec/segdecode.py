@@ -229,9 +229,11 @@ def _rans_scan(buf, n_in, x, old_w, sh, mk, lut, freqs, planes, new_out):
 
 
 @njit(nogil=True, cache=True)
-def decode_body(seg, at, start, stop, old, shift, exp_mask, seed, planes, planes_state, pos_out, new_out):
+def decode_body(seg, at, start, stop, old, shift, exp_mask, seed, planes, planes_state, pos_out, new_out,
+                origin=0):
     """Decode the delta body that starts at ``seg[at]`` (the segment runs to the end of ``seg``)
-    against the base words ``old`` of ``[start, stop)``.
+    against the base words ``old`` of ``[start, stop)``; ``old[i]`` is the word at position
+    ``origin + i`` of the tensor, and the positions returned and hashed are the tensor's.
 
     ``planes_state`` 0: the escapes have not been decompressed; if they are zstd-compressed the
     call returns :data:`NEED_ZSTD` (and where they are) before decoding anything. 1: ``planes``
@@ -425,6 +427,9 @@ def decode_body(seg, at, start, stop, old, shift, exp_mask, seed, planes, planes
         return PAYLOAD_LEN if esc_codec == 0 else ZSTD_LEN, n_planes, e_i, e_w, (ne, 0), (z, z)
     elif small:
         return ESCAPE_SMALL, 0, e_i, e_w, nil, (z, z)
+    if origin != 0:
+        for j in range(n):
+            pos[j] += origin
     a, b = kernels.hash_change(pos, old_w, new_w, seed)
     return OK, 0, pos, new_w, (eo, esc_len), (a, b)
 
@@ -456,14 +461,17 @@ def _error(status: int, info: int, d: DType, size: int) -> CodecError:
 
 
 def decode(seg: bytes | memoryview, at: int, start: int, stop: int, d: DType, old: np.ndarray, seed: np.uint64,
-           out: slabs.Arena | None = None) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
+           out: slabs.Arena | None = None, origin: int = 0) -> tuple[np.ndarray, np.ndarray, tuple[int, int]]:
     """(positions, new words, fingerprint sum change) of the delta segment ``seg`` whose body
     starts at byte ``at``, against the base words ``old`` of its tensor: the result and the error
     of :func:`~p2psync.codec.sparse.decode_changes` of the parsed segment, for every input.
 
     With ``out``, the positions and new words are cut from that arena (kept memory, no page
     faults) instead of allocated: for as many changes as the header declares, when that is no
-    more than the range holds (otherwise decoding fails before it writes anything)."""
+    more than the range holds (otherwise decoding fails before it writes anything).
+
+    With ``origin``, ``old`` holds the tensor's words from position ``origin`` on (a copy of the
+    segment's range, ``origin = start``); positions and fingerprint are the tensor's all the same."""
     buf = np.frombuffer(seg, dtype=np.uint8)
     buf.setflags(write=False)  # one compiled specialisation whether the chunk was bytes or a bytearray
     pos_out = _NO_POS
@@ -473,7 +481,8 @@ def decode(seg: bytes | memoryview, at: int, start: int, stop: int, d: DType, ol
         if n <= stop - start:
             pos_out, new_out = out.take(n, old.dtype)
     status, info, pos, new_w, (off, length), (a, b) = decode_body(
-        buf, at, start, stop, old, d.exp_shift, d.exp_mask, seed, _NO_PLANES, 0, pos_out, new_out)
+        buf, at, start - origin, stop - origin, old, d.exp_shift, d.exp_mask, seed, _NO_PLANES, 0, pos_out, new_out,
+        origin)
     if status == NEED_ZSTD:
         # at most one escape per change: the count of changes bounds the planes
         bound = int.from_bytes(buf[at:at + 4].tobytes(), "little") * d.width
@@ -483,7 +492,8 @@ def decode(seg: bytes | memoryview, at: int, start: int, stop: int, d: DType, ol
         except CodecError as exc:
             failed, planes, state = exc, _NO_PLANES, 2
         status, info, pos, new_w, (off, length), (a, b) = decode_body(
-            buf, at, start, stop, old, d.exp_shift, d.exp_mask, seed, planes, state, pos_out, new_out)
+            buf, at, start - origin, stop - origin, old, d.exp_shift, d.exp_mask, seed, planes, state, pos_out,
+            new_out, origin)
         if status == ZSTD_FAILED:
             assert failed is not None
             raise failed

@@ -93,7 +93,14 @@ class PeerClient:
                     raise _status_error(url, f"GET {path}", resp.status)
                 if resp.content_length is not None and resp.content_length > limit:
                     raise PeerUnreachable(url, f"GET {path}: {resp.content_length} bytes exceeds {limit}")
-                return await resp.content.read(limit + 1)
+                # read() gives what has arrived so far (one TLS record, say), not the whole body
+                body = bytearray()
+                while len(body) <= limit:
+                    part = await resp.content.read(limit + 1 - len(body))
+                    if not part:
+                        break
+                    body += part
+                return bytes(body)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise PeerUnreachable(url, f"GET {path}: {type(exc).__name__}: {exc}") from None
 

@@ -161,7 +161,7 @@ class Placement:
         ``mem`` (its parameter's flat words) whose C order is checkpoint order; None when it is not.
 
         A transposed weight is such a view too: its C order walks memory with a stride, so a range of
-        it is not a slice of ``mem`` (:func:`strided_range` copies it)."""
+        it is not a slice of ``mem`` (:func:`rollout.engines.vllm_kernels.gather_mapped` copies one)."""
         bm = self.block_map()
         if bm is None:
             return None
@@ -258,33 +258,3 @@ def from_piece(piece: Piece, param_shape: tuple[int, ...]) -> Placement:
     return Placement(piece.name, piece.param, piece.shape, [fam], piece.counted)
 
 
-def strided_range(view: np.ndarray, start: int, stop: int) -> np.ndarray:
-    """Elements ``[start, stop)`` of ``view`` in C order as a new contiguous 1-D array, copying only
-    those: whole outer slices in the middle, the partial ones at both ends taken recursively (never a
-    strided 1-D view, which a compiled decoder expecting contiguous words would misread)."""
-    if not 0 <= start <= stop <= view.size:
-        raise ValueError(f"range [{start}, {stop}) outside a view of {view.size} elements")
-    parts: list[np.ndarray] = []
-    _take(view, start, stop, parts)
-    if not parts:
-        return np.empty(0, dtype=view.dtype)
-    if len(parts) == 1:
-        return np.ascontiguousarray(parts[0]).reshape(-1)
-    return np.concatenate([p.reshape(-1) for p in parts])
-
-
-def _take(view: np.ndarray, start: int, stop: int, parts: list[np.ndarray]) -> None:
-    if stop <= start:
-        return
-    if view.ndim == 1:
-        parts.append(np.ascontiguousarray(view[start:stop]))
-        return
-    inner = view.size // view.shape[0]
-    lo, hi = start // inner, -(-stop // inner)
-    if hi - lo == 1:
-        _take(view[lo], start - lo * inner, stop - lo * inner, parts)
-        return
-    _take(view[lo], start - lo * inner, inner, parts)
-    if hi - lo > 2:
-        parts.append(np.ascontiguousarray(view[lo + 1:hi - 1]).reshape(-1))
-    _take(view[hi - 1], 0, stop - (hi - 1) * inner, parts)

@@ -6,18 +6,21 @@ vLLM's own loaders, :mod:`rollout.engines.vllm_probe`), as integer views of the
 raw bits: same memory, on the parameter's own device. A tensor held whole and
 contiguous is bound to its slice (the fast path: decoded against in place);
 any other is bound to its whole parameter: one held whole as a strided block
-(an expert inside a repacked ``w13_weight``, a transposed weight) is read
-through an n-D view of it and written by a compiled pass that maps each
-position; others (sharded, permuted per head) through the placement's
-positions. Then:
+(an expert inside a repacked ``w13_weight``, a transposed weight) is read by a
+compiled gather of a segment's range (a vector transpose of vLLM's CPU MoE
+16-row blocks) and written by a compiled pass that maps each position
+(:mod:`rollout.engines.vllm_kernels`); others (sharded, permuted per head)
+through the placement's positions. Then:
 
 - **Fingerprint.** The per-tensor sums of element hashes of
   :mod:`p2psync.state` over those views (:meth:`LiveWeights.audit` recomputes
   them from every live word; a device tensor is hashed in bounded host copies).
 - **Delta apply, verify then commit.** :meth:`LiveWeights.apply_delta` checks
   the table and the base fingerprint, decodes every chunk against the live
-  words (a segment's base range is read in place on CPU, copied to the host
-  elsewhere: one segment at a time, never a whole tensor) and checks that the
+  words (a segment's base range is read in place on CPU where the tensor is
+  stored as the checkpoint is, copied into a per-thread scratch range out of a
+  strided block, copied to the host elsewhere: one segment at a time, never a
+  whole tensor) and checks that the
   changes lead to the manifest's target before anything is written. It then
   (:mod:`rollout.engines.vllm_commit`) keeps an undo log (the old words at the changed positions), scatters only the
   changed words as integers (bit-exact for every pattern: NaN payloads, -0.0,
@@ -48,6 +51,7 @@ into them would change nothing the model computes.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -60,9 +64,10 @@ from p2psync.codec.segment import KIND_DELTA, parse_head
 from p2psync.workers import run_ordered
 from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, TensorTableMismatch, WrongBase
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
+from rollout.engines import vllm_kernels
 from rollout.engines.vllm_commit import Committer, np_signed, sum_add, to_host
 from rollout.engines.vllm_layout import LayoutError
-from rollout.engines.vllm_placement import Placement, strided_range
+from rollout.engines.vllm_placement import Placement
 from rollout.engines.vllm_probe import placements
 from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, together
 
@@ -149,18 +154,18 @@ class LiveWeights(Committer):
         compiled loops. Else (a device) decode against a host copy of one segment's range at a time
         and write with torch's index ops."""
         self._words = [dtypes.from_code(s.dtype).word for s in self.specs]
-        self._views: list[np.ndarray | None] = [
-            pl.strided(self._mem(i)) if self.host_memory and pl is not None and self.offset[i] is None else None
-            for i, pl in enumerate(self.places)]
-        """Tensors held whole as one strided block (an expert in a repacked ``w13_weight``, a transposed
-        weight) as n-D views of host memory in checkpoint order: a range is read by copying its slices."""
         self._maps: list[tuple[int, np.ndarray, np.ndarray] | None] = []
-        """The same tensors' ``(base, checkpoint strides, parameter strides)``: written by one
-        compiled pass that maps, keeps, writes and hashes (:mod:`rollout.engines.vllm_kernels`)."""
-        for view, pl in zip(self._views, self.places):
-            bm = pl.block_map() if view is not None and pl is not None else None
+        """Tensors held whole as one strided block (an expert in a repacked ``w13_weight``, a transposed
+        weight) in host memory: ``(base, checkpoint strides, parameter strides)``. A range is copied out
+        by a compiled gather, changes are written by one compiled pass that maps, keeps, writes and
+        hashes (:mod:`rollout.engines.vllm_kernels`)."""
+        for i, pl in enumerate(self.places):
+            bm = pl.block_map() if self.host_memory and pl is not None and self.offset[i] is None else None
+            if bm is not None and pl is not None and pl.strided(self._mem(i)) is None:
+                bm = None  # the block does not lie inside its parameter: placed position by position
             self._maps.append(None if bm is None else
                               (bm[0], np.array(bm[2], dtype=np.int64), np.array(bm[3], dtype=np.int64)))
+        self._scratch = threading.local()
         self._seeds = [tensor_seed(s.name) for s in self.specs]
         self.sums: list[tuple[int, int]] = self._compute_sums()
 
@@ -201,9 +206,10 @@ class LiveWeights(Committer):
         """Checkpoint words ``[start, stop)`` of tensor ``i``, held whole here, as unsigned host words
         (a view on CPU when stored contiguously, a copy otherwise)."""
         if self.offset[i] is None:
-            view = self._views[i] if self.host_memory else None
-            if view is not None:
-                return strided_range(view, start, stop)
+            mp = self._maps[i] if self.host_memory else None
+            if mp is not None:
+                return vllm_kernels.gather_mapped(self._mem(i), start, stop, *mp,
+                                                  np.empty(stop - start, dtype=self._words[i]))
             place = self.places[i]
             assert place is not None
             which, dst = place.local(np.arange(start, stop, dtype=np.int64))
@@ -285,7 +291,10 @@ class LiveWeights(Committer):
         positions, each counted by the rank that owns it)."""
         from rollout.engines import vllm_slices
 
-        return vllm_slices.decode(self, manifest, chunks)
+        try:
+            return vllm_slices.decode(self, manifest, chunks)
+        finally:
+            self._scratch = threading.local()  # the threads' scratch ranges are not kept between updates
 
     def _head(self, seg: memoryview) -> Any:
         """The parsed head of a delta segment, checked against the table."""
@@ -304,7 +313,8 @@ class LiveWeights(Committer):
                         ) -> tuple[int, tuple[int, int], np.ndarray, np.ndarray, tuple[int, int]]:
         """``(tensor, range, positions, new words, sums' change)`` of one segment, decoded against
         the live words in place (host memory, whole tensor), ``base`` (the range rebuilt from every
-        rank) or a host copy of the segment's range."""
+        rank) or a copy of the segment's range (the decoder told its origin: positions and sums'
+        change are the tensor's)."""
         spec = self.specs[p.tensor]
         d, seed = dtypes.from_code(spec.dtype), np.uint64(self._seeds[p.tensor])
         if base is None and self.host_memory and self.offset[p.tensor] is not None:
@@ -312,11 +322,21 @@ class LiveWeights(Committer):
             pos, new, ab = segdecode.decode(p.raw, p.body_at, p.start, p.stop, d,
                                             self.host_words(p.tensor, 0, spec.numel), seed)
             return p.tensor, (p.start, p.stop), pos, new, ab
+        mp = self._maps[p.tensor] if base is None and self.host_memory else None
+        if mp is not None:  # a strided block: its range copied into this thread's scratch words
+            base = vllm_kernels.gather_mapped(self._mem(p.tensor), p.start, p.stop, *mp,
+                                              self._scratch_words(p.stop - p.start, self._words[p.tensor]))
         old = self.host_words(p.tensor, p.start, p.stop) if base is None else base
-        rel, new, _ = segdecode.decode(p.raw, p.body_at, 0, p.stop - p.start, d, old, seed)
-        pos = rel + p.start
-        a, b = wordops.hash_change(pos, old[rel], new, seed)
-        return p.tensor, (p.start, p.stop), pos, new, (int(a), int(b))
+        pos, new, ab = segdecode.decode(p.raw, p.body_at, p.start, p.stop, d, old, seed, origin=p.start)
+        return p.tensor, (p.start, p.stop), pos, new, ab
+
+    def _scratch_words(self, n: int, word: Any) -> np.ndarray:
+        """``n`` words of type ``word`` kept by the calling thread for its next segment of this update
+        (no page faults of fresh memory per segment); valid until its next call."""
+        have = getattr(self._scratch, "words", None)
+        if have is None or have.dtype != word or have.shape[0] < n:
+            have = self._scratch.words = np.empty(max(n, 1 << 16), dtype=word)
+        return have[:n]
 
     def apply_delta(self, manifest: Manifest, chunks: Sequence[bytes | memoryview | None]) -> str:
         """Decode, check, write, check again; all or nothing, on every rank (see module doc)."""

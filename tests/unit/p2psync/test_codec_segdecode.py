@@ -126,6 +126,21 @@ def test_fast_decoder_gives_the_reference_result_for_every_encoded_segment(case)
     assert np.array_equal(out.words("w"), target.words("w"))
 
 
+@settings(max_examples=40, deadline=None)
+@given(CASES)
+def test_a_copy_of_the_range_with_its_origin_decodes_like_the_whole_tensor(case):
+    """``origin``: decoded against a copy of its range only (a backend whose words are not stored in
+    checkpoint order), a segment gives the tensor's positions and the same fingerprint change."""
+    base, _, segs = _encoded(case)
+    d, seed = dtypes.from_code(base.specs[0].dtype), tensor_seed("w")
+    for seg in segs:
+        p = parse_head(seg)
+        whole = segdecode.decode(seg, p.body_at, p.start, p.stop, d, base.words("w"), seed)
+        part = segdecode.decode(seg, p.body_at, p.start, p.stop, d, base.words("w")[p.start:p.stop].copy(), seed,
+                                origin=p.start)
+        assert np.array_equal(part[0], whole[0]) and np.array_equal(part[1], whole[1]) and part[2] == whole[2]
+
+
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(CASES, st.data())
 def test_fast_decoder_fails_like_the_reference_on_mutated_segments(case, data):

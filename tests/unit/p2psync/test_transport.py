@@ -311,3 +311,36 @@ def test_chunk_cut_off_midway_resumes_from_another_peer_and_oversized_answers_ar
             await odd.close()
 
     run(go())
+
+
+def test_a_manifest_that_arrives_in_pieces_is_read_whole(artifact):
+    """A manifest answer sent in several writes with pauses between them (a large one over TLS arrives
+    record by record) is read to its end, not cut at what had arrived when the first read returned."""
+    from aiohttp import web
+
+    _, m, _ = artifact
+    raw = m.to_bytes()
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        resp.content_length = len(raw)
+        await resp.prepare(request)
+        for k in range(0, len(raw), 40):
+            await resp.write(raw[k:k + 40])
+            await asyncio.sleep(0.005)
+        return resp
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/v1/artifacts/{aid}/manifest", slow)
+        odd = TestClient(TestServer(app))
+        await odd.start_server()
+        client = await PeerClient.create(TOKEN, "me", stall_timeout=5, sse_keepalive=1, parallel_streams=1)
+        try:
+            got = await client.call_manifest(str(odd.make_url("")).rstrip("/"), m.artifact_id)
+            assert got.to_bytes() == raw
+        finally:
+            await client.close()
+            await odd.close()
+
+    run(go())

@@ -1,6 +1,6 @@
 """Tensors held as one strided block of a parameter (transposed, blocked like CPU MoE experts, at an
-offset in a fused parameter): their ranges are read through an n-D view of the live memory, and a
-delta of many small segments lands bit-exact through it (no vLLM needed)."""
+offset in a fused parameter): their ranges are copied out of the live memory by a compiled gather, and
+a delta of many small segments lands bit-exact through it (no vLLM needed)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from p2psync.artifact import build_manifest
 from p2psync.codec.encode import CodecOptions, encode_delta
 from p2psync.state import ModelState
-from rollout.engines.vllm_placement import Placement, compress, strided_range
+from rollout.engines.vllm_placement import Placement, compress
 from rollout.engines.vllm_weights import LiveWeights
 
 R, C = 6, 2048  # checkpoint shape of the transposed tensor: a 1024-element segment lies inside one row
@@ -73,21 +73,48 @@ def _step(old: ModelState, seed: int) -> ModelState:
 def test_a_range_of_a_strided_block_is_the_words_its_positions_map_to():
     state = _state(0)
     model = _Params(state)
-    flat = {n: p.detach().reshape(-1).view(torch.int16).numpy().view(np.uint16) for n, p in model.named_parameters()}
+    live = LiveWeights(model, state.specs, places=model.places)
+    names = [s.name for s in state.specs]
     g = np.random.default_rng(3)
     for name in ("a.weight", "b.1", "b.2"):
-        pl = model.places[name]
-        view = pl.strided(flat[pl.param])
-        assert view is not None, name
-        n = pl.numel
+        i = names.index(name)
+        assert live._maps[i] is not None, name
+        n = state.specs[i].numel
         for start, stop in [(0, n), (0, 1), (n - 1, n), (5, 6), (3, 3)] + [
                 tuple(sorted(g.integers(0, n + 1, size=2))) for _ in range(50)]:
-            got = strided_range(view, int(start), int(stop))
+            got = live.host_words(i, int(start), int(stop))
             assert got.flags.c_contiguous and got.ndim == 1
             assert np.array_equal(got, state.words(name)[start:stop]), (name, start, stop)
-    assert model.places["c"].strided(flat["f"]) is None or model.places["c"].simple() == 0
-    with pytest.raises(ValueError):
-        strided_range(model.places["a.weight"].strided(flat["t"]), 4, 2)
+    assert live._maps[names.index("c")] is None and live.offset[names.index("c")] == 0  # the fast path
+
+
+@pytest.mark.parametrize("word", [np.uint8, np.uint16, np.uint32])
+def test_the_compiled_gather_and_map_give_the_words_the_placement_gives(word):
+    """:func:`vllm_kernels.gather_mapped` (16-row blocks copied by a vector transpose, other lines in
+    groups, partial lines alone) and :func:`vllm_kernels.map_positions` against the placement's own
+    positions, for blocked experts (widths a multiple of 16 or not, 16 rows or many), transposed and
+    one-dimensional strided tensors, over random ranges."""
+    from rollout.engines import vllm_kernels
+
+    g = np.random.default_rng(5)
+    cases = [((r, c), _blocked(r, c)) for r, c in ((64, 1024), (48, 40), (16, 17), (80, 33))]
+    for rows, cols in ((6, 2048), (40, 24), (17, 3)):
+        r, c = np.divmod(np.arange(rows * cols, dtype=np.int64), cols)
+        cases.append(((rows, cols), c * rows + r))
+    cases.append(((100,), np.arange(100, dtype=np.int64) * 3))
+    for shape, layout in cases:
+        n = int(np.prod(shape))
+        mem = g.integers(0, 250, 7 + int(layout.max()) + 5).astype(word)
+        bm = compress("x", "w", shape, np.arange(n, dtype=np.int64), layout + 7).block_map()
+        assert bm is not None, shape
+        cstr, dstr = np.array(bm[2], dtype=np.int64), np.array(bm[3], dtype=np.int64)
+        for k in range(40):
+            a = 0 if k == 0 else int(g.integers(0, n + 1))
+            b = n if k == 0 else int(g.integers(a, n + 1))
+            got = vllm_kernels.gather_mapped(mem, a, b, bm[0], cstr, dstr, np.empty(b - a, dtype=word))
+            assert np.array_equal(got, mem[layout[a:b] + 7]), (shape, a, b)
+            pos = g.permutation(np.arange(a, b, dtype=np.int64))[:(b - a) // 3]
+            assert np.array_equal(vllm_kernels.map_positions(pos, bm[0], cstr, dstr), layout[pos] + 7), shape
 
 
 @pytest.mark.parametrize("segment", [1024, 1536, 1 << 16])
@@ -99,7 +126,7 @@ def test_deltas_of_small_segments_land_through_strided_blocks(segment):
         versions.append(_step(versions[-1], v))
     model = _Params(versions[0])
     live = LiveWeights(model, versions[0].specs, places=model.places)
-    assert live._views[0] is not None  # the transposed tensor is read through its view
+    assert live._maps[0] is not None  # the transposed tensor is read and written as a strided block
     assert live.fingerprint == versions[0].fingerprint
     opts = CodecOptions(chunk_size=64 << 10, segment_elements=segment)
     for v in range(1, 4):
