@@ -44,6 +44,7 @@ from aiohttp import web
 
 from p2psync.config import ProbeSettings
 from p2psync.errors import CodecError, PeerUnreachable
+from p2psync.transport.client import read_body
 from p2psync.transport.tls import Tls, connector
 
 if TYPE_CHECKING:
@@ -217,7 +218,7 @@ class ProbeClient:
         """GET ``url + path`` as JSON (e.g. ``/v1/status``)."""
         try:
             async with self._session.get(url + path, timeout=self._timeout(timeout)) as resp:
-                body = await resp.content.read(limit + 1)
+                body = await read_body(resp.content, limit)
                 if resp.status != 200:
                     raise PeerUnreachable(url, f"GET {path}: HTTP {resp.status} {body[:200]!r}")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -285,7 +286,7 @@ class ProbeClient:
             async with self._session.post(f"{url}{PREFIX}/measure", json=request.to_json(),
                                           timeout=aiohttp.ClientTimeout(total=timeout,
                                                                         sock_connect=s.connect_timeout)) as resp:
-                body = await resp.content.read(4 << 20)
+                body = await read_body(resp.content, 4 << 20)
                 if resp.status != 200:
                     raise PeerUnreachable(url, f"POST {PREFIX}/measure: HTTP {resp.status} {body[:300]!r}")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:

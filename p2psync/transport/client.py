@@ -56,6 +56,19 @@ def _status_error(url: str, what: str, status: int) -> PeerUnreachable:
     return (NotHeld if status == 404 else PeerUnreachable)(url, f"{what}: HTTP {status}")
 
 
+async def read_body(content: aiohttp.StreamReader, limit: int) -> bytes:
+    """The body, read to its end or to ``limit + 1`` bytes (the caller refuses more than
+    ``limit``): ``content.read(n)`` gives what has arrived so far (one TLS record, say), not
+    the whole body."""
+    body = bytearray()
+    while len(body) <= limit:
+        part = await content.read(limit + 1 - len(body))
+        if not part:
+            break
+        body += part
+    return bytes(body)
+
+
 class PeerClient:
     """One connection pool for all parents; build with ``await PeerClient.create(...)``."""
 
@@ -93,14 +106,7 @@ class PeerClient:
                     raise _status_error(url, f"GET {path}", resp.status)
                 if resp.content_length is not None and resp.content_length > limit:
                     raise PeerUnreachable(url, f"GET {path}: {resp.content_length} bytes exceeds {limit}")
-                # read() gives what has arrived so far (one TLS record, say), not the whole body
-                body = bytearray()
-                while len(body) <= limit:
-                    part = await resp.content.read(limit + 1 - len(body))
-                    if not part:
-                        break
-                    body += part
-                return bytes(body)
+                return await read_body(resp.content, limit)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise PeerUnreachable(url, f"GET {path}: {type(exc).__name__}: {exc}") from None
 
