@@ -31,6 +31,10 @@ process with the loaded model. Turned on with ``weight_transfer_config=
   mid-body is ``PeerUnreachable``; a complete answer shorter than the signed
   chunk is ``TruncatedError``), then applies it to the live
   parameters all-or-nothing (:class:`~rollout.engines.vllm_weights.LiveWeights`).
+  A rank alone decodes a delta's chunks as they arrive, while later ones are
+  still being fetched (:mod:`rollout.engines.vllm_stream`), and commits once
+  all are decoded and the target fingerprint checked; tensor-parallel ranks
+  fetch every chunk they need, then decode.
   Each artifact is one transaction: on any error the model keeps the last
   version it fully reached (and keeps serving).
 

@@ -1,7 +1,6 @@
 """Decoding a delta's chunks as they arrive: one rank's fetch and decode overlapped.
 
-Without this the backend fetches every chunk a rank needs, then decodes, then
-writes, so a rank's update costs fetch + decode + write. Here the fetch hands
+A rank alone does not wait for its last chunk to start decoding: the fetch hands
 each chunk to the decode the moment its hash matched the signed manifest
 (:func:`rollout.engines.vllm_fetch.fetch_artifact`'s ``on_chunk``), and worker
 threads decode its segments against the live words (reading only) while later
