@@ -18,8 +18,10 @@ code does it today::
       + fixed                             plan, manifest, signature, RPCs, fingerprint fold
 
 Nothing is overlapped beyond the tree's cut-through: the rollout worker starts the engine's update
-once its node holds the whole artifact (``rollout/engine_sync.py``), and the vLLM backend fetches
-a rank's chunks before it decodes them (``rollout/engines/vllm_backend.py``, ``reach``). Decode
+once its node holds the whole artifact (``rollout/engine_sync.py``), and a tensor- or
+expert-parallel rank fetches its chunks before it decodes them (``rollout/engines/vllm_backend.py``,
+``reach``; only a rank alone decodes chunks as they arrive, ``rollout/engines/vllm_stream.py``,
+and the projected ranks are never alone). Decode
 and write: ``s = intercept + changes / (rate * S(threads))`` with ``S(n) = 1 / (f + (1 - f) / n)``
 (Amdahl); ``rate`` and ``intercept`` from a least-squares line per thread count, ``f`` from the
 lines' slopes at every measured thread count. Fetch: a least-squares line ``s = fetch_fixed +
@@ -154,9 +156,12 @@ def fit(points: dict, bytes_per_change: float, changed_fraction: float) -> tuple
         if not points.get(k):
             raise ValueError(f"points: no {k!r} points")
     updates = points.get("update") or []
-    # A measured update's parts are points too: the decode and write inside the engine, its fetch.
-    inside = {"fetch": [{"bytes": u["bytes"], "chunks": u.get("chunks", 1), "s": u["fetch_s"]} for u in updates],
-              "decode": [{"changes": u["changes"], "threads": u["threads"], "s": u["decode_s"]} for u in updates],
+    # A measured update's parts are points too: the decode and write inside the engine, its fetch;
+    # not the fetch and decode of an update that decoded its chunks as they arrived (``overlapped``:
+    # its fetch_s holds most of its decode, its decode_s only what was left after the last chunk).
+    apart = [u for u in updates if not u.get("overlapped")]
+    inside = {"fetch": [{"bytes": u["bytes"], "chunks": u.get("chunks", 1), "s": u["fetch_s"]} for u in apart],
+              "decode": [{"changes": u["changes"], "threads": u["threads"], "s": u["decode_s"]} for u in apart],
               "write": [{"changes": u["changes"], "threads": u["threads"], "s": u["commit_s"]} for u in updates]}
     rates = Rates(fetch=fit_fetch(points["fetch"] + inside["fetch"]),
                   decode=fit_line(points["decode"] + inside["decode"], "changes"),

@@ -56,6 +56,20 @@ def test_fit_recovers_the_rates_of_exact_points(sm):
     assert err["max_abs_rel_error"] < 1e-6 and len(err["points"]) == n
 
 
+def test_an_update_that_decoded_as_chunks_arrived_gives_no_fetch_or_decode_point(sm):
+    """Its fetch_s holds most of its decode and its decode_s only the tail: fitted as parts they would
+    make the decode look free; the whole update still gives the fixed cost."""
+    pts = _points()
+    c, t = 20e6, 1
+    pts["update"].append({"changes": c, "bytes": c * 0.7, "chunks": 4, "threads": t, "overlapped": True,
+                          "fetch_s": fe(c * 0.7, 4) + dec(c, t) - 0.001, "decode_s": 0.001,
+                          "commit_s": wr(c, t), "s": 0.05 + fe(c * 0.7, 4) + dec(c, t) + wr(c, t)})
+    rates, _ = sm.fit(pts, bytes_per_change=0.7, changed_fraction=0.04)
+    assert rates.decode.rate == pytest.approx(50e6, rel=1e-6)
+    assert rates.fetch.rate == pytest.approx(200e6, rel=1e-6)
+    assert rates.fixed_s == pytest.approx(0.05)
+
+
 def test_fit_reports_the_error_of_points_the_model_cannot_follow(sm):
     pts = _points()
     pts["decode"][0]["s"] *= 3  # one disturbed measurement
