@@ -31,10 +31,10 @@ process with the loaded model. Turned on with ``weight_transfer_config=
   mid-body is ``PeerUnreachable``; a complete answer shorter than the signed
   chunk is ``TruncatedError``), then applies it to the live
   parameters all-or-nothing (:class:`~rollout.engines.vllm_weights.LiveWeights`).
-  A rank alone decodes a delta's chunks as they arrive, while later ones are
-  still being fetched (:mod:`rollout.engines.vllm_stream`), and commits once
-  all are decoded and the target fingerprint checked; tensor-parallel ranks
-  fetch every chunk they need, then decode.
+  A delta's chunks are decoded as they arrive, while later ones are still
+  being fetched (:mod:`rollout.engines.vllm_stream`; with tensor parallelism
+  the ranges ranks rebuild together after the fetch), and committed once all
+  are decoded and the target fingerprint checked.
   Each artifact is one transaction: on any error the model keeps the last
   version it fully reached (and keeps serving).
 
@@ -143,8 +143,8 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         self.timing: dict[str, Any] = {}
         """The last artifact's bytes fetched, and fetch, decode and commit seconds (see :meth:`status`)."""
         self.overlap = True
-        """Decode a delta's chunks as they arrive (one rank; :mod:`rollout.engines.vllm_stream`). Off:
-        fetch every chunk, then decode (what tensor-parallel ranks do)."""
+        """Decode a delta's chunks as they arrive (:mod:`rollout.engines.vllm_stream`). Off: fetch every
+        chunk, then decode."""
         tp = int(getattr(self.parallel_config, "tensor_parallel_size", 1) or 1)
         pp = int(getattr(self.parallel_config, "pipeline_parallel_size", 1) or 1)
         if pp != 1:
@@ -275,7 +275,9 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             t_bind = time.perf_counter()
             need = self.needed(manifest)  # binds the table first (its collectives are not fetch time)
             t_need = time.perf_counter()
-            stream = self._stream(manifest)
+            stream = self._together(lambda: self._stream(manifest))  # voted: a WrongBase refuses on every rank
+            if stream is not None:
+                stream.agree()
 
             def fetch(on_chunk: Any = None) -> Any:
                 return fetch_artifact(info.url, info.token, info.node_id, aid, self.public_key, info.timeout,
@@ -283,10 +285,10 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
 
             if stream is None:
                 _, chunks = self._together(lambda: _run(fetch()))
-            else:  # one rank: each chunk decoded as it arrives (rollout.engines.vllm_stream)
+            else:  # each chunk decoded as it arrives (rollout.engines.vllm_stream)
                 assert self.live is not None
                 threads, cpus = self.live.threads, self.live.cpus
-                _, chunks = _run(decoding(stream, fetch, threads, cpus))
+                _, chunks = self._together(lambda: _run(decoding(stream, fetch, threads, cpus)))
             fetched = (t_bind - t) + (time.perf_counter() - t_need)
             self.apply(manifest, chunks, stream)
             got = [i for i, c in enumerate(chunks) if c is not None]
@@ -297,8 +299,8 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
                            "fetched_runs": _runs(got)}
 
     def _stream(self, manifest: Any) -> Streamed | None:
-        """A decoder of ``manifest``'s chunks as they arrive, where it applies (one rank, a delta with
-        a segment index, :attr:`overlap` on; :mod:`rollout.engines.vllm_stream`); checks the base first."""
+        """A decoder of ``manifest``'s chunks as they arrive, where it applies (a delta with a segment
+        index, :attr:`overlap` on; :mod:`rollout.engines.vllm_stream`); checks the base first."""
         if not self.overlap or self.live is None or not streams(self.live, manifest):
             return None
         return Streamed(self.live, manifest)
