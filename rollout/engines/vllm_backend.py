@@ -360,8 +360,10 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
           every rank);
         - ``rank``, ``ranks``: this worker's tensor-parallel rank and the group's size;
         - ``timing``: ``fetch_s`` (seconds fetching the manifest and this rank's chunks, each
-          verified), ``decode_s`` (decoding this rank's slice and checking the target
-          fingerprint), ``commit_s`` (writing and checking again), ``changes`` (changed words
+          verified; with chunks decoded as they arrive, ``overlapped``, most of the decode runs
+          inside it), ``decode_s`` (decoding this rank's slice, or what was left of it after the
+          fetch, and checking the target fingerprint), ``decode_busy_s`` (with ``overlapped``:
+          thread-seconds of the decode during the fetch), ``commit_s`` (writing and checking again), ``changes`` (changed words
           written here), ``segments_decoded``, ``fetched_bytes`` (bytes of chunks this rank
           fetched; ``bytes`` is the same figure), ``artifact_bytes`` (all the artifact's chunks),
           ``fetched_chunks``, ``artifact_chunks``, and ``fetched_runs`` (the chunks fetched, as
