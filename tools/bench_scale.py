@@ -70,7 +70,8 @@ def rank_fields(status: dict) -> dict:
     status's field names."""
     t = status.get("timing") or {}
     return {"bytes": t.get("bytes"), "fetch_s": t.get("fetch_s"), "decode_s": t.get("decode_s"),
-            "commit_s": t.get("commit_s"), "changes": t.get("changes"), "chunks": t.get("fetched_chunks")}
+            "commit_s": t.get("commit_s"), "changes": t.get("changes"), "chunks": t.get("fetched_chunks"),
+            "overlapped": bool(t.get("overlapped"))}
 
 
 def rpc_threads(worker) -> int:
@@ -186,7 +187,8 @@ def _update_point(r: dict, s: float) -> dict | None:
     need = ("bytes", "fetch_s", "decode_s", "commit_s", "changes", "threads")
     if any(r.get(k) is None for k in need):
         return None
-    return {**{k: r[k] for k in need}, "chunks": r.get("chunks") or 1, "s": s}
+    return {**{k: r[k] for k in need}, "chunks": r.get("chunks") or 1, "s": s,
+            "overlapped": bool(r.get("overlapped"))}
 
 
 def figures(parts: dict, ctx: dict, fraction: float, extra: dict | None = None) -> dict:

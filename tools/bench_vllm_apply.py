@@ -108,6 +108,13 @@ def rpc_rusage(worker) -> tuple[int, float]:
     return r.ru_minflt, r.ru_utime + r.ru_stime
 
 
+def rpc_overlap(worker, on: bool) -> None:
+    """Decode a delta's chunks as they arrive (on) or after the fetch (off: the sequential path)."""
+    from rollout.engines.vllm_backend import _backend
+
+    _backend(worker).overlap = on
+
+
 def rpc_dense(worker, source: str) -> dict:
     """vLLM's dense path: ``load_weights`` of every checkpoint tensor, read first from ``source``
     (a file, or an ``http://`` URL: the full checkpoint fetched over the link the delta takes)."""
@@ -262,6 +269,9 @@ def main() -> int:
                          "first and repeated update are reported (ranks, tp_fetch_fraction), and the paths after the "
                          "repeated update are skipped")
     ap.add_argument("--chunk-mib", type=float, default=4, help="chunk size of the artifacts (MiB)")
+    ap.add_argument("--alternate", action="store_true",
+                    help="repeated updates alternate between the sequential path (fetch every chunk, then decode) "
+                         "and chunks decoded as they arrive; each path's medians are reported")
     ap.add_argument("--engine-part", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--url", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--dense", default=None, help=argparse.SUPPRESS)
@@ -274,7 +284,7 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.reuse and (out / "context.json").exists():
         ctx = json.loads((out / "context.json").read_text())
-        ctx.update(link_mbit=args.link_mbit, repeats=args.repeats, tp=args.tp,
+        ctx.update(link_mbit=args.link_mbit, repeats=args.repeats, tp=args.tp, alternate=args.alternate,
                    json=str(Path(args.json).resolve()) if args.json else None)
         (out / "context.json").write_text(json.dumps(ctx))
         shutil.rmtree(out / "node", ignore_errors=True)
@@ -332,7 +342,7 @@ def build_workload(args: argparse.Namespace, out: Path) -> dict:
     ctx = {"model": args.model, "params": nparams, "changed": nchanged, "delta_bytes": delta_bytes, "v0": s0.fingerprint,
            "v1": s1.fingerprint, "target": dm.target_fingerprint, "ck": str(ck), "keydir": str(keydir),
            "out": str(out), "link_mbit": args.link_mbit, "repeats": args.repeats, "tp": args.tp,
-           "chunk_bytes": opts.chunk_size,
+           "alternate": getattr(args, "alternate", False), "chunk_bytes": opts.chunk_size,
            "json": str(Path(args.json).resolve()) if args.json else None}
     (out / "context.json").write_text(json.dumps(ctx))
     return ctx
@@ -479,7 +489,9 @@ def run_engine(ctx: dict, url: str, dense: str) -> dict:
                             "again_over_dense": round(res["p2psync_again"]["s"] / res["dense"]["s"], 4)}
             return _report(ctx, res)
         again, dense_s = [res["p2psync_again"]], [res["dense"]["s"]]
-        for _ in range(int(ctx.get("repeats", 1)) - 1):  # more repeated updates: dense back to v0, then v1
+        for k in range(int(ctx.get("repeats", 1)) - 1):  # more repeated updates: dense back to v0, then v1
+            if ctx.get("alternate"):
+                rpc(rpc_overlap, args=(k % 2 == 1,))  # the update above was overlapped: sequential first
             dense_s.append(rpc(rpc_dense, args=(dense,))[0]["s"])
             eng.attach(ParentInfo(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench", tls_dir), version=0)
             f0, c0 = rpc(rpc_rusage)[0]
@@ -491,7 +503,12 @@ def run_engine(ctx: dict, url: str, dense: str) -> dict:
         res["p2psync_repeats"] = {"s": [round(a["s"], 4) for a in again],
                                   "decode_s": [a["decode_s"] for a in again],
                                   "commit_s": [a["commit_s"] for a in again],
-                                  "cpu_s": [round(a["cpu_s"], 3) for a in again], "dense_s": dense_s}
+                                  "cpu_s": [round(a["cpu_s"], 3) for a in again], "dense_s": dense_s,
+                                  "fetch_s": [a["fetch_s"] for a in again],
+                                  "overlapped": [bool(a.get("overlapped")) for a in again]}
+        rpc(rpc_overlap, args=(True,))
+        if ctx.get("alternate"):
+            res["alternate"] = _by_path(again)
         res["dense_fetched"] = rpc(rpc_dense_fetched, args=(url, (keydir / "trainer.pub").read_text(), tls_dir))[0]
         if eng.audit() != ctx["v0"]:
             raise SystemExit("dense reload (fetched) did not restore version 0")
@@ -512,6 +529,19 @@ def _sparse(eng, rpc, out: Path, v1: str) -> dict:
         return res
     except Exception as exc:  # report why vLLM's sparse path is not usable here
         return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+
+def _by_path(updates: list[dict]) -> dict:
+    """Median seconds (whole update, fetch, decode, commit) of the sequential and the overlapped updates."""
+    out = {}
+    for name, on in (("sequential", False), ("overlapped", True)):
+        got = [u for u in updates if bool(u.get("overlapped")) == on]
+        if got:
+            out[name] = {"n": len(got), **{k: round(statistics.median(u[k] for u in got), 4)
+                                           for k in ("s", "fetch_s", "decode_s", "commit_s")}}
+    if len(out) == 2:
+        out["overlapped_over_sequential"] = round(out["overlapped"]["s"] / out["sequential"]["s"], 4)
+    return out
 
 
 def _ranks(eng) -> list[dict]:

@@ -13,13 +13,17 @@ code does it today::
       + fetch_fixed                       the rank's fetch from its machine's node, which starts once
       + machine_bytes / fetch_rate          the node holds the artifact (the worker is told then); the
       + machine_chunks * per_chunk          node serves its machine's ranks at one measured rate in all
-      + decode(changes_rank, threads)     decode + checks on the rank's threads, after its fetch
+      + decode(changes_rank, threads)     decode + checks on the rank's threads, beside its fetch
+      ... as max(fetch, decode)             (chunks decode as they arrive), then the last chunk's
+      + decode(chunk_changes, 1)            decode on one thread
       + write(changes_rank, threads)      scatter into the live weights + undo log + fingerprint lanes
       + fixed                             plan, manifest, signature, RPCs, fingerprint fold
 
-Nothing is overlapped beyond the tree's cut-through: the rollout worker starts the engine's update
-once its node holds the whole artifact (``rollout/engine_sync.py``), and the vLLM backend fetches
-a rank's chunks before it decodes them (``rollout/engines/vllm_backend.py``, ``reach``). Decode
+The rollout worker starts the engine's update once its node holds the whole artifact
+(``rollout/engine_sync.py``); inside it each rank decodes its chunks as they arrive
+(``rollout/engines/vllm_stream.py``), so its fetch and decode overlap: ``fetch_fixed + ...`` and
+``decode(...)`` above add as their maximum. The ranges tensor-parallel ranks rebuild together
+(row-parallel weights) decode after the fetch; the model counts them as overlapped. Decode
 and write: ``s = intercept + changes / (rate * S(threads))`` with ``S(n) = 1 / (f + (1 - f) / n)``
 (Amdahl); ``rate`` and ``intercept`` from a least-squares line per thread count, ``f`` from the
 lines' slopes at every measured thread count. Fetch: a least-squares line ``s = fetch_fixed +
@@ -154,9 +158,12 @@ def fit(points: dict, bytes_per_change: float, changed_fraction: float) -> tuple
         if not points.get(k):
             raise ValueError(f"points: no {k!r} points")
     updates = points.get("update") or []
-    # A measured update's parts are points too: the decode and write inside the engine, its fetch.
-    inside = {"fetch": [{"bytes": u["bytes"], "chunks": u.get("chunks", 1), "s": u["fetch_s"]} for u in updates],
-              "decode": [{"changes": u["changes"], "threads": u["threads"], "s": u["decode_s"]} for u in updates],
+    # A measured update's parts are points too: the decode and write inside the engine, its fetch;
+    # not the fetch and decode of an update that decoded its chunks as they arrived (``overlapped``:
+    # its fetch_s holds most of its decode, its decode_s only what was left after the last chunk).
+    apart = [u for u in updates if not u.get("overlapped")]
+    inside = {"fetch": [{"bytes": u["bytes"], "chunks": u.get("chunks", 1), "s": u["fetch_s"]} for u in apart],
+              "decode": [{"changes": u["changes"], "threads": u["threads"], "s": u["decode_s"]} for u in apart],
               "write": [{"changes": u["changes"], "threads": u["threads"], "s": u["commit_s"]} for u in updates]}
     rates = Rates(fetch=fit_fetch(points["fetch"] + inside["fetch"]),
                   decode=fit_line(points["decode"] + inside["decode"], "changes"),
@@ -239,9 +246,14 @@ def project_one(rates: Rates, shape: Shape, link_gbit: float, ranks: int, slices
                                            math.ceil(min(ranks, RANKS_PER_MACHINE) * rank_bytes / CHUNK_BYTES)),
              "decode_s": rates.decode.s(changes, threads), "write_s": rates.write.s(changes, threads),
              "fixed_s": rates.fixed_s}
+    # Chunks decode as they arrive (one chunk on one thread): the rank's decode runs beside its
+    # fetch, and what is left after the last chunk arrived is that chunk's decode.
+    parts["decode_after_fetch_s"] = rates.decode.s(min(changes, CHUNK_BYTES / bpc), 1)
+    s = (parts["tree_s"] + parts["link_s"] + max(parts["rank_fetch_s"], parts["decode_s"])
+         + parts["decode_after_fetch_s"] + parts["write_s"] + parts["fixed_s"])
     return {"model": shape.name, "link_gbit": link_gbit, "ranks": ranks, "slices": slices,
             "artifact_gb": round(total_bytes / 1e9, 3), "rank_changes": round(changes), "hops": h,
-            **{k: round(v, 3) for k, v in parts.items()}, "s": round(sum(parts.values()), 2)}
+            **{k: round(v, 3) for k, v in parts.items()}, "s": round(s, 2)}
 
 
 def project(rates: Rates, fraction: float = 0.02, threads: int = THREADS, machines: int = 64,
@@ -258,7 +270,8 @@ def project(rates: Rates, fraction: float = 0.02, threads: int = THREADS, machin
         "slices": "with slices each rank fetches and decodes its 1/N of the sharded tensors plus what it "
                   "holds whole; without, every rank fetches and decodes the whole artifact",
         "overlap": "the tree is cut-through; the ranks' fetch starts once their node holds the artifact, "
-                   "their decode once their fetch ends, their write once their decode ends (as the code does)",
+                   "their decode beside it as chunks arrive (max of the two, plus the last chunk's decode on "
+                   "one thread), their write once their decode ends (as the code does)",
         "node_serving": "a machine's node serves all its ranks' chunks at the measured fetch rate in all",
         "shapes": [asdict(s) for s in shapes]},
         "rates": asdict(rates), "anchors": list(ANCHORS), "rows": rows}

@@ -31,6 +31,10 @@ process with the loaded model. Turned on with ``weight_transfer_config=
   mid-body is ``PeerUnreachable``; a complete answer shorter than the signed
   chunk is ``TruncatedError``), then applies it to the live
   parameters all-or-nothing (:class:`~rollout.engines.vllm_weights.LiveWeights`).
+  A delta's chunks are decoded as they arrive, while later ones are still
+  being fetched (:mod:`rollout.engines.vllm_stream`; with tensor parallelism
+  the ranges ranks rebuild together after the fetch), and committed once all
+  are decoded and the target fingerprint checked.
   Each artifact is one transaction: on any error the model keeps the last
   version it fully reached (and keeps serving).
 
@@ -72,6 +76,7 @@ from rollout.engines import vllm_requests, vllm_warm
 from rollout.engines.vllm_cpus import update_cpus
 from rollout.engines.vllm_fetch import check_key, fetch_artifact, fetch_manifest, fetch_plan, fetch_version_manifest
 from rollout.engines.vllm_requests import NotInitialized, TransferInfoError, load_public_key
+from rollout.engines.vllm_stream import Streamed, decoding, streams
 from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, together, vllm_group
 from rollout.engines.vllm_weights import LiveWeights
 
@@ -137,6 +142,9 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         self.live: LiveWeights | None = None
         self.timing: dict[str, Any] = {}
         """The last artifact's bytes fetched, and fetch, decode and commit seconds (see :meth:`status`)."""
+        self.overlap = True
+        """Decode a delta's chunks as they arrive (:mod:`rollout.engines.vllm_stream`). Off: fetch every
+        chunk, then decode."""
         tp = int(getattr(self.parallel_config, "tensor_parallel_size", 1) or 1)
         pp = int(getattr(self.parallel_config, "pipeline_parallel_size", 1) or 1)
         if pp != 1:
@@ -267,17 +275,35 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             t_bind = time.perf_counter()
             need = self.needed(manifest)  # binds the table first (its collectives are not fetch time)
             t_need = time.perf_counter()
-            _, chunks = self._together(lambda: _run(fetch_artifact(
-                info.url, info.token, info.node_id, aid, self.public_key, info.timeout, tls_dir=info.tls_dir,
-                manifest=manifest, need=need)))
+            stream = self._together(lambda: self._stream(manifest))  # voted: a WrongBase refuses on every rank
+            if stream is not None:
+                stream.agree()
+
+            def fetch(on_chunk: Any = None) -> Any:
+                return fetch_artifact(info.url, info.token, info.node_id, aid, self.public_key, info.timeout,
+                                      tls_dir=info.tls_dir, manifest=manifest, need=need, on_chunk=on_chunk)
+
+            if stream is None:
+                _, chunks = self._together(lambda: _run(fetch()))
+            else:  # each chunk decoded as it arrives (rollout.engines.vllm_stream)
+                assert self.live is not None
+                threads, cpus = self.live.threads, self.live.cpus
+                _, chunks = self._together(lambda: _run(decoding(stream, fetch, threads, cpus)))
             fetched = (t_bind - t) + (time.perf_counter() - t_need)
-            self.apply(manifest, chunks)
+            self.apply(manifest, chunks, stream)
             got = [i for i, c in enumerate(chunks) if c is not None]
             size = sum(len(chunks[i]) for i in got)
             self.timing = {"fetch_s": round(fetched, 4), **(self.live.timing if self.live else {}),
                            "bytes": size, "fetched_bytes": size, "artifact_bytes": manifest.payload_bytes,
                            "fetched_chunks": len(got), "artifact_chunks": len(manifest.chunks),
                            "fetched_runs": _runs(got)}
+
+    def _stream(self, manifest: Any) -> Streamed | None:
+        """A decoder of ``manifest``'s chunks as they arrive, where it applies (a delta with a segment
+        index, :attr:`overlap` on; :mod:`rollout.engines.vllm_stream`); checks the base first."""
+        if not self.overlap or self.live is None or not streams(self.live, manifest):
+            return None
+        return Streamed(self.live, manifest)
 
     def needed(self, manifest: Any) -> list[int] | None:
         """The chunks of ``manifest`` this rank fetches: for a delta with a segment index, those
@@ -308,8 +334,9 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         self.live = self.bound(manifest, threads)
         return self.live
 
-    def apply(self, manifest: Any, chunks: list[Any]) -> str:
-        """Apply one verified artifact to the live weights (all-or-nothing); returns the fingerprint."""
+    def apply(self, manifest: Any, chunks: list[Any], streamed: Streamed | None = None) -> str:
+        """Apply one verified artifact to the live weights (all-or-nothing); returns the fingerprint.
+        ``streamed``: its chunks already decoded as they arrived."""
         live = self.bind(manifest)
         if manifest.kind == "snapshot":
             before = live.fingerprint
@@ -320,7 +347,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
                     self.version = None
                 raise
         else:
-            fp = live.apply_delta(manifest, chunks)
+            fp = live.apply_delta(manifest, chunks, streamed)
         self.version = manifest.target_version
         logger.info("p2psync: weights at version %d (%s, fingerprint %s)", self.version, manifest.kind, fp)
         return fp
@@ -333,8 +360,10 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
           every rank);
         - ``rank``, ``ranks``: this worker's tensor-parallel rank and the group's size;
         - ``timing``: ``fetch_s`` (seconds fetching the manifest and this rank's chunks, each
-          verified), ``decode_s`` (decoding this rank's slice and checking the target
-          fingerprint), ``commit_s`` (writing and checking again), ``changes`` (changed words
+          verified; with chunks decoded as they arrive, ``overlapped``, most of the decode runs
+          inside it), ``decode_s`` (decoding this rank's slice, or what was left of it after the
+          fetch, and checking the target fingerprint), ``decode_busy_s`` (with ``overlapped``:
+          thread-seconds of the decode during the fetch), ``commit_s`` (writing and checking again), ``changes`` (changed words
           written here), ``segments_decoded``, ``fetched_bytes`` (bytes of chunks this rank
           fetched; ``bytes`` is the same figure), ``artifact_bytes`` (all the artifact's chunks),
           ``fetched_chunks``, ``artifact_chunks``, and ``fetched_runs`` (the chunks fetched, as

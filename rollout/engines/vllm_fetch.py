@@ -10,6 +10,7 @@ them on every tensor-parallel rank and votes.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from p2psync.errors import P2PSyncError, SignatureError, TruncatedError, WrongSize
@@ -24,11 +25,15 @@ def _tls(tls_dir: str) -> Any:
 
 async def fetch_artifact(url: str, token: str, node_id: str, aid: str, public_key: Any, timeout: float,
                          parallel: int = 4, tls_dir: str = "", manifest: Any = None,
-                         need: list[int] | None = None) -> tuple[Any, list[Any]]:
+                         need: list[int] | None = None,
+                         on_chunk: Callable[[int, memoryview], Awaitable[None]] | None = None
+                         ) -> tuple[Any, list[Any]]:
     """The manifest (signature checked) and the chunks (hash checked) of artifact ``aid`` at ``url``.
 
     ``manifest``: already fetched and checked (:func:`fetch_manifest`); ``need``: the chunks to
-    fetch (None: every chunk); the others are None in the list returned."""
+    fetch (None: every chunk); the others are None in the list returned. ``on_chunk(i, data)``:
+    awaited with each chunk as soon as its hash matched (:mod:`rollout.engines.vllm_stream`); on
+    any failure the fetches still running are cancelled before it is raised."""
     from p2psync.artifact import verify_chunk
     from p2psync.transport.client import ChunkBuffer, PeerClient
 
@@ -48,10 +53,19 @@ async def fetch_artifact(url: str, token: str, node_id: str, aid: str, public_ke
                     raise short_answer(exc, f"chunk {i} of {aid} from {url}") or exc
                 data = buf.take()
                 verify_chunk(manifest, i, data)
-                return data
+            if on_chunk is not None:  # outside the semaphore: the next fetch starts meanwhile
+                await on_chunk(i, data)
+            return data
 
         wanted = range(len(manifest.chunks)) if need is None else need
-        got = await asyncio.gather(*(one(i) for i in wanted))
+        tasks = [asyncio.ensure_future(one(i)) for i in wanted]
+        try:
+            got = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
     chunks: list[Any] = [None] * len(manifest.chunks)
     for i, data in zip(wanted, got):
         chunks[i] = data

@@ -167,6 +167,13 @@ def decode(live: LiveWeights, manifest: Manifest, chunks: Sequence[bytes | memor
         raise err
     results += [o for o, _ in g_out]
     counted += [(o[0], ab) for o, ab in g_out if ab is not None]
+    return _assembled(live, results, counted)
+
+
+def _assembled(live: LiveWeights, results: list[Any], counted: list[tuple[int, tuple[int, int]]]
+               ) -> tuple[dict[int, list[tuple[np.ndarray, np.ndarray]]], list[tuple[int, int]]]:
+    """``(changes, sums)`` from the decoded segments (``(tensor, range, positions, new words, _)``)
+    and the sums' changes this rank counts: the group's sums, segments checked not to overlap."""
     delta = [(0, 0)] * len(live.specs)
     for t, (da, db) in counted:
         delta[t] = ((delta[t][0] + int(da)) & MASK64, (delta[t][1] + int(db)) & MASK64)
@@ -200,22 +207,31 @@ def _heads(live: LiveWeights, manifest: Manifest, chunks: Sequence[bytes | memor
     first = np.cumsum([0] + [len(e) // 3 for e in index]).tolist()
     heads: dict[int, Any] = {}
     for i, segs in split.items():
-        if len(segs) * 3 != len(index[i]):
-            raise SegmentIndexError("segments", f"chunk {i} holds {len(segs)} segments, the signed index "
-                                    f"gives it {len(index[i]) // 3}")
-        for j, seg in enumerate(segs):
-            k = first[i] + j
-            r = refs[k]
-            p = live._head(seg)
-            if (p.tensor, p.start, p.stop) != (r.tensor, r.start, r.stop):
-                raise SegmentIndexError("segments", f"chunk {i} does not hold the segments the signed index "
-                                        "gives it")
-            if r.need:
-                heads[k] = p
+        heads.update(_chunk_heads(live, index, refs, first, i, segs))
     missing = next((r.chunk for k, r in enumerate(refs) if r.need and k not in heads), None)
     if missing is not None:
         raise CodecError(f"chunk {missing} holds segments this rank needs and was not given")
     return refs, heads
+
+
+def _chunk_heads(live: LiveWeights, index: Index, refs: list[SegmentRef], first: list[int], i: int,
+                 segs: list[memoryview]) -> dict[int, Any]:
+    """The parsed heads of the segments of chunk ``i`` (``segs``) this rank needs, by their place in
+    the index; the chunk checked against the signed index."""
+    if len(segs) * 3 != len(index[i]):
+        raise SegmentIndexError("segments", f"chunk {i} holds {len(segs)} segments, the signed index "
+                                f"gives it {len(index[i]) // 3}")
+    heads: dict[int, Any] = {}
+    for j, seg in enumerate(segs):
+        k = first[i] + j
+        r = refs[k]
+        p = live._head(seg)
+        if (p.tensor, p.start, p.stop) != (r.tensor, r.start, r.stop):
+            raise SegmentIndexError("segments", f"chunk {i} does not hold the segments the signed index "
+                                    "gives it")
+        if r.need:
+            heads[k] = p
+    return heads
 
 
 def _decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, Any], gathered: list[int]

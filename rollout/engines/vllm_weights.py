@@ -75,6 +75,7 @@ if TYPE_CHECKING:
     import torch
 
     from p2psync.artifact import Manifest
+    from rollout.engines.vllm_stream import Streamed
 
 logger = logging.getLogger(__name__)
 
@@ -338,12 +339,16 @@ class LiveWeights(Committer):
             have = self._scratch.words = np.empty(max(n, 1 << 16), dtype=word)
         return have[:n]
 
-    def apply_delta(self, manifest: Manifest, chunks: Sequence[bytes | memoryview | None]) -> str:
-        """Decode, check, write, check again; all or nothing, on every rank (see module doc)."""
+    def apply_delta(self, manifest: Manifest, chunks: Sequence[bytes | memoryview | None],
+                    streamed: Streamed | None = None) -> str:
+        """Decode, check, write, check again; all or nothing, on every rank (see module doc).
+
+        ``streamed``: the chunks were already decoded as they arrived
+        (:mod:`rollout.engines.vllm_stream`); its changes are checked and committed the same way."""
         t0 = time.perf_counter()
 
         def planned() -> dict[int, list[tuple[np.ndarray, np.ndarray]]]:
-            changes, sums = self.decode(manifest, chunks)
+            changes, sums = self.decode(manifest, chunks) if streamed is None else streamed.finish()
             got = fold_root(self.table_hash, sums)
             if got != manifest.target_fingerprint:
                 raise FingerprintMismatch(manifest.target_fingerprint, got)
@@ -355,6 +360,8 @@ class LiveWeights(Committer):
         self.timing = {"decode_s": round(t1 - t0, 4), "commit_s": round(time.perf_counter() - t1, 4),
                        "changes": sum(p[0].shape[0] for parts in changes.values() for p in parts),
                        "segments_decoded": self.decoded}
+        if streamed is not None:  # decode_s: what was left after the last chunk arrived
+            self.timing.update(overlapped=True, decode_busy_s=round(streamed.busy_s, 4))
         return fp
 
     def load_snapshot(self, manifest: Manifest, chunks: Sequence[bytes | memoryview]) -> str:

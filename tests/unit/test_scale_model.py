@@ -56,6 +56,20 @@ def test_fit_recovers_the_rates_of_exact_points(sm):
     assert err["max_abs_rel_error"] < 1e-6 and len(err["points"]) == n
 
 
+def test_an_update_that_decoded_as_chunks_arrived_gives_no_fetch_or_decode_point(sm):
+    """Its fetch_s holds most of its decode and its decode_s only the tail: fitted as parts they would
+    make the decode look free; the whole update still gives the fixed cost."""
+    pts = _points()
+    c, t = 20e6, 1
+    pts["update"].append({"changes": c, "bytes": c * 0.7, "chunks": 4, "threads": t, "overlapped": True,
+                          "fetch_s": fe(c * 0.7, 4) + dec(c, t) - 0.001, "decode_s": 0.001,
+                          "commit_s": wr(c, t), "s": 0.05 + fe(c * 0.7, 4) + dec(c, t) + wr(c, t)})
+    rates, _ = sm.fit(pts, bytes_per_change=0.7, changed_fraction=0.04)
+    assert rates.decode.rate == pytest.approx(50e6, rel=1e-6)
+    assert rates.fetch.rate == pytest.approx(200e6, rel=1e-6)
+    assert rates.fixed_s == pytest.approx(0.05)
+
+
 def test_fit_reports_the_error_of_points_the_model_cannot_follow(sm):
     pts = _points()
     pts["decode"][0]["s"] *= 3  # one disturbed measurement
@@ -92,8 +106,11 @@ def test_projection_covers_every_model_link_and_rank_count_with_and_without_slic
     machine = 8 * row["rank_changes"] * 0.825
     assert row["rank_fetch_s"] == pytest.approx(fe(machine, -(-machine // sm.CHUNK_BYTES)), rel=1e-3)
     assert row["decode_s"] == pytest.approx(0.01 + row["rank_changes"] / 50e6 * (0.25 + 0.75 / 16), rel=1e-3)
-    assert row["s"] == pytest.approx(sum(row[k] for k in ("tree_s", "link_s", "rank_fetch_s", "decode_s", "write_s",
-                                                          "fixed_s")), abs=0.02)
+    # fetch and decode overlap: the larger of the two, then the last 4 MiB chunk's decode on one thread
+    last = 0.01 + min(row["rank_changes"], sm.CHUNK_BYTES / 0.825) / 50e6
+    assert row["decode_after_fetch_s"] == pytest.approx(last, rel=1e-2)
+    assert row["s"] == pytest.approx(sum(row[k] for k in ("tree_s", "link_s", "decode_after_fetch_s", "write_s", "fixed_s"))
+                                     + max(row["rank_fetch_s"], row["decode_s"]), abs=0.02)
     with pytest.raises(KeyError):
         sm.lookup(proj, one_t, 3.0, 32)
 

@@ -135,7 +135,28 @@ def _params(model: torch.nn.Module) -> dict[str, bytes]:
     return {n: p.detach().view(torch.int16).numpy().tobytes() for n, p in model.named_parameters()}
 
 
-def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, chunks, out, sliced: bool) -> None:
+def _streamed_apply(live, apply, m, chunks) -> str:
+    """What the backend does with ``overlap`` on: each rank decodes its chunks as they are handed over
+    (voted), then the ranges rebuilt together, then the check and commit."""
+    import asyncio
+
+    from rollout.engines.vllm_stream import Streamed, decoding
+    from rollout.engines.vllm_tp import together
+
+    stream = together(live.group, lambda: Streamed(live, m), "refused")
+    stream.agree()
+
+    async def source(on_chunk):
+        for i, c in enumerate(chunks):
+            if c is not None:
+                await on_chunk(i, memoryview(c))
+
+    together(live.group, lambda: asyncio.run(decoding(stream, source, 2)), "refused")
+    return apply(m, chunks, stream)
+
+
+def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, chunks, out, sliced: bool,
+          streamed: bool = False) -> None:
     import torch.distributed as dist
 
     from rollout.engines.vllm_tp import RankRefused, TorchGroup
@@ -149,6 +170,9 @@ def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, c
         want_new = _params(rank_model({n: torch.from_numpy(w).view(torch.bfloat16).reshape(SHAPES[n]) for n, w in new.items()}, rank, 2))
         before = _params(model)
         live = LiveWeights(model, specs, group=group)
+        if streamed:
+            real_apply = live.apply_delta
+            live.apply_delta = lambda m_, c_: _streamed_apply(live, real_apply, m_, c_)  # type: ignore[method-assign]
         res: dict = {"base": live.fingerprint == fps[0]}
         if sliced:  # only the chunks this rank's slice needs, the others None
             from rollout.engines.vllm_slices import chunks_needed
@@ -193,10 +217,12 @@ def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, c
         out.put((rank, traceback.format_exc()))
 
 
-@pytest.mark.parametrize("sliced", [False, True], ids=["whole", "sliced"])
-def test_two_ranks_apply_a_delta_bit_exact_and_refuse_together(sliced, monkeypatch):
+@pytest.mark.parametrize("sliced,streamed", [(False, False), (True, False), (True, True)],
+                         ids=["whole", "sliced", "sliced-streamed"])
+def test_two_ranks_apply_a_delta_bit_exact_and_refuse_together(sliced, streamed, monkeypatch):
     """``sliced``: the trainer cuts these small tensors into row blocks too (as it does large ones), so
-    each rank decodes the blocks of its own rows alone, from only the chunks that hold them."""
+    each rank decodes the blocks of its own rows alone, from only the chunks that hold them.
+    ``streamed``: each rank decodes its chunks as they are handed over, the shared ranges after."""
     if sliced:
         monkeypatch.setattr("p2psync.codec.slices.MIN_SLICED", 256)
     old = _state(0)
@@ -209,7 +235,8 @@ def test_two_ranks_apply_a_delta_bit_exact_and_refuse_together(sliced, monkeypat
     out = ctx.Queue()
     words = lambda st: {n: st.words(n).copy() for n in st}  # noqa: E731
     procs = [ctx.Process(target=_rank, args=(r, port, words(old), words(new), (old.fingerprint, new.fingerprint),
-                                             m, [bytes(c) for c in chunks], out, sliced)) for r in range(2)]
+                                             m, [bytes(c) for c in chunks], out, sliced, streamed))
+             for r in range(2)]
     for p in procs:
         p.start()
     try:
