@@ -62,6 +62,16 @@ def trained_versions(steps: int = 3, preset: str = "tiny", lr: float = 1e-3, war
     return Versions(states, snap, deltas, priv)
 
 
+def live_snapshot(model: torch.nn.Module) -> ModelState:
+    """The model's parameters as a state, each tied tensor once (what a trainer would publish)."""
+    seen, items = set(), []
+    for n, p in model.named_parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            items.append((n, p.detach().clone()))
+    return ModelState(items)
+
+
 def bits_equal(state: ModelState, tensors: dict[str, torch.Tensor]) -> list[str]:
     """Names whose raw words differ between ``state`` and ``tensors`` (empty: bit-exact)."""
     bad = []

@@ -16,6 +16,7 @@ from p2psync.errors import ChunkHashMismatch, CodecError, FingerprintMismatch, W
 from p2psync.state import ModelState
 from rollout.engines.vllm_stream import Streamed, decoding, streams
 from rollout.engines.vllm_weights import LiveWeights
+from rollout_helpers import live_snapshot
 
 
 def _model() -> torch.nn.Module:
@@ -25,15 +26,6 @@ def _model() -> torch.nn.Module:
     cfg = Qwen3Config(vocab_size=2048, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-
-
-def _snapshot(model: torch.nn.Module) -> ModelState:
-    seen, items = set(), []
-    for n, p in model.named_parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            items.append((n, p.detach().clone()))
-    return ModelState(items)
 
 
 def _delta(old: ModelState, cut: bool = False):
@@ -86,7 +78,7 @@ def _run(stream: Streamed, fetch, threads: int = 2):
 
 def test_chunks_decode_while_the_last_is_still_being_fetched_and_land_bit_exact():
     model = _model()
-    old = _snapshot(model)
+    old = live_snapshot(model)
     live = LiveWeights(model, old.specs)
     new, m, chunks = _delta(old)
     assert len(chunks) >= 4 and streams(live, m)
@@ -108,7 +100,7 @@ def test_chunks_decode_while_the_last_is_still_being_fetched_and_land_bit_exact(
 
 def test_a_corrupt_last_chunk_after_earlier_chunks_decoded_leaves_every_live_word():
     model = _model()
-    old = _snapshot(model)
+    old = live_snapshot(model)
     live = LiveWeights(model, old.specs)
     new, m, chunks = _delta(old)
     bad = bytearray(chunks[-1])
@@ -133,7 +125,7 @@ def test_a_signed_last_chunk_that_decodes_wrong_is_refused_with_nothing_written(
     """The last chunk's hash matches (it was damaged before signing): its decode or the fingerprint
     check refuses it, after the earlier chunks were decoded."""
     model = _model()
-    old = _snapshot(model)
+    old = live_snapshot(model)
     live = LiveWeights(model, old.specs)
     _, m, chunks = _delta(old, cut=True)
     stream = Streamed(live, m)

@@ -15,6 +15,7 @@ from p2psync.errors import CodecError, FingerprintMismatch, TensorTableMismatch,
 from p2psync.state import ModelState
 from rollout.engines.vllm_layout import place
 from rollout.engines.vllm_weights import LiveWeights, UnwritableParameter
+from rollout_helpers import live_snapshot
 
 SPECIAL = [0x7FC1, 0xFFA5, 0x8000, 0x0001, 0x807F, 0x7F80, 0xFF80, 0x7F81]
 
@@ -26,15 +27,6 @@ def _model() -> torch.nn.Module:
     cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, tie_word_embeddings=True)
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-
-
-def _snapshot(model: torch.nn.Module) -> ModelState:
-    seen, items = set(), []
-    for n, p in model.named_parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            items.append((n, p.detach().clone()))
-    return ModelState(items)
 
 
 def _delta(old: ModelState, seed: int = 1, special: bool = True):
@@ -63,7 +55,7 @@ def _words(model: torch.nn.Module, state: ModelState) -> list[str]:
 @pytest.mark.parametrize("in_place", [True, False], ids=["host-words", "segment-copies"])
 def test_delta_lands_bit_exact_with_every_bit_pattern(in_place):
     model = _model()
-    old = _snapshot(model)
+    old = live_snapshot(model)
     live = LiveWeights(model, old.specs)
     live.host_memory = in_place  # False: the path a GPU-resident model takes
     assert live.fingerprint == old.fingerprint
@@ -78,7 +70,7 @@ def test_delta_lands_bit_exact_with_every_bit_pattern(in_place):
 def test_gpu_resident_weights_take_a_delta_bit_exact_and_refuse_bad_ones():
     """The path every CUDA engine takes: decode on the host, scatter into device memory, read back."""
     model = _model()
-    old = _snapshot(model)
+    old = live_snapshot(model)
     model.to("cuda")
     live = LiveWeights(model, old.specs)
     assert not live.host_memory and live.fingerprint == old.fingerprint
@@ -96,7 +88,7 @@ def test_gpu_resident_weights_take_a_delta_bit_exact_and_refuse_bad_ones():
 
 def test_bad_artifacts_change_nothing():
     model = _model()
-    old = _snapshot(model)
+    old = live_snapshot(model)
     live = LiveWeights(model, old.specs)
     new, m, chunks = _delta(old)
     with pytest.raises(CodecError):  # truncated chunk
@@ -113,7 +105,7 @@ def test_bad_artifacts_change_nothing():
 @pytest.mark.parametrize("in_place", [True, False], ids=["host-words", "segment-copies"])
 def test_a_write_that_does_not_read_back_as_planned_is_undone(in_place):
     model = _model()
-    old = _snapshot(model)
+    old = live_snapshot(model)
     live = LiveWeights(model, old.specs)
     live.host_memory = in_place
     new, m, chunks = _delta(old)
@@ -125,7 +117,7 @@ def test_a_write_that_does_not_read_back_as_planned_is_undone(in_place):
 
 def test_unknown_names_and_unwritable_parameters_are_refused():
     model = _model()
-    old = _snapshot(model)
+    old = live_snapshot(model)
     with pytest.raises(TensorTableMismatch):
         LiveWeights(model, [*old.specs[:-1], type(old.specs[0])("nowhere.weight", "BF16", (4,))])
     layer = model.model.layers[0].mlp.down_proj
