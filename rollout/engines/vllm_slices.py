@@ -102,7 +102,7 @@ class SegmentRef:
 def plan(live: LiveWeights, index: Index) -> list[SegmentRef]:
     """Every segment of ``index`` (chunk order), classified for this rank (module doc); the last
     plan is kept on ``live`` (the fetch and the decode of one artifact ask for the same)."""
-    kept = getattr(live, "_slice_plan", None)
+    kept = live.slice_plan
     if kept is not None and kept[0] is index:
         return kept[1]
     out = []
@@ -114,7 +114,7 @@ def plan(live: LiveWeights, index: Index) -> list[SegmentRef]:
             place = live.places[t]
             h = held_in(place, s, e)
             out.append(SegmentRef(i, t, s, e, h > 0, h == e - s))
-    live._slice_plan = (index, out)
+    live.slice_plan = (index, out)
     return out
 
 
