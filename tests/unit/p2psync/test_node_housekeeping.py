@@ -158,7 +158,7 @@ def test_a_relay_waits_for_a_snapshot_still_being_signed_and_rebuilds_it(tmp_pat
     priv, cfg, common = _setup(tmp_path, snapshot_interval=1, checkpoint_interval=0)
     states = _states()
     arts = _artifacts(priv, states)
-    gate, inside = threading.Event(), threading.Event()
+    gate, inside, later = threading.Event(), threading.Event(), threading.Event()
 
     async def go():
         tr = await Node.create(cfg)
@@ -168,6 +168,8 @@ def test_a_relay_waits_for_a_snapshot_still_being_signed_and_rebuilds_it(tmp_pat
             if tr.version == 1:
                 inside.set()
                 assert gate.wait(30)
+            elif tr.version == 2:  # not before the relay asked for version 1's: the trainer's
+                assert later.wait(30)  # snapshot of 2 would retire it (a race, not what is tested)
             return real_sign(model_id)
 
         tr.origin.sign_snapshot = held_sign
@@ -195,11 +197,13 @@ def test_a_relay_waits_for_a_snapshot_still_being_signed_and_rebuilds_it(tmp_pat
             assert snap.manifest.target_fingerprint == arts[1][0].target_fingerprint
             snap.manifest.verify(relay.public_key)
             # Version 2's snapshot (due too) follows the same way once the trainer signed it.
+            later.set()
             await relay.settle()
             assert _snapshot(relay, 2) is not None and not relay.catalogue().snapshots_pending
             assert relay.metrics.total("p2psync_snapshots_materialised_total") == 2
         finally:
             gate.set()
+            later.set()
             await kid.close()
             await relay.close()
             await tr.close()
