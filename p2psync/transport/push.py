@@ -51,9 +51,9 @@ needed (200 Mbit/s x 200 ms round trip: 5 MB). On the testbed's raw TCP
 (``tools/wan/tcp_windows.py``), the 1.78 MB burst to ``ap-south`` took 0.313 s
 (median of 7) after 4 MiB of padding, 0.237 s after 16 MiB and 0.179 s (1.05x
 the link's bound, 5 runs) after 32 MiB, the default. The padding is paid once
-per stream (a parent switch opens a new one). It only opens the windows if the child reads it at once: the receiver's
-window grows with what its application reads per round trip, and a BBR sender
-keeps the rate it measured. Padded while every node of the testbed was still
+per stream (a parent switch opens a new one). It only opens the windows if the
+child reads it at once: the receiver's window grows with what its application
+reads per round trip, and a BBR sender keeps the rate it measured. Padded while every node of the testbed was still
 compiling its codec and pulling its first snapshot, the stream to ``ap-south``
 kept a 120 KB receive window and a 4.7 Mbit/s estimate, and a delta took 1.6-2 s
 on it. So a child that is not yet settled (codec warm, weights held, caught up)
