@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from rollout.engines.vllm_layout import LayoutError, Piece
+from rollout.engines.vllm_probe_kernels import factor
 
 _CHUNK = 1 << 22
 """Elements enumerated at a time by :meth:`Placement.chunks`."""
@@ -190,49 +191,52 @@ def same(a: Placement, b: Placement) -> bool:
                     for f, g in zip(a.families, b.families)))
 
 
-def compress(name: str, param: str, shape: tuple[int, ...], ck: np.ndarray, dst: np.ndarray,
+def compress(name: str, param: str, shape: tuple[int, ...], ck: np.ndarray | None, dst: np.ndarray,
              ck_sorted: bool = False) -> Placement:
     """The placement holding checkpoint positions ``ck`` at parameter positions ``dst`` (pairs, any order;
-    ``ck_sorted``: ``ck`` is strictly ascending already, as probing returns it).
+    ``ck_sorted``: ``ck`` is strictly ascending already, as probing returns it; ``ck=None``: positions
+    ``0, 1, ...``, one per element of ``dst``).
 
     Tries one nested strided block (:func:`_factor`); falls back to 1-D runs."""
-    ck = np.asarray(ck, dtype=np.int64)
     dst = np.asarray(dst, dtype=np.int64)
-    if ck.shape[0] == 0:
+    if dst.shape[0] == 0:
         return Placement(name, param, tuple(shape), [])
-    if not ck_sorted:
-        order = np.argsort(ck, kind="stable")
-        ck, dst = ck[order], dst[order]
-    if not ck_sorted and ck.shape[0] > 1 and bool((np.diff(ck) == 0).any()):
-        raise LayoutError(f"{name}: vLLM's loader writes some of its elements to more than one place in {param}")
+    if ck is not None:
+        ck = np.asarray(ck, dtype=np.int64)
+        if not ck_sorted:
+            order = np.argsort(ck, kind="stable")
+            ck, dst = ck[order], dst[order]
+            if ck.shape[0] > 1 and bool((np.diff(ck) == 0).any()):
+                raise LayoutError(f"{name}: vLLM's loader writes some of its elements to more than one place in {param}")
     fam = _factor(ck, dst)
-    return Placement(name, param, tuple(shape), [fam] if fam is not None else _runs(ck, dst))
+    if fam is None:
+        fam_runs = _runs(np.arange(dst.shape[0], dtype=np.int64) if ck is None else ck, dst)
+        return Placement(name, param, tuple(shape), fam_runs)
+    return Placement(name, param, tuple(shape), [fam])
 
 
-def _factor(ck: np.ndarray, dst: np.ndarray) -> Family | None:
-    """One block ``ck[0] + sum(i_k cs_k) -> dst[0] + sum(i_k ds_k)`` equal to the pairs, if there is one."""
-    levels: list[tuple[int, int, int]] = []
-    c, d = ck, dst
-    while c.shape[0] > 1:
-        a, b = int(c[1] - c[0]), int(d[1] - d[0])
-        bad = np.flatnonzero((np.diff(c) != a) | (np.diff(d) != b))
-        s = int(bad[0]) + 1 if bad.shape[0] else c.shape[0]
-        if c.shape[0] % s:
-            return None
-        cc, dd = c.reshape(-1, s), d.reshape(-1, s)
-        step = np.arange(s, dtype=np.int64)
-        if not (np.array_equal(cc - cc[:, :1], np.broadcast_to(step * a, cc.shape))
-                and np.array_equal(dd - dd[:, :1], np.broadcast_to(step * b, dd.shape))):
-            return None
-        levels.append((s, a, b))
-        c, d = cc[:, 0], dd[:, 0]
+_MAX_LEVELS = 64
+"""Levels of a block :func:`_factor` looks for (every level at least doubles the elements)."""
+
+
+def _factor(ck: np.ndarray | None, dst: np.ndarray) -> Family | None:
+    """One block ``ck[0] + sum(i_k cs_k) -> dst[0] + sum(i_k ds_k)`` equal to the pairs, if there is one
+    (``ck=None``: checkpoint positions ``0, 1, ...``); :func:`vllm_probe_kernels.factor` finds the levels."""
+    dense = ck is None
+    levels = np.zeros((_MAX_LEVELS, 3), dtype=np.int64)
+    nl = factor(np.empty(0, np.int64) if ck is None else np.ascontiguousarray(ck), np.ascontiguousarray(dst),
+                dense, levels)
+    if nl < 0:
+        return None
+    found = [(int(s), int(a), int(b)) for s, a, b in levels[:nl]]
     extent = 1
-    for s, a, _ in levels:  # innermost first: each stride must clear the dims inside it
+    for s, a, _ in found:  # innermost first: each stride must clear the dims inside it
         if s > 1 and a < extent:
             return None
         extent = (s - 1) * a + extent if s > 1 else extent
-    dims = tuple(reversed(levels)) or ((1, 1, 1),)
-    return Family(dims, c[:1].copy(), d[:1].copy())
+    dims = tuple(reversed(found)) or ((1, 1, 1),)
+    first = 0 if ck is None else int(ck[0])
+    return Family(dims, np.array([first], dtype=np.int64), dst[:1].copy())
 
 
 def _runs(ck: np.ndarray, dst: np.ndarray) -> list[Family]:

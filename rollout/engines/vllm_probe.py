@@ -47,6 +47,7 @@ from p2psync.state import TensorSpec
 from rollout.engines import vllm_place_cache
 from rollout.engines.vllm_layout import LayoutError
 from rollout.engines.vllm_placement import Family, Placement, compress, same
+from rollout.engines.vllm_probe_kernels import OK, scan
 from rollout.engines.vllm_repack import layer_of, moe_experts, post_load, transformed_reason
 
 logger = logging.getLogger(__name__)
@@ -255,9 +256,10 @@ class _Outside(Exception):
 
 
 def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: list[str]
-           ) -> dict[str, tuple[str, np.ndarray, np.ndarray]]:
+           ) -> dict[str, tuple[str, np.ndarray | None, np.ndarray]]:
     """Feed ``batch`` through ``model.load_weights`` with ``probed`` parameters as probes (module doc);
-    per tensor held: ``(parameter, checkpoint positions (ascending), parameter positions as loaded)``."""
+    per tensor held: ``(parameter, checkpoint positions (ascending; None: all of them), parameter
+    positions as loaded)``."""
     import torch
 
     live = {n: p.data for n, p in params.items()}
@@ -291,32 +293,27 @@ def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
     finally:
         for n, p in params.items():
             p.data = live[n]
-    # Element ids are dense integers: invert them with a scatter (where each landed, in which probe).
+    # Element ids are dense integers: invert them with a scatter (where each landed, in which probe),
+    # one compiled pass over each probe (vllm_probe_kernels.scan).
     names = [n for n in probes]
     inv = np.full(total, -1, dtype=np.int64)
     which = np.full(total, -1, dtype=np.int32)
-    hits = 0
-    landed: list[np.ndarray] = []
     for k, n in enumerate(names):
-        v = probes.pop(n).reshape(-1).cpu().numpy()
-        dst = np.flatnonzero(v >= 0)
-        if dst.shape[0] == 0:
-            landed.append(dst)
-            continue
-        vals = v[dst]
-        ids = vals.astype(np.int64)
-        if not np.array_equal(ids.astype(np.float64), vals) or int(ids.max()) >= total:
-            owner = batch[min(len(batch) - 1, int(np.searchsorted(bases, ids[0], side="right")) - 1)].name
+        v = np.ascontiguousarray(probes.pop(n).reshape(-1).cpu().numpy())
+        _, bad, dup = scan(v, total, inv, which, k)
+        if bad != OK:
+            guess = min(max(int(v[bad]), 0), total - 1) if np.isfinite(v[bad]) else 0
+            owner = batch[int(np.searchsorted(bases, guess, side="right")) - 1].name
             raise LayoutError(f"{owner}: vLLM's loader computes the values of {n} from the checkpoint "
                               "(not a copy of its elements); it cannot be updated in place")
-        inv[ids] = dst
-        which[ids] = k
-        hits += ids.shape[0]
-        landed.append(ids)
-    if hits != int(np.count_nonzero(inv >= 0)):
-        _name_duplicate(batch, bases, names, landed, total)
-    del landed
-    got: dict[str, tuple[str, np.ndarray, np.ndarray]] = {}
+        if dup != OK:
+            owner = batch[int(np.searchsorted(bases, dup, side="right")) - 1].name
+            first = names[int(which[dup])]
+            if first != n:
+                raise LayoutError(f"{owner}: vLLM's loader spreads it over several parameters ({sorted({first, n})})")
+            raise LayoutError(f"{owner}: vLLM's loader writes some of its elements to more than one place in {n}")
+        del v
+    got: dict[str, tuple[str, np.ndarray | None, np.ndarray]] = {}
     for i, s in enumerate(batch):
         lo, hi = int(bases[i]), int(bases[i + 1])
         w = which[lo:hi]
@@ -324,8 +321,9 @@ def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
         nheld = int(np.count_nonzero(held))
         if nheld == 0:
             continue
+        ck: np.ndarray | None
         if nheld == hi - lo:
-            ck, dst, w_held = np.arange(hi - lo, dtype=np.int64), inv[lo:hi].copy(), w
+            ck, dst, w_held = None, inv[lo:hi], w
         else:
             ck = np.flatnonzero(held)
             dst, w_held = inv[lo:hi][ck], w[ck]
@@ -334,21 +332,6 @@ def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
             raise LayoutError(f"{s.name}: vLLM's loader spreads it over several parameters ({targets})")
         got[s.name] = (names[int(w_held[0])], ck, dst)
     return got
-
-
-def _name_duplicate(batch: list[TensorSpec], bases: np.ndarray, names: list[str], landed: list[np.ndarray],
-                    total: int) -> None:
-    """Raise naming the tensor some element of which the loader wrote to more than one place (only
-    called on that error: ``landed[k]`` are the ids found in probe ``names[k]``)."""
-    counts = np.zeros(total, dtype=np.int64)
-    for ids in landed:
-        counts += np.bincount(ids, minlength=total)
-    dup = int(np.flatnonzero(counts > 1)[0])
-    s = batch[int(np.searchsorted(bases, dup, side="right")) - 1]
-    inside = [n for n, ids in zip(names, landed) if ids.shape[0] and bool((ids == dup).any())]
-    if len(inside) > 1:
-        raise LayoutError(f"{s.name}: vLLM's loader spreads it over several parameters ({sorted(inside)})")
-    raise LayoutError(f"{s.name}: vLLM's loader writes some of its elements to more than one place in {inside[0]}")
 
 
 def _guard_error(exc: BaseException) -> bool:

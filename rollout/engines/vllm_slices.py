@@ -13,7 +13,7 @@ segment (:func:`plan`):
   the update's threads, with no collective;
 - **gathered**: it holds part of the range (a row of a row-parallel weight spans
   every rank's columns): the ranks rebuild the range together
-  (:func:`rollout.engines.vllm_tp.gather_range`) and every rank holding part of it
+  (:func:`rollout.engines.vllm_tp.gather_ranges`) and every rank holding part of it
   decodes it. Every rank learns the set of gathered segments from a sum over the
   ranks, so their collectives stay in step.
 
@@ -40,7 +40,7 @@ from p2psync.codec.segindex import Index, index_of
 from p2psync.errors import CodecError, SegmentIndexError, WrongBase
 from p2psync.workers import run_ordered
 from rollout.engines.vllm_placement import Family, Placement
-from rollout.engines.vllm_tp import RankRefused, gather_range
+from rollout.engines.vllm_tp import RankRefused, gather_ranges
 
 if TYPE_CHECKING:
     from p2psync.artifact import Manifest
@@ -234,30 +234,66 @@ def _chunk_heads(live: LiveWeights, index: Index, refs: list[SegmentRef], first:
     return heads
 
 
+_GATHER_WORDS = 1 << 22
+"""Words of the ranges rebuilt by one collective (the last batch and the one being decoded are held)."""
+
+
 def _decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, Any], gathered: list[int]
                      ) -> tuple[list[tuple[Any, tuple[int, int] | None]], Exception | None]:
-    """Rebuild each gathered range with the group (the same order on every rank) and decode it
-    where this rank holds part of it; each result with the sums' change of the changes this rank
-    owns (None where it owns none). After a failure the remaining ranges are still rebuilt (not
-    decoded), so the ranks' collectives stay in step."""
-    out: list[tuple[Any, tuple[int, int] | None]] = []
-    err: Exception | None = None
-    for k in gathered:
+    """Rebuild the gathered ranges with the group (the same batches, in the same order, on every
+    rank: one collective per :data:`_GATHER_WORDS` of ranges) and decode each where this rank holds
+    part of it, on the update's threads while the next batch is rebuilt; each result with the sums'
+    change of the changes this rank owns (None where it owns none). Results and the error are those
+    of decoding in index order, stopping at the first failure; after a failure the remaining
+    ranges are still rebuilt (not decoded), so the ranks' collectives stay in step."""
+    import concurrent.futures
+
+    from p2psync.workers import pin
+
+    def one(k: int, base: np.ndarray) -> tuple[Any, tuple[int, int] | None]:
         r = refs[k]
         place = live.places[r.tensor]
-        base = gather_range(live.group, place, live.flat[r.tensor], r.start, r.stop, live._words[r.tensor])
-        if err is not None or not r.need:
-            continue
-        try:
-            res = live._decode_segment(heads[k], base)
-            ab = None
-            if place is not None and place.counted:
-                pos, new = res[2], res[3]
-                which, _ = place.local(pos)
-                a, b = wordops.hash_change(pos[which], base[pos[which] - r.start], new[which],
-                                           np.uint64(live._seeds[r.tensor]))
-                ab = (int(a), int(b))
-            out.append((res, ab))
-        except Exception as exc:
-            err = exc
-    return out, err
+        res = live._decode_segment(heads[k], base)
+        ab = None
+        if place is not None and place.counted:
+            pos, new = res[2], res[3]
+            which, _ = place.local(pos)
+            a, b = wordops.hash_change(pos[which], base[pos[which] - r.start], new[which],
+                                       np.uint64(live._seeds[r.tensor]))
+            ab = (int(a), int(b))
+        return res, ab
+
+    batches: list[list[int]] = [[]]
+    words = 0
+    for k in gathered:
+        n = refs[k].stop - refs[k].start
+        if batches[-1] and words + n > _GATHER_WORDS:
+            batches.append([])
+            words = 0
+        batches[-1].append(k)
+        words += n
+    out: list[tuple[Any, tuple[int, int] | None]] = []
+    err: list[Exception] = []
+
+    def collect(futures: list[concurrent.futures.Future[tuple[Any, tuple[int, int] | None]]]) -> None:
+        for f in futures:
+            try:
+                got = f.result()
+            except Exception as exc:
+                err.append(exc)
+            else:
+                if not err:
+                    out.append(got)
+
+    init: Any = (lambda: pin(live.cpus)) if live.cpus else None
+    with concurrent.futures.ThreadPoolExecutor(live.threads, thread_name_prefix="p2psync-gathered",
+                                               initializer=init) as pool:
+        pending: list[concurrent.futures.Future[tuple[Any, tuple[int, int] | None]]] = []
+        for batch in batches:
+            bases = gather_ranges(live.group, [(live.places[refs[k].tensor], live.flat[refs[k].tensor],
+                                                refs[k].start, refs[k].stop, live._words[refs[k].tensor])
+                                               for k in batch])
+            collect(pending)  # at most this batch and the last one held
+            pending = [] if err else [pool.submit(one, k, base) for k, base in zip(batch, bases) if refs[k].need]
+        collect(pending)
+    return out, (err[0] if err else None)

@@ -18,7 +18,7 @@ decode, a write) makes every rank refuse and take its writes back.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -158,19 +158,36 @@ def gather_range(group: RankGroup, place: Placement | None, flat: Any, start: in
     """Words ``[start, stop)`` of the whole checkpoint tensor, rebuilt from every rank's placement
     (a collective: every rank calls it for the same range; a rank holding nothing of it adds
     zeros). ``flat`` is this rank's binding (a torch integer view); returns unsigned host words."""
+    return gather_ranges(group, [(place, flat, start, stop, word)])[0]
+
+
+def gather_ranges(group: RankGroup, ranges: Sequence[tuple[Placement | None, Any, int, int, Any]]
+                  ) -> list[np.ndarray]:
+    """:func:`gather_range` of each ``(place, flat, start, stop, word)`` in ``ranges``, with one
+    collective for all of them (every rank calls it with the same ranges, in the same order)."""
     import torch
 
-    n = stop - start
-    per = max(1, 4 // flat.element_size())  # words per int32
-    block = torch.zeros(-(-n // per) * per, dtype=flat.dtype, device=flat.device)
-    if place is not None and place.counted:
-        which, local = place.local(np.arange(start, stop, dtype=np.int64))
-        if which.shape[0]:
-            idx = torch.from_numpy(local).to(flat.device)
-            block.index_copy_(0, torch.from_numpy(which).to(flat.device), flat.index_select(0, idx))
+    if not ranges:
+        return []
+    device = ranges[0][1].device
+    offsets = [0]
+    for _, flat, start, stop, _ in ranges:  # each range padded to whole int32s
+        offsets.append(offsets[-1] + -(-(stop - start) * flat.element_size() // 4))
+    block = torch.zeros(offsets[-1], dtype=torch.int32, device=device)
+    views = []
+    for (place, flat, start, stop, _), lo, hi in zip(ranges, offsets, offsets[1:]):
+        part = block[lo:hi].view(flat.dtype)
+        views.append(part[:stop - start])
+        if place is not None and place.counted:
+            which, local = place.local(np.arange(start, stop, dtype=np.int64))
+            if which.shape[0]:
+                idx = torch.from_numpy(local).to(flat.device)
+                part.index_copy_(0, torch.from_numpy(which).to(flat.device), flat.index_select(0, idx))
     # Owned bits never overlap, so the sum is exact in any integer view; int32 is one every
     # backend reduces (NCCL has no int16).
-    view = block.view(torch.int32) if per > 1 else block
-    group.sum_(view)
-    host = block[:n].cpu() if block.device.type != "cpu" else block[:n]
-    return host.numpy().view(word)
+    group.sum_(block)
+    host = block.cpu() if block.device.type != "cpu" else block
+    out = []
+    for (_, flat, _, _, word), lo, hi, v in zip(ranges, offsets, offsets[1:], views):
+        out.append(host[lo:hi].view(flat.dtype)[:v.shape[0]].numpy().view(word))
+    return out

@@ -156,8 +156,13 @@ def _streamed_apply(live, apply, m, chunks) -> str:
 
 
 def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, chunks, out, sliced: bool,
-          streamed: bool = False) -> None:
+          streamed: bool = False, gather_words: int | None = None) -> None:
     import torch.distributed as dist
+
+    if gather_words is not None:  # several collectives, each rebuilding several ranges
+        from rollout.engines import vllm_slices
+
+        vllm_slices._GATHER_WORDS = gather_words
 
     from rollout.engines.vllm_tp import RankRefused, TorchGroup
     from rollout.engines.vllm_weights import LiveWeights
@@ -217,12 +222,15 @@ def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, c
         out.put((rank, traceback.format_exc()))
 
 
-@pytest.mark.parametrize("sliced,streamed", [(False, False), (True, False), (True, True)],
-                         ids=["whole", "sliced", "sliced-streamed"])
-def test_two_ranks_apply_a_delta_bit_exact_and_refuse_together(sliced, streamed, monkeypatch):
+@pytest.mark.parametrize("sliced,streamed,gather_words", [(False, False, None), (True, False, None),
+                                                         (True, True, None), (False, False, 2048)],
+                         ids=["whole", "sliced", "sliced-streamed", "whole-small-batches"])
+def test_two_ranks_apply_a_delta_bit_exact_and_refuse_together(sliced, streamed, gather_words, monkeypatch):
     """``sliced``: the trainer cuts these small tensors into row blocks too (as it does large ones), so
     each rank decodes the blocks of its own rows alone, from only the chunks that hold them.
-    ``streamed``: each rank decodes its chunks as they are handed over, the shared ranges after."""
+    ``streamed``: each rank decodes its chunks as they are handed over, the shared ranges after.
+    ``gather_words``: the ranges the ranks rebuild together go in batches of at most that many words
+    (by default all of this model's in one)."""
     if sliced:
         monkeypatch.setattr("p2psync.codec.slices.MIN_SLICED", 256)
     old = _state(0)
@@ -235,7 +243,7 @@ def test_two_ranks_apply_a_delta_bit_exact_and_refuse_together(sliced, streamed,
     out = ctx.Queue()
     words = lambda st: {n: st.words(n).copy() for n in st}  # noqa: E731
     procs = [ctx.Process(target=_rank, args=(r, port, words(old), words(new), (old.fingerprint, new.fingerprint),
-                                             m, [bytes(c) for c in chunks], out, sliced, streamed))
+                                             m, [bytes(c) for c in chunks], out, sliced, streamed, gather_words))
              for r in range(2)]
     for p in procs:
         p.start()

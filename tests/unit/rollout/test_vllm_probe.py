@@ -1,0 +1,123 @@
+"""Placement derived by probing a model's own ``load_weights`` (stand-in modules, no vLLM needed):
+each checkpoint element is found where the loader copies it (fused rows, a transposed load, a
+blocked repacking's strided block, a permutation that no block describes), the live weights are
+never written, and a loader that computes values, writes an element twice or spreads a tensor over
+two parameters is refused at init naming the tensor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from p2psync.state import TensorSpec
+from rollout.engines.vllm_layout import LayoutError
+from rollout.engines.vllm_placement import compress
+from rollout.engines.vllm_probe import derive
+
+Q, K, H = 8, 4, 6  # rows of q, rows of k, columns
+
+
+class _Fused(torch.nn.Module):
+    """``qkv`` holds q's rows then k's; ``t`` holds ``w`` transposed; ``p`` holds ``v`` permuted;
+    ``mode`` breaks the loader one way."""
+
+    def __init__(self, mode: str = "copy") -> None:
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.qkv = torch.nn.Parameter(torch.randn(Q + K, H, generator=g).to(torch.bfloat16), requires_grad=False)
+        self.t = torch.nn.Parameter(torch.randn(H, Q, generator=g).to(torch.bfloat16), requires_grad=False)
+        self.p = torch.nn.Parameter(torch.randn(10, generator=g).to(torch.bfloat16), requires_grad=False)
+        self.mode = mode
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            if name == "q":
+                src = t * 0.5 if self.mode == "computed" else t  # a scale (not a copy)
+                if self.mode == "spread":  # row 0 elsewhere (v is not loaded then)
+                    self.qkv.data[1:Q].copy_(src[1:])
+                    self.p.data[:H].copy_(t[0])
+                else:
+                    self.qkv.data[:Q].copy_(src)
+                if self.mode == "twice":
+                    self.qkv.data[Q:Q + 1].copy_(t[:1])
+            elif name == "k":
+                if self.mode != "twice":
+                    self.qkv.data[Q:].copy_(t)
+            elif name == "w":
+                self.t.data.copy_(t.t())
+            elif name == "v":
+                if self.mode != "spread":
+                    self.p.data.copy_(t[torch.tensor([3, 1, 4, 0, 9, 2, 6, 5, 8, 7])])
+            else:
+                raise KeyError(name)
+
+
+SPECS = [TensorSpec("q", "BF16", (Q, H)), TensorSpec("k", "BF16", (K, H)), TensorSpec("w", "BF16", (Q, H)),
+         TensorSpec("v", "BF16", (10,))]
+
+
+def _bits(m: torch.nn.Module) -> dict[str, bytes]:
+    return {n: p.detach().view(torch.int16).numpy().tobytes() for n, p in m.named_parameters()}
+
+
+def _pairs(pl) -> tuple[np.ndarray, np.ndarray]:
+    ck, dst = map(np.concatenate, zip(*pl.chunks()))
+    order = np.argsort(ck)
+    return ck[order], dst[order]
+
+
+def test_every_element_is_found_where_the_loader_copies_it_and_nothing_is_written():
+    m = _Fused()
+    before = _bits(m)
+    places = derive(m, SPECS)
+    assert _bits(m) == before
+    assert {n: (pl.param, pl.whole) for n, pl in places.items()} == {
+        "q": ("qkv", True), "k": ("qkv", True), "w": ("t", True), "v": ("p", True)}
+    assert places["q"].simple() == 0 and places["k"].simple() == Q * H  # one contiguous block each
+    ck, dst = _pairs(places["w"])
+    r, c = np.divmod(ck, H)
+    assert np.array_equal(dst, c * Q + r)  # the transposed load, one strided block
+    assert len(places["w"].families) == 1 and places["w"].families[0].ck.shape[0] == 1
+    ck, dst = _pairs(places["v"])
+    assert np.array_equal(ck, np.arange(10)) and np.array_equal(dst, np.argsort([3, 1, 4, 0, 9, 2, 6, 5, 8, 7]))
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("computed", "q: vLLM's loader computes the values of qkv"),
+    ("twice", "q: vLLM's loader writes some of its elements to more than one place in qkv"),
+    ("spread", "q: vLLM's loader spreads it over several parameters (['p', 'qkv'])"),
+])
+def test_a_loader_that_does_not_copy_each_element_once_is_refused_naming_the_tensor(mode, message):
+    m = _Fused(mode)
+    before = _bits(m)
+    with pytest.raises(LayoutError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+                       .replace("]", r"\]")):
+        derive(m, SPECS)
+    assert _bits(m) == before
+
+
+@pytest.mark.parametrize("layout", ["row-major", "transposed", "blocked", "offset rows", "every other"])
+def test_compress_finds_one_block_wherever_there_is_one(layout):
+    """The compiled factorisation against the layouts vLLM's loaders produce; the element map it gives
+    back is the pairs it was given."""
+    rows, cols = 32, 24
+    ck = np.arange(rows * cols, dtype=np.int64)
+    r, c = np.divmod(ck, cols)
+    dst = {"row-major": ck + 5, "transposed": c * rows + r, "blocked": (r // 16) * 16 * cols + c * 16 + r % 16,
+           "offset rows": r * (cols + 8) + c + 100, "every other": ck * 2}[layout]
+    for given in (ck, None):
+        pl = compress("x", "w", (rows, cols), given, dst, ck_sorted=True)
+        assert len(pl.families) == 1 and pl.families[0].ck.shape[0] == 1
+        got_ck, got_dst = _pairs(pl)
+        assert np.array_equal(got_ck, ck) and np.array_equal(got_dst, dst)
+
+
+def test_compress_falls_back_to_runs_where_no_block_fits():
+    ck = np.array([0, 1, 2, 5, 6, 9], dtype=np.int64)
+    dst = np.array([10, 11, 12, 0, 1, 40], dtype=np.int64)
+    pl = compress("x", "w", (10,), ck[::-1].copy(), dst[::-1].copy())
+    got_ck, got_dst = _pairs(pl)
+    assert np.array_equal(got_ck, ck) and np.array_equal(got_dst, dst)
+    with pytest.raises(LayoutError, match="more than one place"):
+        compress("x", "w", (10,), np.array([1, 1]), np.array([0, 1]))
