@@ -60,14 +60,14 @@ class Committer:
     device: Any
     host_memory: bool
     sums: list[tuple[int, int]]
-    _words: list[Any]
-    _seeds: list[Any]
+    word_types: list[Any]
+    seeds: list[Any]
     _maps: list[tuple[int, np.ndarray, np.ndarray] | None]
 
     def _mem(self, i: int) -> np.ndarray:
         raise NotImplementedError
 
-    def _group_sums(self, sums: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    def group_sums(self, sums: list[tuple[int, int]]) -> list[tuple[int, int]]:
         raise NotImplementedError
 
     def commit(self, changes: dict[int, list[tuple[np.ndarray, np.ndarray]]], target: str) -> str:
@@ -97,7 +97,7 @@ class Committer:
         for (t, *_), ln in zip(items, lanes):
             assert ln is not None
             delta[t] = sum_add(delta[t], ln[0], ln[1])
-        sums = [sum_add(a, *d) for a, d in zip(self.sums, self._group_sums(delta))]
+        sums = [sum_add(a, *d) for a, d in zip(self.sums, self.group_sums(delta))]
         got = fold_root(self.table_hash, sums)  # the same on every rank
         if got != target:
             self._undo(items, undo)
@@ -134,7 +134,7 @@ class Committer:
         t, local, glob, new = item
         words = self._mem(t)
         new = np.ascontiguousarray(new).view(words.dtype)
-        seed = np.uint64(self._seeds[t])
+        seed = np.uint64(self.seeds[t])
         if local is None:  # a strided block: map, keep, write, hash in one pass
             mp = self._maps[t]
             assert mp is not None
@@ -151,9 +151,11 @@ class Committer:
             undo[j] = old
             wordops.scatter(words, local, new)
             a, b = wordops.hash_change(glob, old, words[local], seed)
-        lanes[j] = (int(a), int(b)) if self._counted(t) else (0, 0)
+        lanes[j] = (int(a), int(b)) if self.counts(t) else (0, 0)
 
-    def _counted(self, t: int) -> bool:
+    def counts(self, t: int) -> bool:
+        """Whether this rank's words of tensor ``t`` count towards the fingerprint (it holds some, and
+        no lower rank holds the same copy)."""
         place = self.places[t]
         return place is not None and place.counted
 
@@ -170,9 +172,9 @@ class Committer:
         flat.index_copy_(0, idx, torch.from_numpy(np.ascontiguousarray(new).view(np_signed(new))).to(self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        back = to_host(flat.index_select(0, idx)).view(self._words[t])
-        a, b = wordops.hash_change(glob, to_host(old).view(self._words[t]), back, np.uint64(self._seeds[t]))
-        lanes[j] = (int(a), int(b)) if self._counted(t) else (0, 0)
+        back = to_host(flat.index_select(0, idx)).view(self.word_types[t])
+        a, b = wordops.hash_change(glob, to_host(old).view(self.word_types[t]), back, np.uint64(self.seeds[t]))
+        lanes[j] = (int(a), int(b)) if self.counts(t) else (0, 0)
 
     def _undo(self, items: list[Item], undo: list[Any]) -> None:
         """Write back the old words of every part that was (or may have been) written."""

@@ -129,7 +129,7 @@ def decode(live: LiveWeights, manifest: Manifest, chunks: Sequence[bytes | memor
            ) -> tuple[dict[int, list[tuple[np.ndarray, np.ndarray]]], list[tuple[int, int]]]:
     """:meth:`LiveWeights.decode <rollout.engines.vllm_weights.LiveWeights.decode>` of this rank's slice:
     ``chunks`` holds every chunk this rank needs (None for the others)."""
-    live._check(manifest)
+    live.check_manifest(manifest)
     if manifest.kind != "delta":
         raise CodecError(f"expected a delta, got a {manifest.kind}")
     if live.fingerprint != manifest.base_fingerprint:
@@ -157,27 +157,27 @@ def decode(live: LiveWeights, manifest: Manifest, chunks: Sequence[bytes | memor
         gathered = []
     skip = set(gathered)
     alone = sorted((k for k, r in enumerate(refs) if r.need and k not in skip), key=lambda k: -len(heads[k].raw))
-    out, _, err = run_ordered(len(alone), list(range(len(alone))), lambda j: live._decode_segment(heads[alone[j]]),
+    out, _, err = run_ordered(len(alone), list(range(len(alone))), lambda j: live.decode_segment(heads[alone[j]]),
                               min(live.threads, max(1, len(alone))), live.cpus)
     results: list[Any] = [o for o in out if o is not None]
-    counted = [(o[0], o[4]) for o in results if live._counted(o[0])]
-    g_out, g_err = _decode_gathered(live, refs, heads, gathered)
+    counted = [(o[0], o[4]) for o in results if live.counts(o[0])]
+    g_out, g_err = decode_gathered(live, refs, heads, gathered)
     err = err or g_err
     if err is not None:
         raise err
     results += [o for o, _ in g_out]
     counted += [(o[0], ab) for o, ab in g_out if ab is not None]
-    return _assembled(live, results, counted)
+    return assembled(live, results, counted)
 
 
-def _assembled(live: LiveWeights, results: list[Any], counted: list[tuple[int, tuple[int, int]]]
+def assembled(live: LiveWeights, results: list[Any], counted: list[tuple[int, tuple[int, int]]]
                ) -> tuple[dict[int, list[tuple[np.ndarray, np.ndarray]]], list[tuple[int, int]]]:
     """``(changes, sums)`` from the decoded segments (``(tensor, range, positions, new words, _)``)
     and the sums' changes this rank counts: the group's sums, segments checked not to overlap."""
     delta = [(0, 0)] * len(live.specs)
     for t, (da, db) in counted:
         delta[t] = ((delta[t][0] + int(da)) & MASK64, (delta[t][1] + int(db)) & MASK64)
-    summed = live._group_sums(delta)
+    summed = live.group_sums(delta)
     sums = [((a[0] + d[0]) & MASK64, (a[1] + d[1]) & MASK64) for a, d in zip(live.sums, summed)]
     by: dict[int, list[tuple[tuple[int, int], np.ndarray, np.ndarray]]] = {}
     for t, span, pos, new, _ in results:
@@ -207,14 +207,14 @@ def _heads(live: LiveWeights, manifest: Manifest, chunks: Sequence[bytes | memor
     first = np.cumsum([0] + [len(e) // 3 for e in index]).tolist()
     heads: dict[int, Any] = {}
     for i, segs in split.items():
-        heads.update(_chunk_heads(live, index, refs, first, i, segs))
+        heads.update(chunk_heads(live, index, refs, first, i, segs))
     missing = next((r.chunk for k, r in enumerate(refs) if r.need and k not in heads), None)
     if missing is not None:
         raise CodecError(f"chunk {missing} holds segments this rank needs and was not given")
     return refs, heads
 
 
-def _chunk_heads(live: LiveWeights, index: Index, refs: list[SegmentRef], first: list[int], i: int,
+def chunk_heads(live: LiveWeights, index: Index, refs: list[SegmentRef], first: list[int], i: int,
                  segs: list[memoryview]) -> dict[int, Any]:
     """The parsed heads of the segments of chunk ``i`` (``segs``) this rank needs, by their place in
     the index; the chunk checked against the signed index."""
@@ -225,7 +225,7 @@ def _chunk_heads(live: LiveWeights, index: Index, refs: list[SegmentRef], first:
     for j, seg in enumerate(segs):
         k = first[i] + j
         r = refs[k]
-        p = live._head(seg)
+        p = live.segment_head(seg)
         if (p.tensor, p.start, p.stop) != (r.tensor, r.start, r.stop):
             raise SegmentIndexError("segments", f"chunk {i} does not hold the segments the signed index "
                                     "gives it")
@@ -238,7 +238,7 @@ _GATHER_WORDS = 1 << 22
 """Words of the ranges rebuilt by one collective (the last batch and the one being decoded are held)."""
 
 
-def _decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, Any], gathered: list[int]
+def decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, Any], gathered: list[int]
                      ) -> tuple[list[tuple[Any, tuple[int, int] | None]], Exception | None]:
     """Rebuild the gathered ranges with the group (the same batches, in the same order, on every
     rank: one collective per :data:`_GATHER_WORDS` of ranges) and decode each where this rank holds
@@ -253,13 +253,13 @@ def _decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int,
     def one(k: int, base: np.ndarray) -> tuple[Any, tuple[int, int] | None]:
         r = refs[k]
         place = live.places[r.tensor]
-        res = live._decode_segment(heads[k], base)
+        res = live.decode_segment(heads[k], base)
         ab = None
         if place is not None and place.counted:
             pos, new = res[2], res[3]
             which, _ = place.local(pos)
             a, b = wordops.hash_change(pos[which], base[pos[which] - r.start], new[which],
-                                       np.uint64(live._seeds[r.tensor]))
+                                       np.uint64(live.seeds[r.tensor]))
             ab = (int(a), int(b))
         return res, ab
 
@@ -291,7 +291,7 @@ def _decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int,
         pending: list[concurrent.futures.Future[tuple[Any, tuple[int, int] | None]]] = []
         for batch in batches:
             bases = gather_ranges(live.group, [(live.places[refs[k].tensor], live.flat[refs[k].tensor],
-                                                refs[k].start, refs[k].stop, live._words[refs[k].tensor])
+                                                refs[k].start, refs[k].stop, live.word_types[refs[k].tensor])
                                                for k in batch])
             collect(pending)  # at most this batch and the last one held
             pending = [] if err else [pool.submit(one, k, base) for k, base in zip(batch, bases) if refs[k].need]

@@ -39,7 +39,7 @@ from p2psync.codec.decode import split_chunk
 from p2psync.errors import CodecError, WrongBase
 from p2psync.transport.fetch import Pipeline
 from p2psync.workers import pin
-from rollout.engines.vllm_slices import LiveWeights, _assembled, _chunk_heads, _decode_gathered, plan
+from rollout.engines.vllm_slices import LiveWeights, assembled, chunk_heads, decode_gathered, plan
 from rollout.engines.vllm_tp import RankRefused
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class Streamed:
     and the base fingerprint at once, before any chunk is fetched."""
 
     def __init__(self, live: LiveWeights, manifest: Manifest) -> None:
-        live._check(manifest)
+        live.check_manifest(manifest)
         if not streams(live, manifest):
             raise CodecError("only a delta with a segment index is decoded as it arrives")
         if live.fingerprint != manifest.base_fingerprint:
@@ -101,8 +101,8 @@ class Streamed:
                 raise CodecError(f"chunk {i} given twice")
             self._results[i] = []
             self.order.append(("begin", i))
-        heads = _chunk_heads(self.live, self.index, self.refs, self.first, i, split_chunk(chunk))
-        out = [self.live._decode_segment(heads[k]) for k in sorted(heads) if k not in self.gathered]
+        heads = chunk_heads(self.live, self.index, self.refs, self.first, i, split_chunk(chunk))
+        out = [self.live.decode_segment(heads[k]) for k in sorted(heads) if k not in self.gathered]
         with self._lock:
             self._gheads.update((k, p) for k, p in heads.items() if k in self.gathered)
             self._results[i] = out
@@ -119,13 +119,13 @@ class Streamed:
         if not group.all_true(failed is None):  # voted before the collectives below
             raise failed or RankRefused("another tensor-parallel rank was not given every chunk")
         results = [o for i in sorted(self._results) for o in self._results[i]]
-        counted = [(o[0], o[4]) for o in results if live._counted(o[0])]
-        g_out, err = _decode_gathered(live, self.refs, self._gheads, sorted(self.gathered))
+        counted = [(o[0], o[4]) for o in results if live.counts(o[0])]
+        g_out, err = decode_gathered(live, self.refs, self._gheads, sorted(self.gathered))
         if not group.all_true(err is None):
             raise err or RankRefused("another tensor-parallel rank could not decode the delta")
         results += [o for o, _ in g_out]
         counted += [(o[0], ab) for o, ab in g_out if ab is not None]
-        return _assembled(live, results, counted)
+        return assembled(live, results, counted)
 
 
 async def decoding(stream: Streamed, source: Callable[[OnChunk], Awaitable[T]], threads: int,

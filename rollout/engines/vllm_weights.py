@@ -157,7 +157,8 @@ class LiveWeights(Committer):
         """The live words are in host memory: decode against them in place and write them with
         compiled loops. Else (a device) decode against a host copy of one segment's range at a time
         and write with torch's index ops."""
-        self._words = [dtypes.from_code(s.dtype).word for s in self.specs]
+        self.word_types = [dtypes.from_code(s.dtype).word for s in self.specs]
+        """Each tensor's unsigned word type (the integer view the codec decodes and hashes)."""
         self._maps: list[tuple[int, np.ndarray, np.ndarray] | None] = []
         """Tensors held whole as one strided block (an expert in a repacked ``w13_weight``, a transposed
         weight) in host memory: ``(base, checkpoint strides, parameter strides)``. A range is copied out
@@ -170,7 +171,8 @@ class LiveWeights(Committer):
             self._maps.append(None if bm is None else
                               (bm[0], np.array(bm[2], dtype=np.int64), np.array(bm[3], dtype=np.int64)))
         self._scratch = threading.local()
-        self._seeds = [tensor_seed(s.name) for s in self.specs]
+        self.seeds = [tensor_seed(s.name) for s in self.specs]
+        """Each tensor's fingerprint seed (from its name)."""
         self.sums: list[tuple[int, int]] = self._compute_sums()
 
     def _roles(self) -> None:
@@ -195,7 +197,7 @@ class LiveWeights(Committer):
     def _mem(self, i: int) -> np.ndarray:
         """The words of tensor ``i``'s binding (its slice, or its whole parameter) as unsigned host
         words: a view in host memory (only called there)."""
-        return self.flat[i].numpy().view(self._words[i])
+        return self.flat[i].numpy().view(self.word_types[i])
 
     def _gather(self, i: int, dst: np.ndarray) -> np.ndarray:
         """Unsigned host copies of the words at positions ``dst`` of tensor ``i``'s binding."""
@@ -204,7 +206,7 @@ class LiveWeights(Committer):
         import torch
 
         got = self.flat[i].index_select(0, torch.from_numpy(dst).to(self.device))
-        return to_host(got).view(self._words[i])
+        return to_host(got).view(self.word_types[i])
 
     def host_words(self, i: int, start: int, stop: int) -> np.ndarray:
         """Checkpoint words ``[start, stop)`` of tensor ``i``, held whole here, as unsigned host words
@@ -213,7 +215,7 @@ class LiveWeights(Committer):
             mp = self._maps[i] if self.host_memory else None
             if mp is not None:
                 return vllm_kernels.gather_mapped(self._mem(i), start, stop, *mp,
-                                                  np.empty(stop - start, dtype=self._words[i]))
+                                                  np.empty(stop - start, dtype=self.word_types[i]))
             place = self.places[i]
             assert place is not None
             which, dst = place.local(np.arange(start, stop, dtype=np.int64))
@@ -223,7 +225,7 @@ class LiveWeights(Committer):
         part = self.flat[i][start:stop]
         if part.device.type != "cpu":
             part = part.cpu()
-        return part.numpy().view(self._words[i])
+        return part.numpy().view(self.word_types[i])
 
     def _compute_sums(self) -> list[tuple[int, int]]:
         """Per-tensor sums of the element hashes of the words this rank owns, summed over the ranks."""
@@ -235,10 +237,10 @@ class LiveWeights(Committer):
                 n = self.specs[i].numel
                 step = n if self.host_memory else _HOST_RANGE
                 for lo in range(0, n, max(1, step)):
-                    s = sum_add(s, *_hash_at(self.host_words(i, lo, min(n, lo + step)), lo, self._seeds[i]))
+                    s = sum_add(s, *_hash_at(self.host_words(i, lo, min(n, lo + step)), lo, self.seeds[i]))
                 return s
             for ck, dst in place.chunks(_HOST_RANGE):
-                a, b = wordops.hash_sparse(ck, self._gather(i, dst), self._seeds[i])
+                a, b = wordops.hash_sparse(ck, self._gather(i, dst), self.seeds[i])
                 s = sum_add(s, int(a), int(b))
             return s
 
@@ -247,9 +249,9 @@ class LiveWeights(Committer):
         out, _, err = run_ordered(len(self.specs), order, one, self.threads, self.cpus)
         if err is not None:
             raise err
-        return self._group_sums([o if o is not None else (0, 0) for o in out])
+        return self.group_sums([o if o is not None else (0, 0) for o in out])
 
-    def _group_sums(self, sums: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    def group_sums(self, sums: list[tuple[int, int]]) -> list[tuple[int, int]]:
         if self.group.size == 1:
             return sums
         flat = self.group.sum_u64([v for ab in sums for v in ab])
@@ -271,7 +273,7 @@ class LiveWeights(Committer):
         i = [s.name for s in self.specs].index(name)
         place = self.places[i]
         if place is None:
-            return np.empty(0, dtype=self._words[i])
+            return np.empty(0, dtype=self.word_types[i])
         if self.offset[i] is not None:
             return self.host_words(i, 0, self.specs[i].numel).copy()
         parts = [(ck, self._gather(i, dst)) for ck, dst in place.chunks(_HOST_RANGE)]
@@ -279,7 +281,8 @@ class LiveWeights(Committer):
         return np.concatenate([p[1] for p in parts])[np.argsort(ck, kind="stable")]
 
     # --- applying -----------------------------------------------------------------------
-    def _check(self, manifest: Manifest) -> None:
+    def check_manifest(self, manifest: Manifest) -> None:
+        """Raise :class:`~p2psync.errors.TensorTableMismatch` unless ``manifest``'s table is this model's."""
         from p2psync.state import check_table
 
         check_table(list(manifest.tensors), self.specs)
@@ -300,7 +303,7 @@ class LiveWeights(Committer):
         finally:
             self._scratch = threading.local()  # the threads' scratch ranges are not kept between updates
 
-    def _head(self, seg: memoryview) -> Any:
+    def segment_head(self, seg: memoryview) -> Any:
         """The parsed head of a delta segment, checked against the table."""
         p = parse_head(seg)
         if p.kind != KIND_DELTA:
@@ -313,14 +316,14 @@ class LiveWeights(Committer):
         assert p.raw is not None
         return p
 
-    def _decode_segment(self, p: Any, base: np.ndarray | None = None
-                        ) -> tuple[int, tuple[int, int], np.ndarray, np.ndarray, tuple[int, int]]:
+    def decode_segment(self, p: Any, base: np.ndarray | None = None
+                       ) -> tuple[int, tuple[int, int], np.ndarray, np.ndarray, tuple[int, int]]:
         """``(tensor, range, positions, new words, sums' change)`` of one segment, decoded against
         the live words in place (host memory, whole tensor), ``base`` (the range rebuilt from every
         rank) or a copy of the segment's range (the decoder told its origin: positions and sums'
         change are the tensor's)."""
         spec = self.specs[p.tensor]
-        d, seed = dtypes.from_code(spec.dtype), np.uint64(self._seeds[p.tensor])
+        d, seed = dtypes.from_code(spec.dtype), np.uint64(self.seeds[p.tensor])
         if base is None and self.host_memory and self.offset[p.tensor] is not None:
             # in place; the decoder also returns the sums' change
             pos, new, ab = segdecode.decode(p.raw, p.body_at, p.start, p.stop, d,
@@ -329,7 +332,7 @@ class LiveWeights(Committer):
         mp = self._maps[p.tensor] if base is None and self.host_memory else None
         if mp is not None:  # a strided block: its range copied into this thread's scratch words
             base = vllm_kernels.gather_mapped(self._mem(p.tensor), p.start, p.stop, *mp,
-                                              self._scratch_words(p.stop - p.start, self._words[p.tensor]))
+                                              self._scratch_words(p.stop - p.start, self.word_types[p.tensor]))
         old = self.host_words(p.tensor, p.start, p.stop) if base is None else base
         pos, new, ab = segdecode.decode(p.raw, p.body_at, p.start, p.stop, d, old, seed, origin=p.start)
         return p.tensor, (p.start, p.stop), pos, new, ab
@@ -373,7 +376,7 @@ class LiveWeights(Committer):
 
         from p2psync.codec.decode import decode_state
 
-        self._check(manifest)
+        self.check_manifest(manifest)
         if manifest.kind != "snapshot":
             raise CodecError(f"expected a snapshot, got a {manifest.kind}")
         staged = together(self.group, lambda: decode_state(list(manifest.tensors), enumerate(chunks),
