@@ -179,10 +179,7 @@ def gather_ranges(group: RankGroup, ranges: Sequence[tuple[Placement | None, Any
         part = block[lo:hi].view(flat.dtype)
         views.append(part[:stop - start])
         if place is not None and place.counted:
-            which, local = place.local(np.arange(start, stop, dtype=np.int64))
-            if which.shape[0]:
-                idx = torch.from_numpy(local).to(flat.device)
-                part.index_copy_(0, torch.from_numpy(which).to(flat.device), flat.index_select(0, idx))
+            _copy_owned(part, place, flat, start, stop)
     # Owned bits never overlap, so the sum is exact in any integer view; int32 is one every
     # backend reduces (NCCL has no int16).
     group.sum_(block)
@@ -191,3 +188,50 @@ def gather_ranges(group: RankGroup, ranges: Sequence[tuple[Placement | None, Any
     for (_, flat, _, _, word), lo, hi, v in zip(ranges, offsets, offsets[1:], views):
         out.append(host[lo:hi].view(flat.dtype)[:v.shape[0]].numpy().view(word))
     return out
+
+
+def _row_block(place: Placement) -> tuple[int, int, int, int, int, int] | None:
+    """``(ck0, dst0, rows, ck_stride, dst_stride, width)`` when ``place`` is one block of rows, each a
+    run of ``width`` elements contiguous on both sides (a column slice of a row-parallel weight, a
+    tensor stored whole); None otherwise."""
+    if len(place.families) != 1 or place.families[0].ck.shape[0] != 1:
+        return None
+    f = place.families[0]
+    dims = [d for d in f.dims if d[0] > 1]
+    if len(dims) == 1:  # one run: a single row of its width
+        dims = [(1, dims[0][0], dims[0][0])] + dims
+    if len(dims) != 2 or dims[1][1:] != (1, 1):
+        return None
+    (rows, cs, ds), (width, _, _) = dims
+    return int(f.ck[0]), int(f.dst[0]), rows, cs, ds, width
+
+
+def _copy_owned(part: Any, place: Placement, flat: Any, start: int, stop: int) -> None:
+    """``part[ck - start] = flat[dst]`` for every element ``ck -> dst`` of ``place`` with ``ck`` in
+    ``[start, stop)``: as strided copies of whole rows where the placement is a block of rows
+    (:func:`_row_block`), else element by element."""
+    import torch
+
+    rb = _row_block(place)
+    if rb is None:
+        which, local = place.local(np.arange(start, stop, dtype=np.int64))
+        if which.shape[0]:
+            idx = torch.from_numpy(local).to(flat.device)
+            part.index_copy_(0, torch.from_numpy(which).to(flat.device), flat.index_select(0, idx))
+        return
+    ck0, dst0, rows, cs, ds, width = rb
+    full_lo = max(0, -(-(start - ck0) // cs))  # the first row starting at or after start
+    full_hi = min(rows, (stop - ck0 - width) // cs + 1) if stop - ck0 >= width else 0
+    if full_hi > full_lo:
+        n = full_hi - full_lo
+        src = flat.as_strided((n, width), (ds, 1), flat.storage_offset() + dst0 + full_lo * ds)
+        part.as_strided((n, width), (cs, 1), part.storage_offset() + ck0 + full_lo * cs - start).copy_(src)
+    first = max(0, (start - ck0) // cs)
+    last = min(rows - 1, (stop - 1 - ck0) // cs)
+    for i in {first, last}:  # rows the range cuts (at its ends)
+        if full_lo <= i < full_hi or not 0 <= i < rows:
+            continue
+        lo, hi = max(start, ck0 + i * cs), min(stop, ck0 + i * cs + width)
+        if hi > lo:
+            at = dst0 + i * ds + lo - ck0 - i * cs
+            part[lo - start:hi - start].copy_(flat[at:at + hi - lo])
