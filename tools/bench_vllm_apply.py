@@ -416,24 +416,30 @@ def run_linked(ctx: dict, node_argv: list[str], mbit: float) -> int:
             tb.stop([node, files])
 
 
-def run_engine(ctx: dict, url: str, dense: str) -> dict:
+def wait_head(ctx: dict, url: str) -> None:
+    """Return once the node at ``url`` holds version 1 (it imports the artifacts it is given)."""
     import urllib.request
 
+    from p2psync.transport.tls import Tls
+
+    for _ in range(600):
+        try:
+            req = urllib.request.Request(url + "/v1/head", headers={"Authorization": f"Bearer {TOKEN}"})
+            if json.loads(Tls.for_client(ctx["tls_dir"]).urlopen(req, timeout=5).read()).get("head") == 1:
+                return
+        except OSError:
+            pass
+        time.sleep(1)
+
+
+def run_engine(ctx: dict, url: str, dense: str) -> dict:
     from vllm import LLM
 
-    from p2psync.transport.tls import Tls
     from rollout.engines.base import EngineConfig, ParentInfo
     from rollout.engines.vllm import VLLMEngine, llm_kwargs
 
     ck, keydir, out, tls_dir = Path(ctx["ck"]), Path(ctx["keydir"]), Path(ctx["out"]), ctx["tls_dir"]
-    for _ in range(600):  # the node imports the artifacts it is given
-        try:
-            req = urllib.request.Request(url + "/v1/head", headers={"Authorization": f"Bearer {TOKEN}"})
-            if json.loads(Tls.for_client(tls_dir).urlopen(req, timeout=5).read()).get("head") == 1:
-                break
-        except OSError:
-            pass
-        time.sleep(1)
+    wait_head(ctx, url)
     kw = llm_kwargs(EngineConfig(engine="vllm", model_path=str(ck)), str(ck))
     kw["max_model_len"] = 256
     tp = int(ctx.get("tp", 1))

@@ -33,7 +33,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -67,9 +67,11 @@ def warm(codes: Iterable[str] = CODES) -> float:
     return time.perf_counter() - t0
 
 
-def start(codes: Iterable[str] = CODES, extra: Any = None) -> threading.Thread:
-    """Run :func:`warm` (then ``extra()``, if given) in a daemon thread; the same thread for the
-    same ``codes`` in one process. A failure is logged: the apply path reports its own errors."""
+def start(codes: Iterable[str] = CODES, extra: Any = None, cpus: Collection[int] | None = None
+          ) -> threading.Thread:
+    """Run :func:`warm` (then ``extra()``, if given) in a daemon thread, on ``cpus`` if given (else
+    the caller's); the same thread for the same ``codes`` in one process. A failure is logged: the
+    apply path reports its own errors."""
     key = tuple(codes)
     with _lock:
         t = _started.get(key)
@@ -77,6 +79,10 @@ def start(codes: Iterable[str] = CODES, extra: Any = None) -> threading.Thread:
             return t
 
         def run() -> None:
+            if cpus:
+                from p2psync.workers import pin
+
+                pin(cpus)
             try:
                 took = warm(key)
                 if extra is not None:

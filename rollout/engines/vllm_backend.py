@@ -73,8 +73,9 @@ from vllm.distributed.weight_transfer.base import (
 
 from p2psync.errors import P2PSyncError, PeerUnreachable, SignatureError, TruncatedError, WrongBase, WrongSize
 from rollout.engines import vllm_requests, vllm_warm
-from rollout.engines.vllm_cpus import update_cpus
-from rollout.engines.vllm_fetch import check_key, fetch_artifact, fetch_manifest, fetch_plan, fetch_version_manifest
+from rollout.engines.vllm_cpus import own_cpus, update_cpus
+from rollout.engines.vllm_fetch import (Fetcher, check_key, fetch_artifact, fetch_manifest, fetch_plan,
+                                        fetch_version_manifest)
 from rollout.engines.vllm_requests import NotInitialized, TransferInfoError, load_public_key
 from rollout.engines.vllm_stream import Streamed, decoding, streams
 from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, together, vllm_group
@@ -142,6 +143,8 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         self.live: LiveWeights | None = None
         self.timing: dict[str, Any] = {}
         """The last artifact's bytes fetched, and fetch, decode and commit seconds (see :meth:`status`)."""
+        self.fetcher = Fetcher()
+        """The client an update fetches through, kept between updates (its connections reused)."""
         self.overlap = True
         """Decode a delta's chunks as they arrive (:mod:`rollout.engines.vllm_stream`). Off: fetch every
         chunk, then decode."""
@@ -151,11 +154,12 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             # A pipeline stage holds some layers only; the fingerprint covers the whole model.
             raise P2PSyncError(f"the p2psync backend needs pipeline_parallel_size=1 (got {pp})")
         self.group: RankGroup = vllm_group() if tp > 1 else Solo()
-        # The codec's kernels and the apply path load now, beside the engine's start, not in the
-        # first update (rollout.engines.vllm_warm).
-        vllm_warm.start(model)
         self.cpus = update_cpus(vllm_config)
         """CPUs the update's threads run on."""
+        # The codec's kernels and the apply path load now, beside the engine's start, not in the
+        # first update (rollout.engines.vllm_warm), on the update's cores other than this thread's
+        # where there are any.
+        vllm_warm.start(model, (self.cpus - own_cpus()) or None)
         logger.info("p2psync: updates run on CPUs %s", sorted(self.cpus))
 
     # --- vLLM's contract ---------------------------------------------------------------------
@@ -229,6 +233,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
 
     def shutdown(self) -> None:
         self.info = None
+        self.fetcher.close()
 
     def receive_weights(self, update_info: P2PSyncUpdateInfo) -> None:
         try:
@@ -264,14 +269,17 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             raise TransferInfoError("update_info.version", f"{target} is below the version held ({self.version}): "
                                     "updates only move forward")
         # Tensor-parallel ranks apply rank 0's plan together; each fetches and checks it itself.
-        plan = self._together(lambda: [a.id for a in _run(fetch_plan(info.url, info.token, info.node_id,
-                                                                     self.version, target, info.timeout,
-                                                                     info.tls_dir))],
-                              share=True)
+        def fetching(call: Any, retry: bool = False) -> Any:  # through the client kept between updates
+            return self.fetcher.run(info.token, info.node_id, info.timeout, info.tls_dir, call, retry=retry)
+
+        plan = self._together(lambda: [a.id for a in fetching(lambda c: fetch_plan(
+            info.url, info.token, info.node_id, self.version, target, info.timeout, info.tls_dir, client=c),
+            retry=True)], share=True)
         for aid in plan:
             t = time.perf_counter()
-            manifest = self._together(lambda: _run(fetch_manifest(
-                info.url, info.token, info.node_id, aid, self.public_key, info.timeout, info.tls_dir)))
+            manifest = self._together(lambda: fetching(lambda c: fetch_manifest(
+                info.url, info.token, info.node_id, aid, self.public_key, info.timeout, info.tls_dir, client=c),
+                retry=True))
             t_bind = time.perf_counter()
             need = self.needed(manifest)  # binds the table first (its collectives are not fetch time)
             t_need = time.perf_counter()
@@ -279,16 +287,18 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             if stream is not None:
                 stream.agree()
 
-            def fetch(on_chunk: Any = None) -> Any:
+            def fetch(client: Any, on_chunk: Any = None) -> Any:
                 return fetch_artifact(info.url, info.token, info.node_id, aid, self.public_key, info.timeout,
-                                      tls_dir=info.tls_dir, manifest=manifest, need=need, on_chunk=on_chunk)
+                                      tls_dir=info.tls_dir, manifest=manifest, need=need, on_chunk=on_chunk,
+                                      client=client)
 
             if stream is None:
-                _, chunks = self._together(lambda: _run(fetch()))
+                _, chunks = self._together(lambda: fetching(fetch))
             else:  # each chunk decoded as it arrives (rollout.engines.vllm_stream)
                 assert self.live is not None
                 threads, cpus = self.live.threads, self.live.cpus
-                _, chunks = self._together(lambda: _run(decoding(stream, fetch, threads, cpus)))
+                _, chunks = self._together(lambda: fetching(
+                    lambda c: decoding(stream, lambda on_chunk: fetch(c, on_chunk), threads, cpus)))
             fetched = (t_bind - t) + (time.perf_counter() - t_need)
             self.apply(manifest, chunks, stream)
             got = [i for i, c in enumerate(chunks) if c is not None]

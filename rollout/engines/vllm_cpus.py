@@ -50,6 +50,14 @@ def _ranks_cpus(vllm_config: Any) -> list[set[int]]:
         return []
 
 
+def own_cpus() -> set[int]:
+    """The CPUs the calling thread may run on (empty where that is unknown)."""
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return set()
+
+
 def update_cpus(vllm_config: Any = None) -> set[int]:
     """The CPUs this worker's update may use (see module doc); never empty."""
     try:

@@ -1,20 +1,26 @@
 """Fetching from a p2psync parent for the vLLM backend: plans, signed manifests, verified chunks.
 
-Every function opens its own client (mutual TLS with the folder given), checks
-what it gets (manifest signatures against the trainer's key, chunk hashes
-against the signed manifest) and raises a typed
+Every function checks what it gets (manifest signatures against the trainer's
+key, chunk hashes against the signed manifest) and raises a typed
 :class:`~p2psync.errors.P2PSyncError`; :mod:`rollout.engines.vllm_backend` runs
-them on every tensor-parallel rank and votes.
+them on every tensor-parallel rank and votes. Each takes the client to use
+(``client``) or opens its own (mutual TLS with the folder given) for one call;
+the backend's updates go through a :class:`Fetcher`, which keeps one client and
+its connections between calls.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from typing import Any
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from p2psync.errors import P2PSyncError, SignatureError, TruncatedError, WrongSize
 from rollout.engines.vllm_requests import TransferInfoError
+
+T = TypeVar("T")
 
 
 def _tls(tls_dir: str) -> Any:
@@ -23,11 +29,104 @@ def _tls(tls_dir: str) -> Any:
     return Tls.for_client(tls_dir) if tls_dir else None
 
 
+async def _new_client(token: str, node_id: str, timeout: float, parallel: int, tls_dir: str) -> Any:
+    from p2psync.transport.client import PeerClient
+
+    return await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0,
+                                   parallel_streams=parallel, tls=_tls(tls_dir))
+
+
+@contextlib.asynccontextmanager
+async def _using(client: Any, token: str, node_id: str, timeout: float, parallel: int, tls_dir: str
+                 ) -> AsyncIterator[Any]:
+    """``client`` if given (left open), else a client of its own for the block."""
+    if client is not None:
+        yield client
+        return
+    own = await _new_client(token, node_id, timeout, parallel, tls_dir)
+    async with own:
+        yield own
+
+
+class Fetcher:
+    """Calls to one parent on an event loop of its own, through one client kept between calls.
+
+    A client per call cost a thread, an event loop and new mutual-TLS connections every time
+    (plan and manifest about 11 ms each on an idle core here, more on the one core a vLLM worker is
+    bound to); the kept client reuses its connections. The client is replaced when the parent's
+    address, token, identity or folder changes, and after any failed call; a call without side
+    effects (``retry``) that fails as unreachable on a kept client is tried once more on a new one
+    (a parent that restarted closed the kept connections)."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._key: tuple[Any, ...] | None = None
+
+    def _running(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=loop.run_forever, name="p2psync-fetch", daemon=True).start()
+                self._loop = loop
+            return self._loop
+
+    async def _get(self, key: tuple[Any, ...]) -> tuple[Any, bool]:
+        """The client for ``key`` and whether it is new."""
+        if self._client is not None and self._key == key:
+            return self._client, False
+        await self._drop()
+        token, node_id, timeout, parallel, tls_dir = key
+        self._client, self._key = await _new_client(token, node_id, timeout, parallel, tls_dir), key
+        return self._client, True
+
+    async def _drop(self) -> None:
+        client, self._client, self._key = self._client, None, None
+        if client is not None:
+            await client.close()
+
+    def run(self, token: str, node_id: str, timeout: float, tls_dir: str,
+            call: Callable[[Any], Awaitable[T]], retry: bool = False, parallel: int = 4) -> T:
+        """``await call(client)`` on the fetcher's loop (blocking the caller until it ends)."""
+        from p2psync.errors import PeerUnreachable
+
+        key = (token, node_id, timeout, parallel, tls_dir)
+
+        async def go() -> T:
+            client, new = await self._get(key)
+            try:
+                return await call(client)
+            except PeerUnreachable:
+                await self._drop()
+                if not retry or new:
+                    raise
+            except BaseException:
+                await self._drop()
+                raise
+            client, _ = await self._get(key)
+            try:
+                return await call(client)
+            except BaseException:
+                await self._drop()
+                raise
+
+        return asyncio.run_coroutine_threadsafe(go(), self._running()).result()
+
+    def close(self) -> None:
+        """Close the kept client and stop the loop (a later call starts them again)."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+            asyncio.run_coroutine_threadsafe(self._drop(), loop).result()
+            loop.call_soon_threadsafe(loop.stop)
+
+
 async def fetch_artifact(url: str, token: str, node_id: str, aid: str, public_key: Any, timeout: float,
                          parallel: int = 4, tls_dir: str = "", manifest: Any = None,
                          need: list[int] | None = None,
-                         on_chunk: Callable[[int, memoryview], Awaitable[None]] | None = None
-                         ) -> tuple[Any, list[Any]]:
+                         on_chunk: Callable[[int, memoryview], Awaitable[None]] | None = None,
+                         client: Any = None) -> tuple[Any, list[Any]]:
     """The manifest (signature checked) and the chunks (hash checked) of artifact ``aid`` at ``url``.
 
     ``manifest``: already fetched and checked (:func:`fetch_manifest`); ``need``: the chunks to
@@ -35,11 +134,9 @@ async def fetch_artifact(url: str, token: str, node_id: str, aid: str, public_ke
     awaited with each chunk as soon as its hash matched (:mod:`rollout.engines.vllm_stream`); on
     any failure the fetches still running are cancelled before it is raised."""
     from p2psync.artifact import verify_chunk
-    from p2psync.transport.client import ChunkBuffer, PeerClient
+    from p2psync.transport.client import ChunkBuffer
 
-    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0,
-                                     parallel_streams=parallel, tls=_tls(tls_dir))
-    async with client:
+    async with _using(client, token, node_id, timeout, parallel, tls_dir) as client:
         if manifest is None:
             manifest = await _checked_manifest(client, url, aid, public_key)
         sem = asyncio.Semaphore(parallel)
@@ -81,13 +178,9 @@ async def _checked_manifest(client: Any, url: str, aid: str, public_key: Any) ->
 
 
 async def fetch_manifest(url: str, token: str, node_id: str, aid: str, public_key: Any, timeout: float,
-                         tls_dir: str = "") -> Any:
+                         tls_dir: str = "", client: Any = None) -> Any:
     """The manifest of artifact ``aid`` at ``url``, signature checked."""
-    from p2psync.transport.client import PeerClient
-
-    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
-                                     tls=_tls(tls_dir))
-    async with client:
+    async with _using(client, token, node_id, timeout, 1, tls_dir) as client:
         return await _checked_manifest(client, url, aid, public_key)
 
 
@@ -120,14 +213,11 @@ async def fetch_version_manifest(url: str, token: str, node_id: str, version: in
 
 
 async def fetch_plan(url: str, token: str, node_id: str, current: int | None, target: int, timeout: float,
-                     tls_dir: str = "") -> list[Any]:
+                     tls_dir: str = "", client: Any = None) -> list[Any]:
     """The artifacts to apply, in order, to go from ``current`` to ``target`` with what ``url`` holds."""
     from p2psync.store import plan_catchup
-    from p2psync.transport.client import PeerClient
 
-    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
-                                     tls=_tls(tls_dir))
-    async with client:
+    async with _using(client, token, node_id, timeout, 1, tls_dir) as client:
         cat = await client.call_head(url)
     held = [a for a in cat.artifacts if a.complete]
     try:

@@ -85,12 +85,14 @@ def exercise(codes: Iterable[str]) -> None:
 _started: threading.Thread | None = None
 
 
-def start(model: Any) -> threading.Thread:
-    """Warm the codec and :func:`exercise` the apply in a daemon thread (once per process)."""
+def start(model: Any, cpus: set[int] | None = None) -> threading.Thread:
+    """Warm the codec and :func:`exercise` the apply in a daemon thread (once per process), on
+    ``cpus`` if given: the cores the worker's own thread does not run on, so that the warm-up does
+    not slow the engine's start or the placement derived at bind on that thread."""
     global _started
     if _started is None:
         from p2psync.codec import precompile
 
         codes = model_codes(model)
-        _started = precompile.start(codes, extra=lambda: exercise(codes))
+        _started = precompile.start(codes, extra=lambda: exercise(codes), cpus=cpus)
     return _started
