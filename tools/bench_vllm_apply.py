@@ -143,13 +143,19 @@ def rpc_dense_fetched(worker, url: str, pub: str, tls_dir: str) -> dict:
     snapshot of version 0 over the same link with the same client (4 streams, every chunk's hash
     checked), decoded into tensors, then ``load_weights``."""
     from p2psync.codec.decode import decode_state
-    from rollout.engines.vllm_backend import _run, fetch_artifact, fetch_plan, load_public_key
+    from rollout.engines.vllm_backend import load_public_key
+    from rollout.engines.vllm_fetch import Fetcher, fetch_artifact, fetch_plan
 
     model = worker.model_runner.model
     t0 = time.perf_counter()
-    (snap,) = _run(fetch_plan(url, TOKEN, "bench/dense", None, 0, 600.0, tls_dir=tls_dir))
-    manifest, chunks = _run(fetch_artifact(url, TOKEN, "bench/dense", snap.id, load_public_key(pub), 600.0,
-                                           tls_dir=tls_dir))
+    f = Fetcher()
+    try:
+        run = lambda call: f.run(TOKEN, "bench/dense", 600.0, tls_dir, call)  # noqa: E731
+        (snap,) = run(lambda c: fetch_plan(url, TOKEN, "bench/dense", None, 0, 600.0, tls_dir=tls_dir, client=c))
+        manifest, chunks = run(lambda c: fetch_artifact(url, TOKEN, "bench/dense", snap.id, load_public_key(pub),
+                                                        600.0, tls_dir=tls_dir, client=c))
+    finally:
+        f.close()
     t1 = time.perf_counter()
     state = decode_state(list(manifest.tensors), enumerate(chunks), len(manifest.chunks),
                          manifest.target_fingerprint)

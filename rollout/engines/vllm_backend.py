@@ -58,8 +58,6 @@ Status. Calling the backend object returns :meth:`P2PSyncWeightTransfer.status`
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import logging
 import time
 from dataclasses import asdict, dataclass, field
@@ -115,12 +113,6 @@ def _init_error(exc: P2PSyncError, url: str, version: int | None) -> P2PSyncErro
     if isinstance(exc, SignatureError) and "init_info.public_key" not in str(exc):
         return SignatureError(f"init_info.public_key does not verify {url}'s manifest: {exc}")
     return exc
-
-
-def _run(coro: Any) -> Any:
-    """Run ``coro`` on a loop of its own (the caller's thread may already run one)."""
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="p2psync-fetch") as pool:
-        return pool.submit(asyncio.run, coro).result()
 
 
 def tagged(exc: BaseException) -> str:
@@ -203,25 +195,26 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         try:
             public_key = self._together(lambda: load_public_key(info.public_key))
             if info.version is not None:
-                manifest = self._together(lambda: self._at_init(fetch_version_manifest(
+                manifest = self._together(lambda: self._at_init(lambda c: fetch_version_manifest(
                     info.url, info.token, info.node_id, info.version, public_key, info.timeout,
-                    info.tls_dir), info))
+                    info.tls_dir, client=c), info))
                 live = self.bound(manifest, info.threads)
                 if live.audit() != manifest.target_fingerprint:
                     raise WrongBase(manifest.target_fingerprint, live.fingerprint, info.version)
                 version = info.version
             else:
-                self._together(lambda: self._at_init(check_key(info.url, info.token, info.node_id, public_key,
-                                                               info.timeout, info.tls_dir), info))
+                self._together(lambda: self._at_init(lambda c: check_key(
+                    info.url, info.token, info.node_id, public_key, info.timeout, info.tls_dir, client=c), info))
         except P2PSyncError as exc:
             self._refuse(exc, f"p2psync init{'' if info.version is None else f' at version {info.version}'}")
             return
         self.public_key, self.info, self.version, self.live = public_key, info, version, live
 
-    @staticmethod
-    def _at_init(coro: Any, info: P2PSyncInitInfo) -> Any:
+    def _at_init(self, call: Any, info: P2PSyncInitInfo) -> Any:
+        """``call(client)`` through the fetcher (its connections then serve the first update), with
+        a refusal named by the field of ``init_info`` it comes from."""
         try:
-            return _run(coro)
+            return self.fetcher.run(info.token, info.node_id, info.timeout, info.tls_dir, call, retry=True)
         except P2PSyncError as exc:
             raise _init_error(exc, info.url, info.version) from None
 

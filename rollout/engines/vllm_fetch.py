@@ -197,13 +197,11 @@ def short_answer(exc: WrongSize, what: str) -> TruncatedError | None:
 
 
 async def fetch_version_manifest(url: str, token: str, node_id: str, version: int, public_key: Any,
-                                 timeout: float, tls_dir: str = "") -> Any:
+                                 timeout: float, tls_dir: str = "", client: Any = None) -> Any:
     """The signed manifest of an artifact reaching ``version`` (a delta, else a snapshot), signature checked."""
-    from p2psync.transport.client import NotHeld, PeerClient
+    from p2psync.transport.client import NotHeld
 
-    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
-                                     tls=_tls(tls_dir))
-    async with client:
+    async with _using(client, token, node_id, timeout, 1, tls_dir) as client:
         try:
             m = await client.call_version_manifest(url, version, "delta")
         except NotHeld:
@@ -228,16 +226,13 @@ async def fetch_plan(url: str, token: str, node_id: str, current: int | None, ta
                                 f"{newest})") from None
 
 
-async def check_key(url: str, token: str, node_id: str, public_key: Any, timeout: float, tls_dir: str = "") -> int:
+async def check_key(url: str, token: str, node_id: str, public_key: Any, timeout: float, tls_dir: str = "",
+                    client: Any = None) -> int:
     """Verify the manifest of the newest complete artifact ``url`` lists against ``public_key``; its version.
 
     What an init without ``version`` checks, so that a wrong key is refused at init, not at the
     first update."""
-    from p2psync.transport.client import PeerClient
-
-    client = await PeerClient.create(token, node_id, stall_timeout=timeout, sse_keepalive=1.0, parallel_streams=1,
-                                     tls=_tls(tls_dir))
-    async with client:
+    async with _using(client, token, node_id, timeout, 1, tls_dir) as client:
         cat = await client.call_head(url)
         held = [a for a in cat.artifacts if a.complete]
         if not held:
