@@ -93,6 +93,18 @@ class Placement:
             expect *= size
         return int(f.dst[0])
 
+    def run(self) -> tuple[int, int, int] | None:
+        """``(ck0, dst0, n)`` when the elements held are one run contiguous on both sides (checkpoint
+        positions ``[ck0, ck0 + n)`` at parameter positions ``[dst0, dst0 + n)``: a tensor-parallel
+        rank's rows of a column- or vocab-parallel weight, a tensor stored whole); else None."""
+        if len(self.families) != 1 or self.families[0].ck.shape[0] != 1:
+            return None
+        f = self.families[0]
+        dims = [d for d in f.dims if d[0] > 1]
+        if len(dims) > 1 or (dims and dims[0][1:] != (1, 1)):
+            return None
+        return int(f.ck[0]), int(f.dst[0]), dims[0][0] if dims else 1
+
     def local(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(which, dst)``: the indices into ``pos`` (checkpoint positions, any order) held here,
         and their parameter positions."""

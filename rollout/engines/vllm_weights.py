@@ -209,8 +209,8 @@ class LiveWeights(Committer):
         return to_host(got).view(self.word_types[i])
 
     def host_words(self, i: int, start: int, stop: int) -> np.ndarray:
-        """Checkpoint words ``[start, stop)`` of tensor ``i``, held whole here, as unsigned host words
-        (a view on CPU when stored contiguously, a copy otherwise)."""
+        """Checkpoint words ``[start, stop)`` of tensor ``i``, all held here, as unsigned host words
+        (a view on CPU when stored contiguously, also where they are a slice's rows, a copy otherwise)."""
         if self.offset[i] is None:
             mp = self._maps[i] if self.host_memory else None
             if mp is not None:
@@ -218,6 +218,10 @@ class LiveWeights(Committer):
                                                   np.empty(stop - start, dtype=self.word_types[i]))
             place = self.places[i]
             assert place is not None
+            run = place.run()
+            if run is not None and run[0] <= start and stop <= run[0] + run[2]:  # rows of a slice
+                part = self.flat[i][run[1] + start - run[0]:run[1] + stop - run[0]]
+                return (part.cpu() if part.device.type != "cpu" else part).numpy().view(self.word_types[i])
             which, dst = place.local(np.arange(start, stop, dtype=np.int64))
             if which.shape[0] != stop - start:
                 raise LayoutError(f"{self.specs[i].name}: words [{start}, {stop}) are not all held by this rank")

@@ -111,6 +111,9 @@ def test_compress_finds_one_block_wherever_there_is_one(layout):
         assert len(pl.families) == 1 and pl.families[0].ck.shape[0] == 1
         got_ck, got_dst = _pairs(pl)
         assert np.array_equal(got_ck, ck) and np.array_equal(got_dst, dst)
+        assert pl.run() == ((0, 5, rows * cols) if layout == "row-major" else None)  # one run on both sides
+    rows_of = compress("x", "w", (rows, cols), ck[cols * 4:cols * 9], ck[cols * 4:cols * 9] + 3, ck_sorted=True)
+    assert rows_of.run() == (cols * 4, cols * 4 + 3, cols * 5)  # a rank's rows of the tensor
 
 
 def test_compress_falls_back_to_runs_where_no_block_fits():
