@@ -24,6 +24,7 @@ few short jobs, as a look-ahead counted in jobs would (docs/CODEC.md, "Speed").
 from __future__ import annotations
 
 import _thread
+import concurrent.futures
 import os
 import threading
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -98,6 +99,12 @@ def pin(cpus: Collection[int]) -> None:
         os.sched_setaffinity(0, cpus)  # 0: the calling thread
     except (AttributeError, OSError, ValueError):
         pass
+
+
+def pool(threads: int, cpus: Collection[int] | None, name: str) -> concurrent.futures.ThreadPoolExecutor:
+    """A pool of ``threads`` threads named ``name``, each pinned to ``cpus`` if given (:func:`pin`)."""
+    init = (lambda: pin(cpus)) if cpus else None
+    return concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix=name, initializer=init)
 
 
 def in_order(work: Callable[[int], T], sizes: Sequence[int], threads: int, window: int) -> Iterator[T]:

@@ -1,7 +1,7 @@
 """Deriving the placement of a MoE checkpoint from vLLM's own loaders, against vLLM's own model load, in one process.
 
-    PYTHONPATH=$PWD .venv/bin/python tools/bench_derive.py --out DIR --json out.json
-    PYTHONPATH=$PWD .venv/bin/python tools/bench_derive.py --out DIR --compare OTHER_CHECKOUT --json out.json
+    PYTHONPATH=$PWD .venv/bin/python tools/bench_derive.py --out DIR --json out.jsonl
+    PYTHONPATH=$PWD .venv/bin/python tools/bench_derive.py --out DIR --compare OTHER_CHECKOUT --json out.jsonl
 
 The ``tools/bench_vllm_apply.py --model moe`` shape (Qwen3-MoE, 64 experts of 256 rows per
 layer, hidden 1024, vocabulary 32,768, tied), built by vLLM in this process as a worker does
@@ -14,7 +14,6 @@ on the same model after this one's, and whether both give the same placements.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -51,12 +50,13 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--compare", default=None, help="another checkout whose derive runs on the same model")
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="append the result line to this file")
     args = ap.parse_args()
     os.environ.setdefault("NUMBA_CACHE_DIR", str(REPO / ".numba_cache"))
     import torch
 
     import bench_vllm_apply
+    from benchout import emit, loadavg
     from vllm_modules import vllm_model
 
     shape = argparse.Namespace(model="moe", vocab=32768, hidden=1024, mlp=3072, layers=args.layers, heads=8,
@@ -64,7 +64,7 @@ def main() -> int:
     v0, _, ck = bench_vllm_apply.build_versions(shape, Path(args.out))
     t = time.perf_counter()
     model = vllm_model(str(ck))
-    res: dict = {"command": " ".join(["tools/bench_derive.py", *sys.argv[1:]]), "loadavg_start": os.getloadavg(),
+    res: dict = {"command": " ".join(["tools/bench_derive.py", *sys.argv[1:]]), "loadavg_start": loadavg(),
                  "params": sum(s.numel for s in v0.specs), "get_model_s": round(time.perf_counter() - t, 2)}
     loads = []
     for _ in range(args.reps):
@@ -83,10 +83,8 @@ def main() -> int:
         other_times, other = _derive(Path(args.compare), model, v0.specs, args.reps)
         res["compare"] = {"checkout": args.compare, "derive_s": [round(x, 3) for x in other_times],
                           "derive_median_s": round(statistics.median(other_times), 3), "same_placements": other == mine}
-    res["loadavg_end"] = os.getloadavg()
-    print(json.dumps(res))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    res["loadavg_end"] = loadavg()
+    emit(res, args.json)
     return 0
 
 

@@ -1,7 +1,7 @@
 """A vLLM rank's fetches of one update (plan, manifest, the delta's chunks) from a node on loopback:
 a client opened per call, as the backend did, against the client it now keeps between updates.
 
-    PYTHONPATH=$PWD .venv/bin/python tools/bench_fetch_client.py --out DIR --reps 15 --json out.json
+    PYTHONPATH=$PWD .venv/bin/python tools/bench_fetch_client.py --out DIR --reps 15 --json out.jsonl
 
 ``--out``: a workload folder of ``tools/bench_vllm_apply.py`` (built there, in its ``--quick`` shape
 of ``tools/bench_scale.py``, when it holds none). The two ways alternate, one update each per repeat;
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_vllm_apply  # noqa: E402
 from bench_scale import QUICK  # noqa: E402
+from benchout import emit, loadavg  # noqa: E402
 
 
 def _fresh(coro: Any) -> Any:
@@ -59,7 +60,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="append the result line to this file")
     args = ap.parse_args()
     from p2psync import keys
     from rollout.engines.vllm_fetch import Fetcher
@@ -87,12 +88,10 @@ def main() -> int:
         finally:
             fetcher.close()
     res = {"command": " ".join(["tools/bench_fetch_client.py", *sys.argv[1:]]), "reps": args.reps,
-           "delta_bytes": ctx["delta_bytes"], "loadavg": list(__import__("os").getloadavg()),
+           "delta_bytes": ctx["delta_bytes"], "loadavg": loadavg(),
            **{way: {k: round(1000 * statistics.median(v), 1) for k, v in t.items()} for way, t in times.items()}}
     res["update_ratio"] = round(res["kept"]["update"] / res["fresh"]["update"], 3)
-    print(json.dumps(res))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+    emit(res, args.json)
     return 0
 
 

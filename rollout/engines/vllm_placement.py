@@ -93,17 +93,32 @@ class Placement:
             expect *= size
         return int(f.dst[0])
 
+    def row_block(self) -> tuple[int, int, int, int, int, int] | None:
+        """``(ck0, dst0, rows, ck_stride, dst_stride, width)`` when the elements held are one block of
+        rows, each a run of ``width`` elements contiguous on both sides: row ``i`` holds checkpoint
+        positions ``[ck0 + i * ck_stride, + width)`` at parameter positions ``[dst0 + i * dst_stride,
+        + width)`` (a column slice of a row-parallel weight; rows contiguous on both sides are one
+        run, ``rows == 1``); else None."""
+        if len(self.families) != 1 or self.families[0].ck.shape[0] != 1:
+            return None
+        f = self.families[0]
+        dims = [d for d in f.dims if d[0] > 1] or [(1, 1, 1)]
+        if len(dims) == 1:
+            dims = [(1, dims[0][0], dims[0][0])] + dims
+        if len(dims) != 2 or dims[1][1:] != (1, 1):
+            return None
+        (rows, cs, ds), (width, _, _) = dims
+        if cs == width and ds == width:
+            rows, width = 1, rows * width
+            cs = ds = width
+        return int(f.ck[0]), int(f.dst[0]), rows, cs, ds, width
+
     def run(self) -> tuple[int, int, int] | None:
         """``(ck0, dst0, n)`` when the elements held are one run contiguous on both sides (checkpoint
         positions ``[ck0, ck0 + n)`` at parameter positions ``[dst0, dst0 + n)``: a tensor-parallel
         rank's rows of a column- or vocab-parallel weight, a tensor stored whole); else None."""
-        if len(self.families) != 1 or self.families[0].ck.shape[0] != 1:
-            return None
-        f = self.families[0]
-        dims = [d for d in f.dims if d[0] > 1]
-        if len(dims) > 1 or (dims and dims[0][1:] != (1, 1)):
-            return None
-        return int(f.ck[0]), int(f.dst[0]), dims[0][0] if dims else 1
+        rb = self.row_block()
+        return (rb[0], rb[1], rb[5]) if rb is not None and rb[2] == 1 else None
 
     def local(self, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(which, dst)``: the indices into ``pos`` (checkpoint positions, any order) held here,
@@ -219,12 +234,13 @@ def compress(name: str, param: str, shape: tuple[int, ...], ck: np.ndarray | Non
             order = np.argsort(ck, kind="stable")
             ck, dst = ck[order], dst[order]
             if ck.shape[0] > 1 and bool((np.diff(ck) == 0).any()):
-                raise LayoutError(f"{name}: vLLM's loader writes some of its elements to more than one place in {param}")
+                raise LayoutError(f"{name}: vLLM's loader writes some of its elements to more than one place "
+                                  f"in {param}")
     fam = _factor(ck, dst)
-    if fam is None:
-        fam_runs = _runs(np.arange(dst.shape[0], dtype=np.int64) if ck is None else ck, dst)
-        return Placement(name, param, tuple(shape), fam_runs)
-    return Placement(name, param, tuple(shape), [fam])
+    if fam is not None:
+        return Placement(name, param, tuple(shape), [fam])
+    pos = np.arange(dst.shape[0], dtype=np.int64) if ck is None else ck
+    return Placement(name, param, tuple(shape), _runs(pos, dst))
 
 
 _MAX_LEVELS = 64

@@ -303,11 +303,10 @@ def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
         _, bad, dup = scan(v, total, inv, which, k)
         if bad != OK:
             guess = min(max(int(v[bad]), 0), total - 1) if np.isfinite(v[bad]) else 0
-            owner = batch[int(np.searchsorted(bases, guess, side="right")) - 1].name
-            raise LayoutError(f"{owner}: vLLM's loader computes the values of {n} from the checkpoint "
-                              "(not a copy of its elements); it cannot be updated in place")
+            raise LayoutError(f"{_owner(batch, bases, guess)}: vLLM's loader computes the values of {n} from the "
+                              "checkpoint (not a copy of its elements); it cannot be updated in place")
         if dup != OK:
-            owner = batch[int(np.searchsorted(bases, dup, side="right")) - 1].name
+            owner = _owner(batch, bases, dup)
             first = names[int(which[dup])]
             if first != n:
                 raise LayoutError(f"{owner}: vLLM's loader spreads it over several parameters ({sorted({first, n})})")
@@ -332,6 +331,11 @@ def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
             raise LayoutError(f"{s.name}: vLLM's loader spreads it over several parameters ({targets})")
         got[s.name] = (names[int(w_held[0])], ck, dst)
     return got
+
+
+def _owner(batch: list[TensorSpec], bases: np.ndarray, element: int) -> str:
+    """The name of the tensor of ``batch`` whose ids include ``element`` (``bases``: each one's first id)."""
+    return batch[int(np.searchsorted(bases, element, side="right")) - 1].name
 
 
 def _guard_error(exc: BaseException) -> bool:

@@ -248,7 +248,7 @@ def decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, 
     ranges are still rebuilt (not decoded), so the ranks' collectives stay in step."""
     import concurrent.futures
 
-    from p2psync.workers import pin
+    from p2psync.workers import pool as pinned_pool
 
     def one(k: int, base: np.ndarray) -> tuple[Any, tuple[int, int] | None]:
         r = refs[k]
@@ -285,9 +285,7 @@ def decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, 
                 if not err:
                     out.append(got)
 
-    init: Any = (lambda: pin(live.cpus)) if live.cpus else None
-    with concurrent.futures.ThreadPoolExecutor(live.threads, thread_name_prefix="p2psync-gathered",
-                                               initializer=init) as pool:
+    with pinned_pool(live.threads, live.cpus, "p2psync-gathered") as pool:
         pending: list[concurrent.futures.Future[tuple[Any, tuple[int, int] | None]]] = []
         for batch in batches:
             bases = gather_ranges(live.group, [(live.places[refs[k].tensor], live.flat[refs[k].tensor],

@@ -27,7 +27,6 @@ and refuse together.
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -35,10 +34,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from p2psync import workers
 from p2psync.codec.decode import split_chunk
 from p2psync.errors import CodecError, WrongBase
 from p2psync.transport.fetch import Pipeline
-from p2psync.workers import pin
 from rollout.engines.vllm_slices import LiveWeights, assembled, chunk_heads, decode_gathered, plan
 from rollout.engines.vllm_tp import RankRefused
 
@@ -134,9 +133,7 @@ async def decoding(stream: Streamed, source: Callable[[OnChunk], Awaitable[T]], 
     its hash matched), each chunk decoded into ``stream`` on ``threads`` worker threads as it
     arrives. Returns once every decode ended; raises the fetch's failure, else the first decode's
     (with every decode in flight ended first)."""
-    init: Any = (lambda: pin(cpus)) if cpus else None
-    with concurrent.futures.ThreadPoolExecutor(max(1, threads), thread_name_prefix="p2psync-decode",
-                                               initializer=init) as pool:
+    with workers.pool(threads, cpus, "p2psync-decode") as pool:
         pipe = Pipeline(stream.add, max(1, threads) + 2, pool)
         try:
             got = await source(pipe.submit)

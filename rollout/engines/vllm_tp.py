@@ -153,18 +153,12 @@ def vllm_group() -> RankGroup:
     return TorchGroup(coord.cpu_group, coord.device_group)
 
 
-def gather_range(group: RankGroup, place: Placement | None, flat: Any, start: int, stop: int, word: Any
-                 ) -> np.ndarray:
-    """Words ``[start, stop)`` of the whole checkpoint tensor, rebuilt from every rank's placement
-    (a collective: every rank calls it for the same range; a rank holding nothing of it adds
-    zeros). ``flat`` is this rank's binding (a torch integer view); returns unsigned host words."""
-    return gather_ranges(group, [(place, flat, start, stop, word)])[0]
-
-
 def gather_ranges(group: RankGroup, ranges: Sequence[tuple[Placement | None, Any, int, int, Any]]
                   ) -> list[np.ndarray]:
-    """:func:`gather_range` of each ``(place, flat, start, stop, word)`` in ``ranges``, with one
-    collective for all of them (every rank calls it with the same ranges, in the same order)."""
+    """Words ``[start, stop)`` of the whole checkpoint tensor, for each ``(place, flat, start, stop,
+    word)`` in ``ranges``, rebuilt from every rank's placement with one collective for all of them
+    (every rank calls it with the same ranges, in the same order; a rank holding nothing of a range
+    adds zeros). ``flat`` is this rank's binding (a torch integer view); returns unsigned host words."""
     import torch
 
     if not ranges:
@@ -190,29 +184,13 @@ def gather_ranges(group: RankGroup, ranges: Sequence[tuple[Placement | None, Any
     return out
 
 
-def _row_block(place: Placement) -> tuple[int, int, int, int, int, int] | None:
-    """``(ck0, dst0, rows, ck_stride, dst_stride, width)`` when ``place`` is one block of rows, each a
-    run of ``width`` elements contiguous on both sides (a column slice of a row-parallel weight, a
-    tensor stored whole); None otherwise."""
-    if len(place.families) != 1 or place.families[0].ck.shape[0] != 1:
-        return None
-    f = place.families[0]
-    dims = [d for d in f.dims if d[0] > 1]
-    if len(dims) == 1:  # one run: a single row of its width
-        dims = [(1, dims[0][0], dims[0][0])] + dims
-    if len(dims) != 2 or dims[1][1:] != (1, 1):
-        return None
-    (rows, cs, ds), (width, _, _) = dims
-    return int(f.ck[0]), int(f.dst[0]), rows, cs, ds, width
-
-
 def _copy_owned(part: Any, place: Placement, flat: Any, start: int, stop: int) -> None:
     """``part[ck - start] = flat[dst]`` for every element ``ck -> dst`` of ``place`` with ``ck`` in
     ``[start, stop)``: as strided copies of whole rows where the placement is a block of rows
-    (:func:`_row_block`), else element by element."""
+    (:meth:`Placement.row_block`), else element by element."""
     import torch
 
-    rb = _row_block(place)
+    rb = place.row_block()
     if rb is None:
         which, local = place.local(np.arange(start, stop, dtype=np.int64))
         if which.shape[0]:
