@@ -11,9 +11,10 @@ inside ``w13``), a tensor-parallel row or column slice, a transposed load, and a
 blocked repacking (CPU MoE weights: 16-row blocks stored column-major).
 Irregular layouts (per-head permutations) fall back to one family of 1-D runs.
 
-:func:`compress` builds a placement from explicit ``(checkpoint position,
-parameter position)`` pairs (what probing vLLM's loaders returns, see
-:mod:`rollout.engines.vllm_probe`); :meth:`Placement.local` maps a delta's
+:func:`compress_runs` builds a placement from maximal runs contiguous on both
+sides (what probing vLLM's loaders reads back, see
+:mod:`rollout.engines.vllm_probe`), :func:`compress` from explicit
+``(checkpoint position, parameter position)`` pairs; :meth:`Placement.local` maps a delta's
 changed positions to parameter positions in O(changes x dims).
 """
 
@@ -221,14 +222,14 @@ def same(a: Placement, b: Placement) -> bool:
 def compress(name: str, param: str, shape: tuple[int, ...], ck: np.ndarray | None, dst: np.ndarray,
              ck_sorted: bool = False) -> Placement:
     """The placement holding checkpoint positions ``ck`` at parameter positions ``dst`` (pairs, any order;
-    ``ck_sorted``: ``ck`` is strictly ascending already, as probing returns it; ``ck=None``: positions
-    ``0, 1, ...``, one per element of ``dst``).
-
-    Tries one nested strided block (:func:`_factor`); falls back to 1-D runs."""
+    ``ck_sorted``: ``ck`` is strictly ascending already; ``ck=None``: positions ``0, 1, ...``, one per
+    element of ``dst``): :func:`compress_runs` of their maximal runs."""
     dst = np.asarray(dst, dtype=np.int64)
     if dst.shape[0] == 0:
         return Placement(name, param, tuple(shape), [])
-    if ck is not None:
+    if ck is None:
+        ck = np.arange(dst.shape[0], dtype=np.int64)
+    else:
         ck = np.asarray(ck, dtype=np.int64)
         if not ck_sorted:
             order = np.argsort(ck, kind="stable")
@@ -236,47 +237,83 @@ def compress(name: str, param: str, shape: tuple[int, ...], ck: np.ndarray | Non
             if ck.shape[0] > 1 and bool((np.diff(ck) == 0).any()):
                 raise LayoutError(f"{name}: vLLM's loader writes some of its elements to more than one place "
                                   f"in {param}")
-    fam = _factor(ck, dst)
+    return compress_runs(name, param, shape, *maximal_runs(ck, dst))
+
+
+def maximal_runs(ck: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Pairs (``ck`` ascending) as maximal runs contiguous on both sides: starts and lengths."""
+    starts = np.flatnonzero((np.diff(ck) != 1) | (np.diff(dst) != 1)) + 1
+    starts = np.concatenate([np.zeros(1, np.int64), starts])
+    lengths = np.diff(np.concatenate([starts, [ck.shape[0]]]))
+    return ck[starts], dst[starts], lengths
+
+
+def expand_runs(ck: np.ndarray, dst: np.ndarray, lengths: np.ndarray, step: int = 1
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Runs back as pairs, one per element; ``step``: run ``r`` is ``lengths[r]`` pieces of ``step``
+    elements, given back as the pieces' starts."""
+    within = np.arange(int(lengths.sum()), dtype=np.int64) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    within *= step
+    return np.repeat(ck, lengths) + within, np.repeat(dst, lengths) + within
+
+
+def compress_runs(name: str, param: str, shape: tuple[int, ...], ck: np.ndarray, dst: np.ndarray,
+                  lengths: np.ndarray) -> Placement:
+    """The placement holding, for each run ``r``, checkpoint positions ``ck[r] .. ck[r] + lengths[r]``
+    at parameter positions ``dst[r] ..``: maximal runs contiguous on both sides, ``ck`` ascending
+    (how probing reads them back, see :mod:`rollout.engines.vllm_probe`).
+
+    One nested strided block when the runs are one (:func:`_factor`); else one family of runs per
+    run length."""
+    if ck.shape[0] == 0:
+        return Placement(name, param, tuple(shape), [])
+    ck, dst, lengths = (np.ascontiguousarray(x, dtype=np.int64) for x in (ck, dst, lengths))
+    fam = _factor(ck, dst, lengths)
     if fam is not None:
         return Placement(name, param, tuple(shape), [fam])
-    pos = np.arange(dst.shape[0], dtype=np.int64) if ck is None else ck
-    return Placement(name, param, tuple(shape), _runs(pos, dst))
+    fams = []
+    for n in np.unique(lengths):
+        sel = lengths == n
+        fams.append(Family(((int(n), 1, 1),), ck[sel].copy(), dst[sel].copy()))
+    return Placement(name, param, tuple(shape), fams)
 
 
 _MAX_LEVELS = 64
 """Levels of a block :func:`_factor` looks for (every level at least doubles the elements)."""
 
 
-def _factor(ck: np.ndarray | None, dst: np.ndarray) -> Family | None:
-    """One block ``ck[0] + sum(i_k cs_k) -> dst[0] + sum(i_k ds_k)`` equal to the pairs, if there is one
-    (``ck=None``: checkpoint positions ``0, 1, ...``); :func:`vllm_probe_kernels.factor` finds the levels."""
-    dense = ck is None
+def _factor(ck: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> Family | None:
+    """One block ``ck[0] + sum(i_k cs_k) -> dst[0] + sum(i_k ds_k)`` holding the runs, if there is one.
+
+    A block's rows of ``L`` elements contiguous on both sides read back as maximal runs of a multiple
+    of ``L`` (rows that happen to abut merge): runs of one length are the rows; others are cut
+    into pieces of their greatest common divisor, then of single elements, and
+    :func:`vllm_probe_kernels.factor` looks for the levels over the pieces' starts, with
+    ``(L, 1, 1)`` innermost. Single elements are the pairs themselves, so a block is always found
+    where there is one; the cuts before only spare expanding a large tensor's runs."""
+    if bool((lengths == lengths[0]).all()):
+        return _block(ck, dst, int(lengths[0]))  # as single elements, the first row is the first run too
+    for piece in sorted({int(np.gcd.reduce(lengths)), 1}, reverse=True):
+        fam = _block(*expand_runs(ck, dst, lengths // piece, step=piece), piece)
+        if fam is not None:
+            return fam
+    return None
+
+
+def _block(ck: np.ndarray, dst: np.ndarray, piece: int) -> Family | None:
+    """:func:`_factor` over pieces of ``piece`` elements starting at ``(ck, dst)``."""
     levels = np.zeros((_MAX_LEVELS, 3), dtype=np.int64)
-    nl = factor(np.empty(0, np.int64) if ck is None else np.ascontiguousarray(ck), np.ascontiguousarray(dst),
-                dense, levels)
+    nl = factor(np.ascontiguousarray(ck), np.ascontiguousarray(dst), levels)
     if nl < 0:
         return None
-    found = [(int(s), int(a), int(b)) for s, a, b in levels[:nl]]
+    found = ([(piece, 1, 1)] if piece > 1 else []) + [(int(s), int(a), int(b)) for s, a, b in levels[:nl]]
     extent = 1
     for s, a, _ in found:  # innermost first: each stride must clear the dims inside it
         if s > 1 and a < extent:
             return None
         extent = (s - 1) * a + extent if s > 1 else extent
     dims = tuple(reversed(found)) or ((1, 1, 1),)
-    first = 0 if ck is None else int(ck[0])
-    return Family(dims, np.array([first], dtype=np.int64), dst[:1].copy())
-
-
-def _runs(ck: np.ndarray, dst: np.ndarray) -> list[Family]:
-    """Maximal runs contiguous on both sides, one family per run length."""
-    brk = np.flatnonzero((np.diff(ck) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate([[0], brk]).astype(np.int64)
-    lengths = np.diff(np.concatenate([starts, [ck.shape[0]]]))
-    fams = []
-    for n in np.unique(lengths):
-        sel = starts[lengths == n]
-        fams.append(Family(((int(n), 1, 1),), ck[sel].copy(), dst[sel].copy()))
-    return fams
+    return Family(dims, ck[:1].copy(), dst[:1].copy())
 
 
 def from_piece(piece: Piece, param_shape: tuple[int, ...]) -> Placement:

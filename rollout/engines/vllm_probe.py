@@ -7,12 +7,15 @@ transposed or permuted loads, padded vocabularies, tensor- and expert-parallel
 slices (a rank's loader skips what it does not hold). :func:`derive` asks it:
 
 1. every parameter's ``.data`` is swapped, for the duration of one call, for a
-   probe: ``float64`` filled with ``-1`` for the parameters of one layer (the
-   batch), and a one-element tensor expanded to the parameter's shape for every
-   other parameter (a write into it raises, so nothing outside the batch is
-   ever written, and it costs no memory);
-2. the batch's checkpoint tensors are fed through ``load_weights`` as
-   ``float64`` tensors holding element ids (exact below 2**53);
+   probe: zeros for the parameters of one layer (the batch; on the CPU from
+   the kernel's zero pages, so a probe costs only the pages the loader writes),
+   and a one-element tensor expanded to the parameter's shape for every other
+   parameter (a write into it raises, so nothing outside the batch is ever
+   written, and it costs no memory);
+2. the batch's checkpoint tensors are fed through ``load_weights`` as tensors
+   holding element ids ``1, 2, ...`` (0 is a word the loader did not write, or
+   zeroed: a padded vocabulary's rows), ``float32`` when the batch has fewer
+   than 2**24 elements and ``float64`` otherwise (exact below 2**53);
 3. each probe is read back: where an id landed is where that checkpoint element
    lives; the pairs are compressed into strided blocks
    (:mod:`rollout.engines.vllm_placement`);
@@ -46,9 +49,10 @@ import numpy as np
 from p2psync.state import TensorSpec
 from rollout.engines import vllm_place_cache
 from rollout.engines.vllm_layout import LayoutError
-from rollout.engines.vllm_placement import Family, Placement, compress, same
-from rollout.engines.vllm_probe_kernels import OK, scan
-from rollout.engines.vllm_repack import layer_of, moe_experts, post_load, transformed_reason
+from rollout.engines.vllm_placement import (Family, Placement, compress, compress_runs, expand_runs, maximal_runs,
+                                            same)
+from rollout.engines.vllm_probe_kernels import OK, runs, scan
+from rollout.engines.vllm_repack import layer_of, moe_experts, post_load, repacked, transformed_reason
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +120,13 @@ def _place(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
     for s in batch:
         if s.name not in got:
             continue
-        param, ck, dst = got[s.name]
-        dst = post_load(model, param, params[param], dst)
-        out[s.name] = compress(s.name, param, tuple(s.shape), ck, dst, ck_sorted=True)
+        param, (ck, dst, lengths) = got[s.name]
+        if repacked(model, param):
+            ck, dst = expand_runs(ck, dst, lengths)
+            out[s.name] = compress(s.name, param, tuple(s.shape), ck,
+                                   post_load(model, param, params[param], dst), ck_sorted=True)
+        else:
+            out[s.name] = compress_runs(s.name, param, tuple(s.shape), ck, dst, lengths)
     return out
 
 
@@ -256,10 +264,9 @@ class _Outside(Exception):
 
 
 def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: list[str]
-           ) -> dict[str, tuple[str, np.ndarray | None, np.ndarray]]:
+           ) -> dict[str, tuple[str, Runs]]:
     """Feed ``batch`` through ``model.load_weights`` with ``probed`` parameters as probes (module doc);
-    per tensor held: ``(parameter, checkpoint positions (ascending; None: all of them), parameter
-    positions as loaded)``."""
+    per tensor held: its parameter and its elements' runs in it as loaded."""
     import torch
 
     live = {n: p.data for n, p in params.items()}
@@ -270,19 +277,22 @@ def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
     total = int(bases[-1])
     if total >= 1 << 53:
         raise LayoutError(f"{batch[0].name}: a layer of more than 2**53 elements cannot be probed")
+    dtype = torch.float32 if total < 1 << 24 else torch.float64
     wanted = set(probed)
     try:
         for n, p in params.items():
             if n in wanted:
-                probes[n] = torch.full(tuple(p.shape), -1.0, dtype=torch.float64, device=p.device)
+                probes[n] = _zeros(tuple(p.shape), dtype, p.device)
                 p.data = probes[n]
             else:
-                p.data = torch.full((1,) * max(1, p.dim()), -1.0, dtype=torch.float64,
-                                    device=p.device).reshape((1,) * p.dim()).expand(tuple(p.shape))
+                p.data = torch.zeros((1,) * max(1, p.dim()), dtype=dtype,
+                                     device=p.device).reshape((1,) * p.dim()).expand(tuple(p.shape))
+
+        ids = torch.from_numpy(np.arange(1, total + 1, dtype=np.float32 if dtype == torch.float32 else np.float64))
 
         def feed(items: list[tuple[int, TensorSpec]]) -> None:
-            model.load_weights((s.name, (torch.arange(s.numel, dtype=torch.float64) + float(bases[i])
-                                         ).reshape(tuple(s.shape))) for i, s in items)
+            model.load_weights((s.name, ids[int(bases[i]):int(bases[i + 1])].reshape(tuple(s.shape)))
+                               for i, s in items)
 
         try:
             feed(list(enumerate(batch)))
@@ -293,44 +303,134 @@ def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
     finally:
         for n, p in params.items():
             p.data = live[n]
-    # Element ids are dense integers: invert them with a scatter (where each landed, in which probe),
-    # one compiled pass over each probe (vllm_probe_kernels.scan).
-    names = [n for n in probes]
-    inv = np.full(total, -1, dtype=np.int64)
-    which = np.full(total, -1, dtype=np.int32)
-    for k, n in enumerate(names):
-        v = np.ascontiguousarray(probes.pop(n).reshape(-1).cpu().numpy())
-        _, bad, dup = scan(v, total, inv, which, k)
+    names = list(probes)
+    views = [np.ascontiguousarray(probes.pop(n).reshape(-1).cpu().numpy()) for n in names]
+    found = _read_runs(batch, bases, names, views)
+    if found is None:
+        found = _read_scatter(batch, bases, names, views)
+    return found
+
+
+Runs = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""Maximal runs contiguous on both sides: checkpoint starts (ascending), parameter starts, lengths."""
+
+_MAX_RUNS = 1 << 18
+"""Runs one probe may read back as (:func:`_read_runs`); more (an element-wise permutation or a
+transposed load) are inverted by a scatter instead (:func:`_read_scatter`)."""
+
+
+def _computed(batch: list[TensorSpec], bases: np.ndarray, name: str, v: np.ndarray, bad: int) -> LayoutError:
+    total = int(bases[-1])
+    guess = min(max(int(v[bad]) - 1, 0), total - 1) if np.isfinite(v[bad]) else 0
+    return LayoutError(f"{_owner(batch, bases, guess)}: vLLM's loader computes the values of {name} from the "
+                       "checkpoint (not a copy of its elements); it cannot be updated in place")
+
+
+def _twice(batch: list[TensorSpec], bases: np.ndarray, element: int, first: str, again: str) -> LayoutError:
+    owner = _owner(batch, bases, element)
+    if first != again:
+        return LayoutError(f"{owner}: vLLM's loader spreads it over several parameters ({sorted({first, again})})")
+    return LayoutError(f"{owner}: vLLM's loader writes some of its elements to more than one place in {again}")
+
+
+def _read_runs(batch: list[TensorSpec], bases: np.ndarray, names: list[str], views: list[np.ndarray]
+               ) -> dict[str, tuple[str, Runs]] | None:
+    """Each held tensor's probe and runs, read as runs (one pass over each probe, memory per run);
+    None when a probe holds more than :data:`_MAX_RUNS` runs."""
+    total = int(bases[-1])
+    cap = min(_MAX_RUNS, total)
+    parts = []
+    p0, i0, ln = (np.empty(cap, dtype=np.int64) for _ in range(3))
+    for k, v in enumerate(views):
+        n, bad = runs(v, total, p0, i0, ln)
         if bad != OK:
-            guess = min(max(int(v[bad]), 0), total - 1) if np.isfinite(v[bad]) else 0
-            raise LayoutError(f"{_owner(batch, bases, guess)}: vLLM's loader computes the values of {n} from the "
-                              "checkpoint (not a copy of its elements); it cannot be updated in place")
+            raise _computed(batch, bases, names[k], v, bad)
+        if n < 0:
+            return None
+        parts.append((p0[:n].copy(), i0[:n].copy(), ln[:n].copy(), np.full(n, k, dtype=np.int64)))
+    if not parts:
+        return {}
+    pos, ids, lens, probe = (np.concatenate(x) for x in zip(*parts))
+    order = np.argsort(ids, kind="stable")
+    pos, ids, lens, probe = pos[order], ids[order], lens[order], probe[order]
+    over = np.flatnonzero(ids[1:] < (ids + lens)[:-1])
+    if over.shape[0]:
+        j = int(over[0])
+        raise _twice(batch, bases, int(ids[j + 1]), names[int(probe[j])], names[int(probe[j + 1])])
+    pos, ids, lens, probe = _split(bases, pos, ids, lens, probe)
+    tensor = np.searchsorted(bases, ids, side="right") - 1
+    edges = np.searchsorted(tensor, np.arange(len(batch) + 1))
+    got: dict[str, tuple[str, Runs]] = {}
+    for i, s in enumerate(batch):
+        lo, hi = int(edges[i]), int(edges[i + 1])
+        if lo == hi:
+            continue
+        held = probe[lo:hi]
+        if int(held.min()) != int(held.max()):
+            targets = sorted({names[int(k)] for k in held})
+            raise LayoutError(f"{s.name}: vLLM's loader spreads it over several parameters ({targets})")
+        got[s.name] = (names[int(held[0])], (ids[lo:hi] - bases[i], pos[lo:hi], lens[lo:hi]))
+    return got
+
+
+def _split(bases: np.ndarray, pos: np.ndarray, ids: np.ndarray, lens: np.ndarray, probe: np.ndarray
+           ) -> tuple[np.ndarray, ...]:
+    """The runs (``ids`` ascending, disjoint) cut where one tensor's ids end and the next one's begin
+    (two tensors of the batch loaded side by side read back as one run)."""
+    cuts = bases[1:-1]
+    j = np.searchsorted(ids, cuts, side="right") - 1
+    inside = (j >= 0) & (cuts > ids[np.maximum(j, 0)]) & (cuts < (ids + lens)[np.maximum(j, 0)])
+    if not inside.any():
+        return pos, ids, lens, probe
+    keep = np.ones(ids.shape[0], dtype=bool)
+    extra: list[tuple[int, int, int, int]] = []
+    for r in np.unique(j[inside]):
+        at = [int(ids[r]), *(int(c) for c in cuts[inside & (j == r)]), int(ids[r] + lens[r])]
+        keep[r] = False
+        extra += [(int(pos[r]) + a - at[0], a, b - a, int(probe[r])) for a, b in zip(at, at[1:])]
+    more = np.array(extra, dtype=np.int64)
+    pos, ids, lens, probe = (np.concatenate([x[keep], more[:, c]]) for c, x in enumerate((pos, ids, lens, probe)))
+    order = np.argsort(ids, kind="stable")
+    return pos[order], ids[order], lens[order], probe[order]
+
+
+def _read_scatter(batch: list[TensorSpec], bases: np.ndarray, names: list[str], views: list[np.ndarray]
+                  ) -> dict[str, tuple[str, Runs]]:
+    """:func:`_read_runs` by inverting the ids with a scatter: where each landed, in which probe
+    (``which`` = 1 + the probe's index, 0 for none), one compiled pass over each probe
+    (:func:`vllm_probe_kernels.scan`); memory per element of the batch."""
+    total = int(bases[-1])
+    inv = np.empty(total, dtype=np.int64)
+    which = np.zeros(total, dtype=np.int32)
+    for k, (n, v) in enumerate(zip(names, views)):
+        _, bad, dup = scan(v, total, inv, which, k + 1)
+        if bad != OK:
+            raise _computed(batch, bases, n, v, bad)
         if dup != OK:
-            owner = _owner(batch, bases, dup)
-            first = names[int(which[dup])]
-            if first != n:
-                raise LayoutError(f"{owner}: vLLM's loader spreads it over several parameters ({sorted({first, n})})")
-            raise LayoutError(f"{owner}: vLLM's loader writes some of its elements to more than one place in {n}")
-        del v
-    got: dict[str, tuple[str, np.ndarray | None, np.ndarray]] = {}
+            raise _twice(batch, bases, dup, names[int(which[dup]) - 1], n)
+    got: dict[str, tuple[str, Runs]] = {}
     for i, s in enumerate(batch):
         lo, hi = int(bases[i]), int(bases[i + 1])
         w = which[lo:hi]
-        held = w >= 0
-        nheld = int(np.count_nonzero(held))
-        if nheld == 0:
+        ck = np.flatnonzero(w > 0)
+        if ck.shape[0] == 0:
             continue
-        ck: np.ndarray | None
-        if nheld == hi - lo:
-            ck, dst, w_held = None, inv[lo:hi], w
-        else:
-            ck = np.flatnonzero(held)
-            dst, w_held = inv[lo:hi][ck], w[ck]
+        w_held = w[ck]
         if int(w_held.min()) != int(w_held.max()):
-            targets = sorted({names[int(k)] for k in np.unique(w_held)})
+            targets = sorted({names[int(k) - 1] for k in np.unique(w_held)})
             raise LayoutError(f"{s.name}: vLLM's loader spreads it over several parameters ({targets})")
-        got[s.name] = (names[int(w_held[0])], ck, dst)
+        got[s.name] = (names[int(w_held[0]) - 1], maximal_runs(ck, inv[lo:hi][ck]))
     return got
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
+    """A zero tensor; on the CPU from numpy's calloc, whose pages the kernel maps on first write, so a
+    probe of a stacked expert parameter costs the pages the loader writes, not the whole parameter."""
+    import torch
+
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(shape, dtype=np.float32 if dtype == torch.float32 else np.float64))
 
 
 def _owner(batch: list[TensorSpec], bases: np.ndarray, element: int) -> str:

@@ -1,8 +1,8 @@
 """Compiled passes of the placement probe: reading a probe back, factoring its pairs into a block.
 
 Deriving a placement (:mod:`rollout.engines.vllm_probe`) reads back every
-probe the loader wrote into (tens of millions of ``float64`` words for an
-embedding or a layer's experts) and factors each tensor's ``(checkpoint
+probe the loader wrote into (tens of millions of words for an embedding or a
+layer's experts) and factors each tensor's ``(checkpoint
 position, parameter position)`` pairs into one strided block
 (:func:`rollout.engines.vllm_placement.compress`). As numpy passes both made
 a dozen temporaries the size of the probe (masks, differences, casts); these
@@ -23,22 +23,26 @@ OK = -1
 
 @njit(nogil=True, cache=True)
 def scan(v, total, inv, which, k):
-    """Record where each element id of probe ``k`` landed: for every word ``v[p] >= 0`` (an id the
-    loader copied there), ``inv[id] = p`` and ``which[id] = k``.
+    """Record where each element id of probe ``k`` (``k >= 1``) landed: for every word ``v[p] != 0``
+    (an id ``1 .. total`` the loader copied there; 0 is a word it left alone or zeroed, as vLLM does
+    a padded vocabulary's rows), ``inv[id - 1] = p`` and ``which[id - 1] = k``. ``which`` starts at
+    0 (no probe yet); ``inv`` is only read where ``which`` is set.
 
     Returns ``(hits, bad, dup)``: the ids found; the first position holding a word that is not an
-    id (not an integer, or ``>= total``: the loader computed it), else :data:`OK`; the first id
-    already recorded (in this probe or an earlier one: the loader wrote it twice), else :data:`OK`.
-    It stops at the first ``bad`` or ``dup``."""
+    id (negative, not an integer, or above ``total``: the loader computed it), else :data:`OK`; the
+    first id (less one) already recorded, in this probe or an earlier one (the loader wrote it
+    twice), else :data:`OK`. It stops at the first ``bad`` or ``dup``. ``v`` is ``float64``, or
+    ``float32`` when ``total < 2**24`` (every id exact)."""
     hits = 0
     for p in range(v.shape[0]):
         x = v[p]
-        if x < 0.0:
+        if x == 0.0:
             continue
         i = np.int64(x)
-        if np.float64(i) != x or i >= total:
+        if not (x >= 1.0) or np.float64(i) != np.float64(x) or i > total:
             return hits, p, OK
-        if inv[i] >= 0:
+        i -= 1
+        if which[i] != 0:
             return hits, OK, i
         inv[i] = p
         which[i] = k
@@ -46,15 +50,69 @@ def scan(v, total, inv, which, k):
     return hits, OK, OK
 
 
-@njit(nogil=True, cache=True, inline="always")
-def _ck(ck, q, dense):
-    return q if dense else ck[q]
+_BLOCK = 512
+"""Words :func:`runs` looks at together: all zero, or all continuing the open run, they are taken
+in one vectorised pass (the untouched experts of a probe, the body of a tensor copied whole)."""
 
 
 @njit(nogil=True, cache=True)
-def factor(ck, dst, dense, levels):
-    """The nested arithmetic progressions of the pairs ``(ck[q], dst[q])`` (``dense``: ``ck[q] = q``,
-    ``ck`` unused), innermost first, into ``levels`` rows ``(size, ck_step, dst_step)``.
+def runs(v, total, p0, i0, ln):
+    """The words of probe ``v`` as maximal runs contiguous on both sides: run ``r`` holds ids
+    ``i0[r] + 1 .. i0[r] + ln[r]`` (less one: element ids from 0) at positions ``p0[r] ..``,
+    in position order; words 0 are skipped, as in :func:`scan`.
+
+    Returns ``(n, bad)``: the runs found, or -1 when there are more than ``p0`` has room for (the
+    caller scatters instead); the first position holding a word that is not an id, else
+    :data:`OK`. A load that copies blocks (fused shards, experts, tensor-parallel slices) gives a
+    few runs per tensor, so the probe is read once and nothing the size of the layer is written."""
+    n = 0
+    cap = p0.shape[0]
+    last_p = -2
+    last_i = np.int64(-2)
+    size = v.shape[0]
+    for b in range(0, size, _BLOCK):
+        e = min(b + _BLOCK, size)
+        nonzero = 0
+        for p in range(b, e):
+            nonzero += v[p] != 0.0
+        if nonzero == 0:
+            continue
+        if last_p == b - 1 and last_i + e - b < total:  # the open run may go on through the block
+            off = 0
+            first = np.float64(last_i + 2 - b)  # the id expected at position p is p + first
+            for p in range(b, e):
+                off += np.float64(v[p]) != p + first
+            if off == 0:
+                ln[n - 1] += e - b
+                last_p = e - 1
+                last_i += e - b
+                continue
+        for p in range(b, e):
+            x = v[p]
+            if x == 0.0:
+                continue
+            i = np.int64(x)
+            if not (x >= 1.0) or np.float64(i) != np.float64(x) or i > total:
+                return n, p
+            i -= 1
+            if p == last_p + 1 and i == last_i + 1:
+                ln[n - 1] += 1
+            else:
+                if n == cap:
+                    return -1, OK
+                p0[n] = p
+                i0[n] = i
+                ln[n] = 1
+                n += 1
+            last_p = p
+            last_i = i
+    return n, OK
+
+
+@njit(nogil=True, cache=True)
+def factor(ck, dst, levels):
+    """The nested arithmetic progressions of the pairs ``(ck[q], dst[q])``, innermost first, into
+    ``levels`` rows ``(size, ck_step, dst_step)``.
 
     Level by level: the run of the first pairs at one step (the next level's elements are every
     ``size``-th pair) must repeat, at that length and those steps, over all of them. Returns the
@@ -67,23 +125,23 @@ def factor(ck, dst, dense, levels):
     while m > 1:
         if nl == levels.shape[0]:
             return -1
-        a = _ck(ck, stride, dense) - _ck(ck, 0, dense)
+        a = ck[stride] - ck[0]
         b = dst[stride] - dst[0]
         s = m
         for j in range(2, m):
             q = j * stride
-            if _ck(ck, q, dense) - _ck(ck, q - stride, dense) != a or dst[q] - dst[q - stride] != b:
+            if ck[q] - ck[q - stride] != a or dst[q] - dst[q - stride] != b:
                 s = j
                 break
         if m % s:
             return -1
         for r in range(s, m, s):  # every later row at the first row's steps
             q0 = r * stride
-            c0 = _ck(ck, q0, dense)
+            c0 = ck[q0]
             d0 = dst[q0]
             for i in range(1, s):
                 q = q0 + i * stride
-                if _ck(ck, q, dense) - c0 != i * a or dst[q] - d0 != i * b:
+                if ck[q] - c0 != i * a or dst[q] - d0 != i * b:
                     return -1
         levels[nl, 0] = s
         levels[nl, 1] = a
@@ -96,9 +154,10 @@ def factor(ck, dst, dense, levels):
 
 def warm() -> None:
     """Compile (or load) both loops for the array types the probe passes."""
-    inv = np.full(4, -1, dtype=np.int64)
-    scan(np.array([2.0, -1.0, 0.0, 1.0]), 4, inv, np.full(4, -1, dtype=np.int32), 0)
+    for dt in (np.float64, np.float32):
+        v = np.array([3.0, 0.0, 1.0, 2.0], dtype=dt)
+        scan(v, 4, np.empty(4, dtype=np.int64), np.zeros(4, dtype=np.int32), 1)
+        runs(v, 4, np.empty(4, dtype=np.int64), np.empty(4, dtype=np.int64), np.empty(4, dtype=np.int64))
     levels = np.zeros((8, 3), dtype=np.int64)
     pos = np.arange(4, dtype=np.int64)
-    factor(pos, pos, False, levels)
-    factor(pos[:0], pos, True, levels)
+    factor(pos, pos, levels)

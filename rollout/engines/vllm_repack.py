@@ -66,13 +66,21 @@ def _replays(fe: Any) -> Any:
     return fe
 
 
+def repacked(model: Any, param: str) -> bool:
+    """Whether ``param``'s layer moves its elements after loading (:func:`post_load` is not the identity)."""
+    _, layer = layer_of(model, param)
+    fe = moe_experts(layer)
+    return fe is not None and _overrides_post_load(fe) and param.rsplit(".", 1)[-1] in ("w13_weight", "w2_weight")
+
+
 def post_load(model: Any, param: str, live: Any, dst: np.ndarray) -> np.ndarray:
     """``dst`` (flat positions as the loader wrote them) moved through the layer's post-load repacking."""
+    if not repacked(model, param):
+        return dst
     lname, layer = layer_of(model, param)
     fe = moe_experts(layer)
+    assert fe is not None
     short = param.rsplit(".", 1)[-1]
-    if fe is None or not _overrides_post_load(fe) or short not in ("w13_weight", "w2_weight"):
-        return dst
     if _replays(fe) is None:
         raise LayoutError(transformed_reason(model, param) or f"layer {lname}: unknown expert repacking")
     if getattr(fe, "_use_zentorch", False):

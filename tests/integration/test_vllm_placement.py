@@ -137,6 +137,22 @@ def test_transposed_conv1d_weights_are_found(tmp_path):
     assert [(s, cs, ds) for s, cs, ds in pl.families[0].dims] == [(128, 512, 1), (512, 1, 128)]
 
 
+def test_a_padded_vocabulary_is_placed_and_a_delta_lands_as_a_fresh_load(tmp_path):
+    """vLLM pads a vocabulary of 500 to 512 rows and zeroes the padding rows at load: they hold no
+    checkpoint element; the embedding and the untied head are found, and a delta lands on the words
+    a fresh load of the next version holds."""
+    lin = CheckpointLineage("llama", tmp_path, steps=1, config=dict(vocab_size=500, tie_word_embeddings=False))
+    model = vllm_model(lin.checkpoint(None, 0))
+    assert dict(model.named_parameters())["lm_head.weight"].shape[0] == 512
+    assert _found_where_vllm_loaded(model, lin.states[0]) == []
+    old, new = lin.states
+    live = LiveWeights(model, old.specs)
+    enc = encode_delta(old, new, CodecOptions(chunk_size=64 << 10, segment_elements=4096))
+    m = build_manifest(enc, model_id="t", base_version=0, target_version=1, chunk_size=64 << 10, private_key=None)
+    assert live.apply_delta(m, enc.chunks) == new.fingerprint
+    assert _bits(model) == _bits(vllm_model(lin.checkpoint(None, 1)))
+
+
 def test_a_tensor_without_a_place_is_refused_at_init_naming_it(moe):
     lin, model = moe
     before = _bits(model)
@@ -237,7 +253,7 @@ def test_mla_deltas_land_on_the_words_a_fresh_load_holds(mla):
 
 def test_a_layer_unlike_its_prediction_is_probed_whole(moe, monkeypatch, caplog):
     """Layer 1 is predicted from layer 0 (alike in shapes); when the prediction is wrong (here: layer
-    0's placements corrupted as derived), the check on layer 1's tensors catches it and layer 1 is
+    0's placements corrupted as derived: one word off), the check on layer 1's tensors catches it and layer 1 is
     probed whole: its placement is still where vLLM loaded it."""
     import logging
 
@@ -252,7 +268,7 @@ def test_a_layer_unlike_its_prediction_is_probed_whole(moe, monkeypatch, caplog)
     def corrupt(model_, params_, batch, probed):
         got = real(model_, params_, batch, probed)
         if any(".layers.0." in s.name for s in batch):
-            got = {n: (p, ck, dst[::-1].copy()) for n, (p, ck, dst) in got.items()}
+            got = {n: (p, (ck, dst + 1, lengths)) for n, (p, (ck, dst, lengths)) in got.items()}
         return got
 
     monkeypatch.setattr(vllm_probe, "_probe", corrupt)
@@ -311,7 +327,8 @@ def test_experts_are_probed_once_per_kind_and_a_wrong_step_is_caught(moe, monkey
         got = real(model_, params_, batch, probed)
         fed.append(sum(".experts." in s.name for s in batch))
         if sum(".experts.3." in s.name for s in batch) and not any(".experts.2." in s.name for s in batch):
-            got = {n: (p, ck, dst + 1 if ".experts.3." in n else dst) for n, (p, ck, dst) in got.items()}
+            got = {n: (p, (ck, dst + 1 if ".experts.3." in n else dst, lengths))
+                   for n, (p, (ck, dst, lengths)) in got.items()}
         return got
 
     monkeypatch.setattr(vllm_probe, "_probe", shifted_last)

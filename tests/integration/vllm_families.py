@@ -52,10 +52,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def hf_config(family: str) -> Any:
+def hf_config(family: str, **overrides: Any) -> Any:
     from transformers import AutoConfig
 
-    return AutoConfig.for_model(family, **FAMILIES[family])
+    return AutoConfig.for_model(family, **dict(FAMILIES[family], **overrides))
 
 
 def read_checkpoint(directory: Path) -> ModelState:
@@ -71,15 +71,17 @@ def read_checkpoint(directory: Path) -> ModelState:
 
 class CheckpointLineage(Lineage):
     """Versions ``0..steps`` of a tiny ``family`` model trained with AdamW (fp32 master weights), each
-    saved as a bf16 checkpoint under ``root/v<k>``; ``states[k]`` is that checkpoint's tensor table."""
+    saved as a bf16 checkpoint under ``root/v<k>``; ``states[k]`` is that checkpoint's tensor table.
+    ``config``: settings over the family's."""
 
-    def __init__(self, family: str, root: Path, steps: int, seed: int = 0, lr: float = 1e-3) -> None:
+    def __init__(self, family: str, root: Path, steps: int, seed: int = 0, lr: float = 1e-3,
+                 config: dict[str, Any] | None = None) -> None:
         from transformers import AutoModelForCausalLM
 
         from trainer.workload import Workload
 
         torch.manual_seed(seed)
-        self.config = hf_config(family)
+        self.config = hf_config(family, **(config or {}))
         model = AutoModelForCausalLM.from_config(self.config, dtype=torch.float32)
         with torch.no_grad():
             model.get_input_embeddings().weight.mul_(3.0)  # peaked next-token distributions

@@ -12,8 +12,9 @@ import torch
 
 from p2psync.state import TensorSpec
 from rollout.engines.vllm_layout import LayoutError
-from rollout.engines.vllm_placement import compress
+from rollout.engines.vllm_placement import compress, maximal_runs
 from rollout.engines.vllm_probe import derive
+from rollout.engines.vllm_probe_kernels import OK, runs
 
 Q, K, H = 8, 4, 6  # rows of q, rows of k, columns
 
@@ -33,7 +34,7 @@ class _Fused(torch.nn.Module):
     def load_weights(self, weights):
         for name, t in weights:
             if name == "q":
-                src = t * 0.5 if self.mode == "computed" else t  # a scale (not a copy)
+                src = {"computed": t * 0.5, "negated": -t}.get(self.mode, t)  # a scale (not a copy)
                 if self.mode == "spread":  # row 0 elsewhere (v is not loaded then)
                     self.qkv.data[1:Q].copy_(src[1:])
                     self.p.data[:H].copy_(t[0])
@@ -85,6 +86,7 @@ def test_every_element_is_found_where_the_loader_copies_it_and_nothing_is_writte
 
 @pytest.mark.parametrize("mode, message", [
     ("computed", "q: vLLM's loader computes the values of qkv"),
+    ("negated", "q: vLLM's loader computes the values of qkv"),
     ("twice", "q: vLLM's loader writes some of its elements to more than one place in qkv"),
     ("spread", "q: vLLM's loader spreads it over several parameters (['p', 'qkv'])"),
 ])
@@ -124,3 +126,31 @@ def test_compress_falls_back_to_runs_where_no_block_fits():
     assert np.array_equal(got_ck, ck) and np.array_equal(got_dst, dst)
     with pytest.raises(LayoutError, match="more than one place"):
         compress("x", "w", (10,), np.array([1, 1]), np.array([0, 1]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_probe_reads_back_as_its_maximal_runs_across_block_edges(dtype):
+    """The compiled read-back (whole blocks of zeros or of a run going on taken at once) against the
+    runs of the pairs themselves: rows shorter and longer than a block, abutting rows that merge, a
+    permuted stretch, zeros around them."""
+    n, total = 9000, 12000
+    v = np.zeros(n, dtype=dtype)
+    rows = [(400, 40, 0), (440, 40, 0), (0, 7, 1), (1000, 1500, 513), (3000, 600, 0), (3600, 40, 0),
+            (5000, 1, 1), (6000, 40, 9), (8000, 2000, 0)]  # (first id, length, gap after)
+    pos = 3
+    for start, size, gap in rows:
+        v[pos:pos + size] = np.arange(start + 1, start + size + 1)
+        pos += size + gap
+    v[n - 30:n - 20] = np.random.default_rng(1).permutation(10) + total - 10 + 1  # a permutation: runs of one
+    held = np.flatnonzero(v)
+    ck, dst = v[held].astype(np.int64) - 1, held
+    want = sorted(zip(*maximal_runs(ck, dst)))  # the same runs, in checkpoint order
+    p0, i0, ln = (np.empty(n, dtype=np.int64) for _ in range(3))
+    got, bad = runs(v, total, p0, i0, ln)
+    assert bad == OK
+    assert sorted(zip(i0[:got], p0[:got], ln[:got])) == want
+    assert runs(v, total, p0[:2], i0[:2], ln[:2]) == (-1, OK)  # more runs than room: the caller scatters
+    for word in (0.5, -3.0, float(total + 1), np.nan):  # not an id: where it is
+        w = v.copy()
+        w[held[len(held) // 2]] = word
+        assert runs(w, total, p0, i0, ln)[1] == held[len(held) // 2]
