@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from p2psync.state import TensorSpec
+from rollout.engines import vllm_probe_read
 from rollout.engines.vllm_layout import LayoutError
 from rollout.engines.vllm_placement import compress, maximal_runs
 from rollout.engines.vllm_probe import derive
@@ -68,7 +69,15 @@ def _pairs(pl) -> tuple[np.ndarray, np.ndarray]:
     return ck[order], dst[order]
 
 
-def test_every_element_is_found_where_the_loader_copies_it_and_nothing_is_written():
+@pytest.fixture(params=["runs", "scatter"])
+def read_back(request, monkeypatch):
+    """Each probe read back as runs, or (a cap of 4 runs) by the scatter a transposed load falls to."""
+    if request.param == "scatter":
+        monkeypatch.setattr(vllm_probe_read, "_MAX_RUNS", 4)
+    return request.param
+
+
+def test_every_element_is_found_where_the_loader_copies_it_and_nothing_is_written(read_back):
     m = _Fused()
     before = _bits(m)
     places = derive(m, SPECS)
@@ -90,7 +99,7 @@ def test_every_element_is_found_where_the_loader_copies_it_and_nothing_is_writte
     ("twice", "q: vLLM's loader writes some of its elements to more than one place in qkv"),
     ("spread", "q: vLLM's loader spreads it over several parameters (['p', 'qkv'])"),
 ])
-def test_a_loader_that_does_not_copy_each_element_once_is_refused_naming_the_tensor(mode, message):
+def test_a_loader_that_does_not_copy_each_element_once_is_refused_naming_the_tensor(mode, message, read_back):
     m = _Fused(mode)
     before = _bits(m)
     with pytest.raises(LayoutError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
