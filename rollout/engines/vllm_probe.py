@@ -52,7 +52,7 @@ from p2psync.state import TensorSpec
 from rollout.engines import vllm_place_cache
 from rollout.engines.vllm_layout import LayoutError
 from rollout.engines.vllm_placement import Family, Placement, compress, compress_runs, expand_runs, same
-from rollout.engines.vllm_probe_read import Runs, read_runs, read_scatter
+from rollout.engines.vllm_probe_read import PASS_IDS, Readback, Runs
 from rollout.engines.vllm_repack import layer_of, moe_experts, post_load, repacked, transformed_reason
 
 logger = logging.getLogger(__name__)
@@ -267,7 +267,12 @@ class _Outside(Exception):
 def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: list[str]
            ) -> dict[str, tuple[str, Runs]]:
     """Feed ``batch`` through ``model.load_weights`` with ``probed`` parameters as probes (module doc);
-    per tensor held: its parameter and its elements' runs in it as loaded."""
+    per tensor held: its parameter and its elements' runs in it as loaded.
+
+    Ids are ``float32``, exact up to 2**24: a batch of more elements is fed in passes of 2**24 ids
+    (the tensors holding them; every other element of a tensor fed is 0), each probe read back and
+    zeroed again after each pass. Halving the words a ``float64`` id costs matters most in the first
+    derive of a process, which pays a page fault for each new page of ids and probes."""
     import torch
 
     live = {n: p.data for n, p in params.items()}
@@ -276,50 +281,54 @@ def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
     for i, s in enumerate(batch):
         bases[i + 1] = bases[i] + s.numel
     total = int(bases[-1])
-    if total >= 1 << 53:
-        raise LayoutError(f"{batch[0].name}: a layer of more than 2**53 elements cannot be probed")
-    dtype = torch.float32 if total < 1 << 24 else torch.float64
     wanted = set(probed)
+    ids = torch.from_numpy(np.zeros(total, dtype=np.float32))
+
+    def feed(items: list[tuple[int, TensorSpec]]) -> None:
+        model.load_weights((s.name, ids[int(bases[i]):int(bases[i + 1])].reshape(tuple(s.shape))) for i, s in items)
+
     try:
         for n, p in params.items():
             if n in wanted:
-                probes[n] = _zeros(tuple(p.shape), dtype, p.device)
+                probes[n] = _zeros(tuple(p.shape), p.device)
                 p.data = probes[n]
             else:
-                p.data = torch.zeros((1,) * max(1, p.dim()), dtype=dtype,
+                p.data = torch.zeros((1,) * max(1, p.dim()), dtype=torch.float32,
                                      device=p.device).reshape((1,) * p.dim()).expand(tuple(p.shape))
-
-        ids = torch.from_numpy(np.arange(1, total + 1, dtype=np.float32 if dtype == torch.float32 else np.float64))
-
-        def feed(items: list[tuple[int, TensorSpec]]) -> None:
-            model.load_weights((s.name, ids[int(bases[i]):int(bases[i + 1])].reshape(tuple(s.shape)))
-                               for i, s in items)
-
-        try:
-            feed(list(enumerate(batch)))
-        except Exception as exc:
-            if _guard_error(exc) and len(wanted) < len(params):
-                raise _Outside() from exc
-            _name_culprit(feed, batch, params, exc)
+        names = list(probes)
+        back = Readback(batch, bases, names)
+        for lo in range(0, total, PASS_IDS):
+            hi = min(lo + PASS_IDS, total)
+            if lo:
+                ids[lo - PASS_IDS:lo].zero_()
+            torch.arange(1, hi - lo + 1, dtype=torch.float32, out=ids[lo:hi])
+            items = [(i, s) for i, s in enumerate(batch) if bases[i] < hi and bases[i + 1] > lo]
+            try:
+                feed(items)
+            except Exception as exc:
+                if _guard_error(exc) and len(wanted) < len(params):
+                    raise _Outside() from exc
+                _name_culprit(feed, items, params, exc)
+            held = back.read([np.ascontiguousarray(probes[n].reshape(-1).cpu().numpy()) for n in names], lo, hi - lo)
+            if hi < total:
+                for n, h in zip(names, held):
+                    if h:
+                        probes[n].zero_()
     finally:
         for n, p in params.items():
             p.data = live[n]
-    names = list(probes)
-    views = [np.ascontiguousarray(probes.pop(n).reshape(-1).cpu().numpy()) for n in names]
-    found = read_runs(batch, bases, names, views)
-    if found is None:
-        found = read_scatter(batch, bases, names, views)
-    return found
+    return back.placed()
 
 
-def _zeros(shape: tuple[int, ...], dtype: Any, device: Any) -> Any:
-    """A zero tensor; on the CPU from numpy's calloc, whose pages the kernel maps on first write, so a
-    probe of a stacked expert parameter costs the pages the loader writes, not the whole parameter."""
+def _zeros(shape: tuple[int, ...], device: Any) -> Any:
+    """A ``float32`` zero tensor; on the CPU from numpy's calloc, whose pages the kernel maps on first
+    write, so a probe of a stacked expert parameter costs the pages the loader writes, not the whole
+    parameter."""
     import torch
 
     if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.from_numpy(np.zeros(shape, dtype=np.float32 if dtype == torch.float32 else np.float64))
+        return torch.zeros(shape, dtype=torch.float32, device=device)
+    return torch.from_numpy(np.zeros(shape, dtype=np.float32))
 
 
 def _guard_error(exc: BaseException) -> bool:
@@ -327,9 +336,9 @@ def _guard_error(exc: BaseException) -> bool:
     return "single memory location" in text or "refer to a single memory" in text
 
 
-def _name_culprit(feed: Any, batch: list[TensorSpec], params: dict[str, Any], exc: Exception) -> None:
-    """Raise :class:`LayoutError` naming the first tensor the loader fails on alone."""
-    for i, s in enumerate(batch):
+def _name_culprit(feed: Any, items: list[tuple[int, TensorSpec]], params: dict[str, Any], exc: Exception) -> None:
+    """Raise :class:`LayoutError` naming the first tensor of ``items`` the loader fails on alone."""
+    for i, s in items:
         try:
             feed([(i, s)])
         except Exception as one:
@@ -338,7 +347,7 @@ def _name_culprit(feed: Any, batch: list[TensorSpec], params: dict[str, Any], ex
             empty = sorted(n for n, p in params.items() if p.numel() == 0 and _layer_key(n) == _layer_key(s.name))
             hint = f" (size-0 parameters, repacked at load: {empty})" if empty else ""
             raise LayoutError(f"{s.name}: vLLM's loader cannot place it: {type(one).__name__}: {one}{hint}") from one
-    raise LayoutError(f"{batch[0].name}...: vLLM's loader failed on the layer's tensors together: "
+    raise LayoutError(f"{items[0][1].name}...: vLLM's loader failed on the layer's tensors together: "
                       f"{type(exc).__name__}: {exc}") from exc
 
 

@@ -1,13 +1,16 @@
 """Reading a placement probe back: where each checkpoint element id landed, per tensor, as runs.
 
 :func:`rollout.engines.vllm_probe.derive` feeds a layer's checkpoint tensors
-through vLLM's loader as element ids ``1 .. total`` (``bases[i]``: the first id
-less one of tensor ``i``) into zeroed probes. Here each probe is read back into
-maximal runs contiguous on both sides (:func:`read_runs`: one compiled pass per
-probe, memory per run), or, for a load that moves single elements (transposed,
-permuted), by a scatter of every id (:func:`read_scatter`). Either refuses,
-naming the tensor, a word that is not an id, an element written twice, and a
-tensor spread over two parameters.
+through vLLM's loader as element ids into zeroed probes, in passes of at most
+:data:`PASS_IDS` ids (``float32`` holds every integer up to 2**24 exactly): in
+the pass starting at element ``lo``, the word ``w`` means element
+``lo + w - 1`` of the batch (``bases[i]``: the first element of tensor ``i``),
+0 a word no element was copied to. :class:`Readback` reads each probe back after
+each pass as maximal runs contiguous on both sides (one compiled pass per probe,
+memory per run), or, for a probe whose load moves single elements (transposed,
+permuted), by a scatter of its ids; after the last pass it gives each tensor's
+parameter and runs. It refuses, naming the tensor, a word that is not an id, an
+element written twice, and a tensor spread over two parameters.
 """
 
 from __future__ import annotations
@@ -22,63 +25,106 @@ from rollout.engines.vllm_probe_kernels import OK, runs, scan
 Runs = tuple[np.ndarray, np.ndarray, np.ndarray]
 """Maximal runs contiguous on both sides: checkpoint starts (ascending), parameter starts, lengths."""
 
+PASS_IDS = 1 << 24
+"""Element ids fed in one pass: ``1 .. 2**24``, every one exact in ``float32``."""
+
 _MAX_RUNS = 1 << 18
-"""Runs one probe may read back as (:func:`read_runs`); more (an element-wise permutation or a
-transposed load) are inverted by a scatter instead (:func:`read_scatter`)."""
+"""Runs one probe may read back as in one pass; more (an element-wise permutation or a transposed
+load) are found by a scatter of its ids instead."""
 
 
-def _computed(batch: list[TensorSpec], bases: np.ndarray, name: str, v: np.ndarray, bad: int) -> LayoutError:
-    total = int(bases[-1])
-    guess = min(max(int(v[bad]) - 1, 0), total - 1) if np.isfinite(v[bad]) else 0
-    return LayoutError(f"{_owner(batch, bases, guess)}: vLLM's loader computes the values of {name} from the "
-                       "checkpoint (not a copy of its elements); it cannot be updated in place")
+class Readback:
+    """The runs of one batch's probes (``names``), gathered pass by pass (:meth:`read`), then placed
+    per tensor (:meth:`placed`)."""
 
+    def __init__(self, batch: list[TensorSpec], bases: np.ndarray, names: list[str]) -> None:
+        self.batch, self.bases, self.names = batch, bases, names
+        cap = min(_MAX_RUNS, int(bases[-1]))
+        self._buf = tuple(np.empty(cap, dtype=np.int64) for _ in range(3))
+        self._parts: list[tuple[np.ndarray, ...]] = []
 
-def _twice(batch: list[TensorSpec], bases: np.ndarray, element: int, first: str, again: str) -> LayoutError:
-    name = _owner(batch, bases, element)
-    if first != again:
-        return LayoutError(f"{name}: vLLM's loader spreads it over several parameters ({sorted({first, again})})")
-    return LayoutError(f"{name}: vLLM's loader writes some of its elements to more than one place in {again}")
+    def read(self, views: list[np.ndarray], lo: int, count: int) -> list[bool]:
+        """Read every probe (``views``, in ``names`` order) after the pass of ids ``lo + 1 ..
+        lo + count``; per probe, whether it held any."""
+        held = []
+        p0, i0, ln = self._buf
+        for k, v in enumerate(views):
+            n, bad = runs(v, count, p0, i0, ln)
+            if bad != OK:
+                raise self._computed(self.names[k], v, bad, lo)
+            if n >= 0:
+                pos, ids, lens = p0[:n].copy(), i0[:n] + lo, ln[:n].copy()
+            else:
+                pos, ids, lens = self._scattered(k, v, lo, count)
+            held.append(pos.shape[0] > 0)
+            if pos.shape[0]:
+                self._parts.append((pos, ids, lens, np.full(pos.shape[0], k, dtype=np.int64)))
+        return held
 
-
-def read_runs(batch: list[TensorSpec], bases: np.ndarray, names: list[str], views: list[np.ndarray]
-              ) -> dict[str, tuple[str, Runs]] | None:
-    """Each held tensor's probe and runs, read as runs (one pass over each probe, memory per run);
-    None when a probe holds more than :data:`_MAX_RUNS` runs."""
-    total = int(bases[-1])
-    cap = min(_MAX_RUNS, total)
-    parts = []
-    p0, i0, ln = (np.empty(cap, dtype=np.int64) for _ in range(3))
-    for k, v in enumerate(views):
-        n, bad = runs(v, total, p0, i0, ln)
+    def _scattered(self, k: int, v: np.ndarray, lo: int, count: int) -> tuple[np.ndarray, ...]:
+        """Probe ``k``'s runs found by scattering each id to where it landed (memory per id of the pass)."""
+        inv = np.empty(count, dtype=np.int64)
+        which = np.zeros(count, dtype=np.int32)
+        _, bad, dup = scan(v, count, inv, which, 1)
         if bad != OK:
-            raise _computed(batch, bases, names[k], v, bad)
-        if n < 0:
-            return None
-        parts.append((p0[:n].copy(), i0[:n].copy(), ln[:n].copy(), np.full(n, k, dtype=np.int64)))
-    if not parts:
-        return {}
-    pos, ids, lens, probe = (np.concatenate(x) for x in zip(*parts))
-    order = np.argsort(ids, kind="stable")
-    pos, ids, lens, probe = pos[order], ids[order], lens[order], probe[order]
-    over = np.flatnonzero(ids[1:] < (ids + lens)[:-1])
-    if over.shape[0]:
-        j = int(over[0])
-        raise _twice(batch, bases, int(ids[j + 1]), names[int(probe[j])], names[int(probe[j + 1])])
-    pos, ids, lens, probe = _split(bases, pos, ids, lens, probe)
-    tensor = np.searchsorted(bases, ids, side="right") - 1
-    edges = np.searchsorted(tensor, np.arange(len(batch) + 1))
-    got: dict[str, tuple[str, Runs]] = {}
-    for i, s in enumerate(batch):
-        lo, hi = int(edges[i]), int(edges[i + 1])
-        if lo == hi:
-            continue
-        held = probe[lo:hi]
-        if int(held.min()) != int(held.max()):
-            targets = sorted({names[int(k)] for k in held})
-            raise LayoutError(f"{s.name}: vLLM's loader spreads it over several parameters ({targets})")
-        got[s.name] = (names[int(held[0])], (ids[lo:hi] - bases[i], pos[lo:hi], lens[lo:hi]))
-    return got
+            raise self._computed(self.names[k], v, bad, lo)
+        if dup != OK:
+            raise self._twice(lo + dup, self.names[k], self.names[k])
+        ck = np.flatnonzero(which)
+        ids, pos, lens = maximal_runs(ck, inv[ck]) if ck.shape[0] else (ck, ck, ck)
+        return pos, ids + lo, lens
+
+    def placed(self) -> dict[str, tuple[str, Runs]]:
+        """Each held tensor's parameter and runs (checkpoint positions within the tensor)."""
+        if not self._parts:
+            return {}
+        pos, ids, lens, probe = (np.concatenate(x) for x in zip(*self._parts))
+        order = np.argsort(ids, kind="stable")
+        pos, ids, lens, probe = pos[order], ids[order], lens[order], probe[order]
+        over = np.flatnonzero(ids[1:] < (ids + lens)[:-1])
+        if over.shape[0]:
+            j = int(over[0])
+            raise self._twice(int(ids[j + 1]), self.names[int(probe[j])], self.names[int(probe[j + 1])])
+        pos, ids, lens, probe = _split(self.bases, *_joined(pos, ids, lens, probe))
+        tensor = np.searchsorted(self.bases, ids, side="right") - 1
+        edges = np.searchsorted(tensor, np.arange(len(self.batch) + 1))
+        got: dict[str, tuple[str, Runs]] = {}
+        for i, s in enumerate(self.batch):
+            lo, hi = int(edges[i]), int(edges[i + 1])
+            if lo == hi:
+                continue
+            where = probe[lo:hi]
+            if int(where.min()) != int(where.max()):
+                targets = sorted({self.names[int(k)] for k in where})
+                raise LayoutError(f"{s.name}: vLLM's loader spreads it over several parameters ({targets})")
+            got[s.name] = (self.names[int(where[0])], (ids[lo:hi] - self.bases[i], pos[lo:hi], lens[lo:hi]))
+        return got
+
+    def _owner(self, element: int) -> str:
+        """The name of the tensor whose elements include ``element`` (of the batch)."""
+        return self.batch[int(np.searchsorted(self.bases, element, side="right")) - 1].name
+
+    def _computed(self, name: str, v: np.ndarray, bad: int, lo: int) -> LayoutError:
+        total = int(self.bases[-1])
+        guess = min(max(lo + int(v[bad]) - 1, 0), total - 1) if np.isfinite(v[bad]) else lo
+        return LayoutError(f"{self._owner(guess)}: vLLM's loader computes the values of {name} from the "
+                           "checkpoint (not a copy of its elements); it cannot be updated in place")
+
+    def _twice(self, element: int, first: str, again: str) -> LayoutError:
+        name = self._owner(element)
+        if first != again:
+            return LayoutError(f"{name}: vLLM's loader spreads it over several parameters ({sorted({first, again})})")
+        return LayoutError(f"{name}: vLLM's loader writes some of its elements to more than one place in {again}")
+
+
+def _joined(pos: np.ndarray, ids: np.ndarray, lens: np.ndarray, probe: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Runs (``ids`` ascending, disjoint) with those that continue one another in the same probe
+    joined: a run read back in two passes (its ids on both sides of a pass's end)."""
+    go_on = (ids[1:] == (ids + lens)[:-1]) & (pos[1:] == (pos + lens)[:-1]) & (probe[1:] == probe[:-1])
+    if not go_on.any():
+        return pos, ids, lens, probe
+    first = np.flatnonzero(np.concatenate([[True], ~go_on]))
+    return pos[first], ids[first], np.add.reduceat(lens, first), probe[first]
 
 
 def _split(bases: np.ndarray, pos: np.ndarray, ids: np.ndarray, lens: np.ndarray, probe: np.ndarray
@@ -100,37 +146,3 @@ def _split(bases: np.ndarray, pos: np.ndarray, ids: np.ndarray, lens: np.ndarray
     pos, ids, lens, probe = (np.concatenate([x[keep], more[:, c]]) for c, x in enumerate((pos, ids, lens, probe)))
     order = np.argsort(ids, kind="stable")
     return pos[order], ids[order], lens[order], probe[order]
-
-
-def read_scatter(batch: list[TensorSpec], bases: np.ndarray, names: list[str], views: list[np.ndarray]
-                 ) -> dict[str, tuple[str, Runs]]:
-    """:func:`read_runs` by inverting the ids with a scatter: where each landed, in which probe
-    (``which`` = 1 + the probe's index, 0 for none), one compiled pass over each probe
-    (:func:`vllm_probe_kernels.scan`); memory per element of the batch."""
-    total = int(bases[-1])
-    inv = np.empty(total, dtype=np.int64)
-    which = np.zeros(total, dtype=np.int32)
-    for k, (n, v) in enumerate(zip(names, views)):
-        _, bad, dup = scan(v, total, inv, which, k + 1)
-        if bad != OK:
-            raise _computed(batch, bases, n, v, bad)
-        if dup != OK:
-            raise _twice(batch, bases, dup, names[int(which[dup]) - 1], n)
-    got: dict[str, tuple[str, Runs]] = {}
-    for i, s in enumerate(batch):
-        lo, hi = int(bases[i]), int(bases[i + 1])
-        w = which[lo:hi]
-        ck = np.flatnonzero(w > 0)
-        if ck.shape[0] == 0:
-            continue
-        w_held = w[ck]
-        if int(w_held.min()) != int(w_held.max()):
-            targets = sorted({names[int(k) - 1] for k in np.unique(w_held)})
-            raise LayoutError(f"{s.name}: vLLM's loader spreads it over several parameters ({targets})")
-        got[s.name] = (names[int(w_held[0]) - 1], maximal_runs(ck, inv[lo:hi][ck]))
-    return got
-
-
-def _owner(batch: list[TensorSpec], bases: np.ndarray, element: int) -> str:
-    """The name of the tensor of ``batch`` whose ids include ``element`` (``bases``: each one's first id)."""
-    return batch[int(np.searchsorted(bases, element, side="right")) - 1].name

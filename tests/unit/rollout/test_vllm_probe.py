@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from p2psync.state import TensorSpec
-from rollout.engines import vllm_probe_read
+from rollout.engines import vllm_probe, vllm_probe_read
 from rollout.engines.vllm_layout import LayoutError
 from rollout.engines.vllm_placement import compress, maximal_runs
 from rollout.engines.vllm_probe import derive
@@ -69,11 +69,14 @@ def _pairs(pl) -> tuple[np.ndarray, np.ndarray]:
     return ck[order], dst[order]
 
 
-@pytest.fixture(params=["runs", "scatter"])
+@pytest.fixture(params=["runs", "scatter", "passes"])
 def read_back(request, monkeypatch):
-    """Each probe read back as runs, or (a cap of 4 runs) by the scatter a transposed load falls to."""
+    """Each probe read back as runs; or (a cap of 4 runs) by the scatter a transposed load falls to;
+    or fed 7 ids per pass, as a layer of more than 2**24 elements is (runs cut by passes joined)."""
     if request.param == "scatter":
         monkeypatch.setattr(vllm_probe_read, "_MAX_RUNS", 4)
+    if request.param == "passes":
+        monkeypatch.setattr(vllm_probe, "PASS_IDS", 7)
     return request.param
 
 
