@@ -12,10 +12,10 @@ slices (a rank's loader skips what it does not hold). :func:`derive` asks it:
    and a one-element tensor expanded to the parameter's shape for every other
    parameter (a write into it raises, so nothing outside the batch is ever
    written, and it costs no memory);
-2. the batch's checkpoint tensors are fed through ``load_weights`` as tensors
-   holding element ids ``1, 2, ...`` (0 is a word the loader did not write, or
-   zeroed: a padded vocabulary's rows), ``float32`` when the batch has fewer
-   than 2**24 elements and ``float64`` otherwise (exact below 2**53);
+2. the batch's checkpoint tensors are fed through ``load_weights`` as ``float32``
+   tensors holding element ids ``1, 2, ...`` (0 is a word the loader did not
+   write, or zeroed: a padded vocabulary's rows), in passes of 2**24 ids (each
+   exact in ``float32``) for a batch of more elements;
 3. each probe is read back: where an id landed is where that checkpoint element
    lives; read as maximal runs (id and position both going up by one) in one
    compiled pass per probe (:func:`rollout.engines.vllm_probe_read.read_runs`), compressed into strided blocks
