@@ -20,6 +20,7 @@ changed positions to parameter positions in O(changes x dims).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -43,7 +44,7 @@ class Family:
 
     @property
     def block(self) -> int:
-        return int(np.prod([s for s, _, _ in self.dims])) if self.dims else 1
+        return math.prod(s for s, _, _ in self.dims)
 
     def offsets(self) -> tuple[np.ndarray, np.ndarray]:
         """Checkpoint and parameter offsets of every element of one block, in checkpoint order."""
@@ -70,7 +71,7 @@ class Placement:
     held: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.numel = int(np.prod(self.shape)) if self.shape else 1
+        self.numel = math.prod(self.shape)
         self.held = sum(f.block * f.ck.shape[0] for f in self.families)
 
     @property

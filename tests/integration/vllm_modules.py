@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 _READY = False
@@ -33,10 +34,12 @@ def _world() -> None:
     _READY = True
 
 
-def vllm_model(model_dir: str, keep_onednn: bool = False, **engine: Any) -> Any:
+def vllm_model(model_dir: str, keep_onednn: bool = False, timing: dict[str, float] | None = None,
+               **engine: Any) -> Any:
     """vLLM's model for the checkpoint ``model_dir``, loaded as the p2psync plugin leaves the CPU build
     (plain linear weights; ``keep_onednn``: repacked as vLLM does by default); ``engine``: extra
-    ``EngineArgs``."""
+    ``EngineArgs``; ``timing``: gets ``get_model_s``, the seconds of vLLM's ``get_model`` alone (build,
+    read, load, post-load processing; not the imports and config before it)."""
     import vllm._custom_ops as ops
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
@@ -54,6 +57,10 @@ def vllm_model(model_dir: str, keep_onednn: bool = False, **engine: Any) -> Any:
         ops._supports_onednn = args_onednn
         with set_current_vllm_config(vc):
             _world()
-            return get_model(vllm_config=vc)
+            t = time.perf_counter()
+            model = get_model(vllm_config=vc)
+            if timing is not None:
+                timing["get_model_s"] = time.perf_counter() - t
+            return model
     finally:
         ops._supports_onednn = keep
