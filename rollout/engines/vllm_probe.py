@@ -16,16 +16,17 @@ slices (a rank's loader skips what it does not hold). :func:`derive` asks it:
    tensors holding element ids ``1, 2, ...`` (0 is a word the loader did not
    write, or zeroed: a padded vocabulary's rows), in passes of 2**24 ids (each
    exact in ``float32``) for a batch of more elements;
-3. each probe is read back: where an id landed is where that checkpoint element
-   lives; read as maximal runs (id and position both going up by one) in one
-   compiled pass per probe (:func:`rollout.engines.vllm_probe_read.read_runs`), compressed into strided blocks
-   (:mod:`rollout.engines.vllm_placement`);
+3. each probe is read back after each pass: where an id landed is where that
+   checkpoint element lives; read as maximal runs (id and position both going
+   up by one) in one compiled pass per probe
+   (:class:`rollout.engines.vllm_probe_read.Readback`), compressed into
+   strided blocks (:mod:`rollout.engines.vllm_placement`);
 4. the original ``.data`` is put back (``finally``): the live weights are never
    written, only their tensors swapped out and back.
 
 A load that copies blocks gives a few runs per tensor; a transposed or permuted
-load gives one per element and is read back by a scatter of every id instead
-(:func:`rollout.engines.vllm_probe_read.read_scatter`). A batch whose loader reaches outside its layer is probed again with every
+load gives one per element and is read back by a scatter of its ids instead. A
+batch whose loader reaches outside its layer is probed again with every
 parameter as a probe. Layers alike (same checkpoint names up to the layer
 number, shapes, dtypes, parameters, module classes, weight loaders and expert
 maps) are probed once: every other one is predicted from the first and checked
@@ -33,7 +34,8 @@ by probing a few of its tensors of small parameters, one per kind of weight
 loader (a mismatch probes it whole). Inside a probed layer, experts are placed
 once per kind of expert tensor: the first two and the last are probed, the
 others predicted at the step between the first two, the last checking it.
-Post-load transforms that vLLM applies to the loaded weights are either replayed on probes or refused naming the layer
+Post-load transforms that vLLM applies to the loaded weights are either
+replayed on probes or refused naming the layer
 (:mod:`rollout.engines.vllm_repack`).
 """
 

@@ -1,15 +1,16 @@
-"""Compiled passes of the placement probe: reading a probe back, factoring its pairs into a block.
+"""Compiled passes of the placement probe: reading a probe back, factoring its runs into a block.
 
 Deriving a placement (:mod:`rollout.engines.vllm_probe`) reads back every
 probe the loader wrote into (tens of millions of words for an embedding or a
-layer's experts) and factors each tensor's ``(checkpoint
-position, parameter position)`` pairs into one strided block
-(:func:`rollout.engines.vllm_placement.compress`). As numpy passes both made
-a dozen temporaries the size of the probe (masks, differences, casts); these
-loops read each word once and allocate nothing the size of the input.
+layer's experts): :func:`runs` as maximal runs contiguous on both sides, or
+:func:`scan` by scattering each id to where it landed where there are too many
+runs (:mod:`rollout.engines.vllm_probe_read`); :func:`factor` finds the strided
+block of a tensor's runs (:func:`rollout.engines.vllm_placement.compress_runs`).
+These loops read each word once and allocate nothing the size of the input.
 
-:func:`rollout.engines.vllm_warm.exercise` calls both, so ``p2psync warm`` and
-an engine's warm-up compile them before the first placement is derived.
+:func:`rollout.engines.vllm_warm.exercise` calls :func:`warm`, so ``p2psync
+warm`` and an engine's warm-up compile them before the first placement is
+derived.
 """
 
 from __future__ import annotations
@@ -21,31 +22,39 @@ OK = -1
 """Returned by :func:`scan` in place of a position when nothing was wrong."""
 
 
+@njit(nogil=True, cache=True, inline="always")
+def _element(x, total):
+    """The element (from 0) of probe word ``x``: -1 for a word no element was copied to (0), -2 for
+    a word that is not an id ``1 .. total`` (negative, fractional, too large, NaN: computed)."""
+    if x == 0.0:
+        return np.int64(-1)
+    i = np.int64(x)
+    if not (x >= 1.0) or np.float64(i) != np.float64(x) or i > total:
+        return np.int64(-2)
+    return i - 1
+
+
 @njit(nogil=True, cache=True)
-def scan(v, total, inv, which, k):
-    """Record where each element id of probe ``k`` (``k >= 1``) landed: for every word ``v[p] != 0``
-    (an id ``1 .. total`` the loader copied there; 0 is a word it left alone or zeroed, as vLLM does
-    a padded vocabulary's rows), ``inv[id - 1] = p`` and ``which[id - 1] = k``. ``which`` starts at
-    0 (no probe yet); ``inv`` is only read where ``which`` is set.
+def scan(v, total, inv, seen):
+    """Record where each element id of probe ``v`` landed: for every word ``v[p] != 0`` (an id
+    ``1 .. total`` the loader copied there; 0 is a word it left alone or zeroed, as vLLM does a
+    padded vocabulary's rows), ``inv[id - 1] = p`` and ``seen[id - 1] = 1``. ``seen`` starts at 0;
+    ``inv`` is only read where ``seen`` is set.
 
     Returns ``(hits, bad, dup)``: the ids found; the first position holding a word that is not an
-    id (negative, not an integer, or above ``total``: the loader computed it), else :data:`OK`; the
-    first id (less one) already recorded, in this probe or an earlier one (the loader wrote it
-    twice), else :data:`OK`. It stops at the first ``bad`` or ``dup``. ``v`` is ``float64``, or
-    ``float32`` when ``total < 2**24`` (every id exact)."""
+    id (the loader computed it), else :data:`OK`; the first element (id less one) found twice (the
+    loader wrote it twice), else :data:`OK`. It stops at the first ``bad`` or ``dup``."""
     hits = 0
     for p in range(v.shape[0]):
-        x = v[p]
-        if x == 0.0:
+        i = _element(v[p], total)
+        if i == -1:
             continue
-        i = np.int64(x)
-        if not (x >= 1.0) or np.float64(i) != np.float64(x) or i > total:
+        if i == -2:
             return hits, p, OK
-        i -= 1
-        if which[i] != 0:
+        if seen[i] != 0:
             return hits, OK, i
         inv[i] = p
-        which[i] = k
+        seen[i] = 1
         hits += 1
     return hits, OK, OK
 
@@ -88,13 +97,11 @@ def runs(v, total, p0, i0, ln):
                 last_i += e - b
                 continue
         for p in range(b, e):
-            x = v[p]
-            if x == 0.0:
+            i = _element(v[p], total)
+            if i == -1:
                 continue
-            i = np.int64(x)
-            if not (x >= 1.0) or np.float64(i) != np.float64(x) or i > total:
+            if i == -2:
                 return n, p
-            i -= 1
             if p == last_p + 1 and i == last_i + 1:
                 ln[n - 1] += 1
             else:
@@ -153,11 +160,10 @@ def factor(ck, dst, levels):
 
 
 def warm() -> None:
-    """Compile (or load) both loops for the array types the probe passes."""
-    for dt in (np.float64, np.float32):
-        v = np.array([3.0, 0.0, 1.0, 2.0], dtype=dt)
-        scan(v, 4, np.empty(4, dtype=np.int64), np.zeros(4, dtype=np.int32), 1)
-        runs(v, 4, np.empty(4, dtype=np.int64), np.empty(4, dtype=np.int64), np.empty(4, dtype=np.int64))
+    """Compile (or load) the three loops for the array types the probe passes (``float32`` probes)."""
+    v = np.array([3.0, 0.0, 1.0, 2.0], dtype=np.float32)
+    scan(v, 4, np.empty(4, dtype=np.int64), np.zeros(4, dtype=np.uint8))
+    runs(v, 4, np.empty(4, dtype=np.int64), np.empty(4, dtype=np.int64), np.empty(4, dtype=np.int64))
     levels = np.zeros((8, 3), dtype=np.int64)
     pos = np.arange(4, dtype=np.int64)
     factor(pos, pos, levels)

@@ -64,13 +64,13 @@ class Readback:
     def _scattered(self, k: int, v: np.ndarray, lo: int, count: int) -> tuple[np.ndarray, ...]:
         """Probe ``k``'s runs found by scattering each id to where it landed (memory per id of the pass)."""
         inv = np.empty(count, dtype=np.int64)
-        which = np.zeros(count, dtype=np.int32)
-        _, bad, dup = scan(v, count, inv, which, 1)
+        seen = np.zeros(count, dtype=np.uint8)
+        _, bad, dup = scan(v, count, inv, seen)
         if bad != OK:
             raise self._computed(self.names[k], v, bad, lo)
         if dup != OK:
             raise self._twice(lo + dup, self.names[k], self.names[k])
-        ck = np.flatnonzero(which)
+        ck = np.flatnonzero(seen)
         ids, pos, lens = maximal_runs(ck, inv[ck]) if ck.shape[0] else (ck, ck, ck)
         return pos, ids + lo, lens
 
