@@ -220,16 +220,12 @@ class LiveWeights(Committer):
             assert place is not None
             run = place.run()
             if run is not None and run[0] <= start and stop <= run[0] + run[2]:  # rows of a slice
-                part = self.flat[i][run[1] + start - run[0]:run[1] + stop - run[0]]
-                return (part.cpu() if part.device.type != "cpu" else part).numpy().view(self.word_types[i])
+                return to_host(self.flat[i][run[1] + start - run[0]:run[1] + stop - run[0]]).view(self.word_types[i])
             which, dst = place.local(np.arange(start, stop, dtype=np.int64))
             if which.shape[0] != stop - start:
                 raise LayoutError(f"{self.specs[i].name}: words [{start}, {stop}) are not all held by this rank")
             return self._gather(i, dst)
-        part = self.flat[i][start:stop]
-        if part.device.type != "cpu":
-            part = part.cpu()
-        return part.numpy().view(self.word_types[i])
+        return to_host(self.flat[i][start:stop]).view(self.word_types[i])
 
     def _compute_sums(self) -> list[tuple[int, int]]:
         """Per-tensor sums of the element hashes of the words this rank owns, summed over the ranks."""
