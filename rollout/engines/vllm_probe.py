@@ -55,7 +55,8 @@ from rollout.engines import vllm_place_cache
 from rollout.engines.vllm_layout import LayoutError
 from rollout.engines.vllm_placement import Family, Placement, compress, compress_runs, expand_runs, same
 from rollout.engines.vllm_probe_read import PASS_IDS, Readback, Runs
-from rollout.engines.vllm_repack import layer_of, moe_experts, post_load, repacked, transformed_reason
+from rollout.engines.vllm_repack import expert_block, layer_of, moe_experts, post_load, repacked, transformed_reason
+from rollout.engines.vllm_vocab import guard, vocab_rows
 
 logger = logging.getLogger(__name__)
 
@@ -69,26 +70,30 @@ def _layer_key(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def derive(model: Any, specs: Sequence[TensorSpec]) -> dict[str, Placement]:
+def derive(model: Any, specs: Sequence[TensorSpec], rules: bool = True) -> dict[str, Placement]:
     """Where each checkpoint tensor of ``specs`` lives in ``model`` on this rank (see module doc).
 
     Layers alike (the same checkpoint names, shapes and dtypes up to the layer number, the same
     parameters, module classes and weight loaders) are placed alike: the first of them is probed
     whole, every other one is predicted from it and checked by probing its smaller tensors (a
-    mismatch probes that layer whole). Tensors this rank holds nothing of are absent from the result.
-    Raises :class:`LayoutError` naming the tensor when vLLM's loader refuses it or writes computed
-    (not copied) values."""
+    mismatch probes that layer whole). With ``rules``, vocabulary tensors handed untouched to vLLM's
+    own embedding loader are placed by its rule instead of probed (:func:`rollout.engines.vllm_vocab.vocab_rows`). Tensors
+    this rank holds nothing of are absent from the result. Raises :class:`LayoutError` naming the
+    tensor when vLLM's loader refuses it or writes computed (not copied) values."""
     import torch
 
     t0 = time.perf_counter()
     params = dict(model.named_parameters())
+    out: dict[str, Placement] = vocab_rows(model, params, specs) if rules else {}
+    ruled = {pl.param for pl in out.values()}
     batches: dict[int | None, list[TensorSpec]] = {}
     for s in specs:
-        batches.setdefault(_layer_key(s.name), []).append(s)
+        if s.name not in out:
+            batches.setdefault(_layer_key(s.name), []).append(s)
     owners: dict[int | None, list[str]] = {}
     for n in params:
-        owners.setdefault(_layer_key(n), []).append(n)
-    out: dict[str, Placement] = {}
+        if n not in ruled:
+            owners.setdefault(_layer_key(n), []).append(n)
     templates: dict[tuple[Any, ...], tuple[int | None, dict[str, Placement]]] = {}
     reused = 0
     with torch.no_grad():
@@ -107,7 +112,8 @@ def derive(model: Any, specs: Sequence[TensorSpec]) -> dict[str, Placement]:
     global LAST_DERIVE_S
     LAST_DERIVE_S = time.perf_counter() - t0
     logger.info("p2psync: placement of %d tensors derived from vLLM's loaders in %.2f s (%d of %d layers "
-                "predicted from a layer alike)", len(out), LAST_DERIVE_S, reused, len(batches))
+                "predicted from a layer alike, %d vocabulary tensors by the embedding loader's rule)",
+                len(out), LAST_DERIVE_S, reused, len(batches), len(ruled))
     return out
 
 
@@ -120,16 +126,31 @@ def _place(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
     except _Outside:
         got = _probe(model, params, batch, list(params))
     out: dict[str, Placement] = {}
+    moved: dict[tuple[Any, ...], Placement] = {}
     for s in batch:
         if s.name not in got:
             continue
         param, (ck, dst, lengths) = got[s.name]
-        if repacked(model, param):
-            ck, dst = expand_runs(ck, dst, lengths)
-            out[s.name] = compress(s.name, param, tuple(s.shape), ck,
-                                   post_load(model, param, params[param], dst), ck_sorted=True)
-        else:
+        if not repacked(model, param):
             out[s.name] = compress_runs(s.name, param, tuple(s.shape), ck, dst, lengths)
+            continue
+        # An expert's elements moved by the layer's repacking: when they lie in one expert's block
+        # and the repacking is alike per expert, the first of its kind is moved element by element
+        # and the others are that placement shifted by whole blocks.
+        block = expert_block(model, param)
+        base = int(dst[0]) // block * block if block and dst.shape[0] else 0
+        inside = bool(block) and int((dst + lengths - 1).max()) < base + (block or 0) and int(dst.min()) >= base
+        key = (param, tuple(s.shape), ck.tobytes(), (dst - base).tobytes(), lengths.tobytes())
+        if inside and key in moved:
+            out[s.name] = _shifted(moved[key], s.name, base)
+            continue
+        eck, edst = expand_runs(ck, dst - base if inside else dst, lengths)
+        pl = compress(s.name, param, tuple(s.shape), eck, post_load(model, param, params[param], edst),
+                      ck_sorted=True)
+        if inside:
+            moved[key] = pl
+            pl = _shifted(pl, s.name, base)
+        out[s.name] = pl
     return out
 
 
@@ -295,8 +316,7 @@ def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
                 probes[n] = _zeros(tuple(p.shape), p.device)
                 p.data = probes[n]
             else:
-                p.data = torch.zeros((1,) * max(1, p.dim()), dtype=torch.float32,
-                                     device=p.device).reshape((1,) * p.dim()).expand(tuple(p.shape))
+                p.data = guard(p)
         names = list(probes)
         back = Readback(batch, bases, names)
         for lo in range(0, total, PASS_IDS):

@@ -86,54 +86,85 @@ def post_load(model: Any, param: str, live: Any, dst: np.ndarray) -> np.ndarray:
     if getattr(fe, "_use_zentorch", False):
         return dst
     shapes = {n: tuple(getattr(layer, n).shape) for n in ("w13_weight", "w2_weight")}
-    experts = shapes[short][0]
-    if experts >= 2:
-        # The repacking is per expert when two experts repack as one does, shifted by a block:
-        # then only one expert's permutation is replayed and kept.
-        two = _moe_perm(fe, layer, short, {n: (2,) + shp[1:] for n, shp in shapes.items()})
-        block = two.shape[0] // 2
-        if np.array_equal(two[block:], two[:block] + block):
-            return (dst // block) * block + two[:block][dst % block]
+    one = _per_expert(fe, layer, short, shapes)
+    if one is not None:
+        block = one.shape[0]
+        return (dst // block) * block + one[dst % block]
     return _moe_perm(fe, layer, short, shapes)[dst]
 
 
-_PERMS: dict[tuple[Any, ...], np.ndarray] = {}
+def expert_block(model: Any, param: str) -> int | None:
+    """The elements of one expert in ``param`` when its post-load repacking moves each expert's
+    elements within that expert's block, alike for every expert (then a placement inside one block,
+    moved, is the first block's moved and shifted); None otherwise."""
+    if not repacked(model, param):
+        return None
+    _, layer = layer_of(model, param)
+    fe = moe_experts(layer)
+    if fe is None or _replays(fe) is None or getattr(fe, "_use_zentorch", False):
+        return None
+    shapes = {n: tuple(getattr(layer, n).shape) for n in ("w13_weight", "w2_weight")}
+    one = _per_expert(fe, layer, param.rsplit(".", 1)[-1], shapes)
+    return None if one is None else int(one.shape[0])
+
+
+def _per_expert(fe: Any, layer: Any, short: str, shapes: dict[str, tuple[int, ...]]) -> np.ndarray | None:
+    """One expert's permutation, when two experts repack as one does, shifted by a block (then the
+    repacking is per expert, and only one expert's is replayed and kept); None otherwise."""
+    if shapes[short][0] < 2:
+        return None
+    key = (type(fe).__name__, fe.isa, tuple(shapes.items()), short, "per expert")
+    if key not in _ONE:
+        two = _moe_perm(fe, layer, short, {n: (2,) + shp[1:] for n, shp in shapes.items()})
+        block = two.shape[0] // 2
+        _ONE[key] = two[:block] if np.array_equal(two[block:], two[:block] + block) else None
+    return _ONE[key]
+
+
+_ONE: dict[tuple[Any, ...], np.ndarray | None] = {}
+
+
+_PERMS: dict[tuple[Any, ...], dict[str, np.ndarray]] = {}
 
 
 def _moe_perm(fe: Any, layer: Any, short: str, shapes: dict[str, tuple[int, ...]]) -> np.ndarray:
     """Where vLLM's CPU experts' ``process_weights_after_loading`` moves each element of ``short``
     in parameters of ``shapes``: replayed on a stand-in layer holding element ids in raw 16-bit
-    words (low, then high half), checked to be a permutation."""
+    words (low, then high half; both parameters in the same replays), checked to be a permutation."""
     import torch
 
-    key = (type(fe).__name__, fe.isa, tuple(shapes.items()), short)
+    key = (type(fe).__name__, fe.isa, tuple(shapes.items()))
     if key in _PERMS:
-        return _PERMS[key]
-    n = int(np.prod(shapes[short]))
-    ids = np.arange(1, n + 1, dtype=np.int64)  # 0 marks padding
-    halves = []
-    for shift in (0, 16, 32):
+        return _PERMS[key][short]
+    sizes = {n: int(np.prod(shp)) for n, shp in shapes.items()}
+    top = max(sizes.values())
+    ids: Any = np.arange(1, top + 1, dtype=np.uint32 if top < 1 << 32 else np.uint64)  # 0 marks padding
+    halves: dict[str, list[np.ndarray]] = {n: [] for n in shapes}
+    for shift in (0, 16, 32, 48):
         if shift and not (ids >> shift).any():
             break
         fake = torch.nn.Module()
         for name, shp in shapes.items():
-            words = ((ids >> shift) & 0xFFFF).astype(np.uint16) if name == short else \
-                np.zeros(int(np.prod(shp)), dtype=np.uint16)
+            words = ((ids[:sizes[name]] >> shift) & 0xFFFF).astype(np.uint16)
             t = torch.from_numpy(words.view(np.int16)).view(torch.bfloat16).reshape(shp)
-            fake.register_parameter(name, torch.nn.Parameter(t.clone(), requires_grad=False))
+            fake.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
         for attr in ("moe_config", "activation"):  # what the experts' post-load step reads of its layer
             object.__setattr__(fake, attr, getattr(layer, attr, None))
         fe.process_weights_after_loading(fake)
-        out = getattr(fake, short).data
-        halves.append(out.reshape(-1).view(torch.int16).numpy().view(np.uint16).astype(np.int64) << shift)
-    after = np.bitwise_or.reduce(halves) if len(halves) > 1 else halves[0]
-    seen = np.zeros(n + 1, dtype=bool)
-    if after.shape[0] == n and int(after.min()) >= 1 and int(after.max()) <= n:
-        seen[after] = True  # n values in [1, n] covering all of them: a permutation (no sort)
-    if not seen[1:].all():
-        raise LayoutError(f"{short}: vLLM's expert repacking ({type(fe).__name__}) is not a permutation of "
-                          "the loaded elements")
-    perm = np.empty(n, dtype=np.int64)
-    perm[after - 1] = np.arange(n, dtype=np.int64)
-    _PERMS[key] = perm
-    return perm
+        for name in shapes:
+            out = getattr(fake, name).data
+            halves[name].append(out.reshape(-1).view(torch.int16).numpy().view(np.uint16).astype(np.int64) << shift)
+    perms = {}
+    for name, n in sizes.items():
+        after = np.bitwise_or.reduce(halves[name]) if len(halves[name]) > 1 else halves[name][0]
+        seen = np.zeros(n + 1, dtype=bool)
+        if after.shape[0] == n and int(after.min()) >= 1 and int(after.max()) <= n:
+            seen[after] = True  # n values in [1, n] covering all of them: a permutation (no sort)
+        if not seen[1:].all():
+            raise LayoutError(f"{name}: vLLM's expert repacking ({type(fe).__name__}) is not a permutation of "
+                              "the loaded elements")
+        perm = np.empty(n, dtype=np.int64)
+        perm[after - 1] = np.arange(n, dtype=np.int64)
+        perms[name] = perm
+    _PERMS[key] = perms
+    return perms[short]

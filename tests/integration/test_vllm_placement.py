@@ -25,8 +25,9 @@ from p2psync.codec.encode import CodecOptions, encode_delta  # noqa: E402
 from p2psync.errors import P2PSyncError  # noqa: E402
 from p2psync.state import ModelState, TensorSpec  # noqa: E402
 from rollout.engines.vllm_layout import LayoutError, place  # noqa: E402
-from rollout.engines.vllm_placement import from_piece  # noqa: E402
+from rollout.engines.vllm_placement import from_piece, same  # noqa: E402
 from rollout.engines.vllm_probe import derive  # noqa: E402
+from rollout.engines.vllm_vocab import vocab_rows  # noqa: E402
 from rollout.engines.vllm_weights import LiveWeights  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -137,12 +138,20 @@ def test_transposed_conv1d_weights_are_found(tmp_path):
     assert [(s, cs, ds) for s, cs, ds in pl.families[0].dims] == [(128, 512, 1), (512, 1, 128)]
 
 
-def test_a_padded_vocabulary_is_placed_and_a_delta_lands_as_a_fresh_load(tmp_path):
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory):
+    """A Llama lineage with a vocabulary of 500 (vLLM pads it to 512 rows) and an untied head, and
+    vLLM's model loaded from version 0."""
+    lin = CheckpointLineage("llama", tmp_path_factory.mktemp("padded"), steps=1,
+                            config=dict(vocab_size=500, tie_word_embeddings=False))
+    return lin, vllm_model(lin.checkpoint(None, 0))
+
+
+def test_a_padded_vocabulary_is_placed_and_a_delta_lands_as_a_fresh_load(padded):
     """vLLM pads a vocabulary of 500 to 512 rows and zeroes the padding rows at load: they hold no
     checkpoint element; the embedding and the untied head are found, and a delta lands on the words
     a fresh load of the next version holds."""
-    lin = CheckpointLineage("llama", tmp_path, steps=1, config=dict(vocab_size=500, tie_word_embeddings=False))
-    model = vllm_model(lin.checkpoint(None, 0))
+    lin, model = padded
     assert dict(model.named_parameters())["lm_head.weight"].shape[0] == 512
     assert _found_where_vllm_loaded(model, lin.states[0]) == []
     old, new = lin.states
@@ -151,6 +160,41 @@ def test_a_padded_vocabulary_is_placed_and_a_delta_lands_as_a_fresh_load(tmp_pat
     m = build_manifest(enc, model_id="t", base_version=0, target_version=1, chunk_size=64 << 10, private_key=None)
     assert live.apply_delta(m, enc.chunks) == new.fingerprint
     assert _bits(model) == _bits(vllm_model(lin.checkpoint(None, 1)))
+
+
+@pytest.mark.parametrize("family", ["moe", "padded"])
+def test_the_vocabulary_rule_agrees_with_the_probe(family, request):
+    """The embedding and the untied head, handed untouched to vLLM's embedding loader, are placed by
+    its rule (no vocabulary-sized probe) exactly as probing them places them."""
+    lin, model = request.getfixturevalue(family)
+    specs = lin.states[0].specs
+    ruled = vocab_rows(model, dict(model.named_parameters()), specs)
+    vocab = [s.name for s in specs if s.name.endswith(("embed_tokens.weight", "lm_head.weight"))]
+    assert sorted(ruled) == sorted(vocab) and vocab
+    probed = derive(model, specs, rules=False)
+    for name, pl in ruled.items():
+        assert same(pl, probed[name]), name
+    assert all(same(a, probed[n]) for n, a in derive(model, specs).items())
+
+
+def test_a_head_computed_at_load_is_probed_and_refused_naming_it(padded, monkeypatch):
+    """A model whose ``load_weights`` computes the head from the checkpoint (normalised at load, as
+    vLLM's Bailing-MoE does with ``norm_head``) does not get the vocabulary rule: the probe finds the
+    computed words and refuses the tensor by name, and the live weights stay as they were."""
+    lin, model = padded
+    before = _bits(model)
+    load = model.load_weights
+
+    def normalised(weights):
+        return load((n, torch.nn.functional.normalize(w.float(), dim=0).to(w.dtype) if n == "lm_head.weight" else w)
+                    for n, w in weights)
+
+    monkeypatch.setattr(model, "load_weights", normalised)
+    specs = lin.states[0].specs
+    assert sorted(vocab_rows(model, dict(model.named_parameters()), specs)) == ["model.embed_tokens.weight"]
+    with pytest.raises(LayoutError, match="lm_head.weight"):
+        derive(model, specs)
+    assert _bits(model) == before
 
 
 def test_a_tensor_without_a_place_is_refused_at_init_naming_it(moe):
