@@ -36,7 +36,11 @@ once per kind of expert tensor: the first two and the last are probed, the
 others predicted at the step between the first two, the last checking it.
 Post-load transforms that vLLM applies to the loaded weights are either
 replayed on probes or refused naming the layer
-(:mod:`rollout.engines.vllm_repack`).
+(:mod:`rollout.engines.vllm_repack`); experts moved alike by a per-expert
+repacking are moved element by element once per kind and shifted by whole
+blocks. Vocabulary tensors that ``load_weights`` hands untouched to vLLM's stock
+embedding loader are placed by that loader's rule, not probed
+(:mod:`rollout.engines.vllm_vocab`).
 """
 
 from __future__ import annotations

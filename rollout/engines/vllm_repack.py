@@ -139,32 +139,32 @@ def _moe_perm(fe: Any, layer: Any, short: str, shapes: dict[str, tuple[int, ...]
     sizes = {n: int(np.prod(shp)) for n, shp in shapes.items()}
     top = max(sizes.values())
     ids: Any = np.arange(1, top + 1, dtype=np.uint32 if top < 1 << 32 else np.uint64)  # 0 marks padding
-    halves: dict[str, list[np.ndarray]] = {n: [] for n in shapes}
-    for shift in (0, 16, 32, 48):
-        if shift and not (ids >> shift).any():
+    halves = ids.itemsize // 2
+    after = {n: np.zeros(sizes[n], dtype=ids.dtype) for n in shapes}
+    for k in range(halves):  # the k-th 16-bit half of every id (little-endian words)
+        if k and not top >> (16 * k):
             break
         fake = torch.nn.Module()
         for name, shp in shapes.items():
-            words = ((ids[:sizes[name]] >> shift) & 0xFFFF).astype(np.uint16)
+            words = np.ascontiguousarray(ids[:sizes[name]].view(np.uint16)[k::halves])
             t = torch.from_numpy(words.view(np.int16)).view(torch.bfloat16).reshape(shp)
             fake.register_parameter(name, torch.nn.Parameter(t, requires_grad=False))
         for attr in ("moe_config", "activation"):  # what the experts' post-load step reads of its layer
             object.__setattr__(fake, attr, getattr(layer, attr, None))
         fe.process_weights_after_loading(fake)
         for name in shapes:
-            out = getattr(fake, name).data
-            halves[name].append(out.reshape(-1).view(torch.int16).numpy().view(np.uint16).astype(np.int64) << shift)
+            out = getattr(fake, name).data.reshape(-1).view(torch.int16).numpy().view(np.uint16)
+            if out.shape[0] == sizes[name]:
+                after[name].view(np.uint16)[k::halves] = out
     perms = {}
     for name, n in sizes.items():
-        after = np.bitwise_or.reduce(halves[name]) if len(halves[name]) > 1 else halves[name][0]
-        seen = np.zeros(n + 1, dtype=bool)
-        if after.shape[0] == n and int(after.min()) >= 1 and int(after.max()) <= n:
-            seen[after] = True  # n values in [1, n] covering all of them: a permutation (no sort)
-        if not seen[1:].all():
+        got = after[name]
+        perm = np.full(n, -1, dtype=np.int64)
+        if n and int(got.min()) >= 1 and int(got.max()) <= n:
+            perm[got.astype(np.int64) - 1] = np.arange(n, dtype=np.int64)
+        if not n or int(perm.min()) < 0:  # n ids in [1, n] fill every slot only if they are a permutation
             raise LayoutError(f"{name}: vLLM's expert repacking ({type(fe).__name__}) is not a permutation of "
                               "the loaded elements")
-        perm = np.empty(n, dtype=np.int64)
-        perm[after - 1] = np.arange(n, dtype=np.int64)
         perms[name] = perm
     _PERMS[key] = perms
     return perms[short]
