@@ -7,10 +7,12 @@ fetch and decode only what it holds, the encoder:
   more dimensions at the row boundaries that a split of dimension 0 over 2 to 8
   ranks keeps (row ``k * R / t`` for every ``t`` in 2..8 that divides the ``R``
   rows): a column-parallel or vocab-parallel rank's rows are then a run of whole
-  segments, which it decodes against its own words alone;
-- **orders** the segments: first every tensor that all ranks need whole or in part
-  (small tensors, 1-D tensors, and the row-parallel weights that vLLM splits along
-  dimension 1, :func:`row_parallel`), in table order; then the row-cut tensors by
+  segments, which it decodes against its own words alone; a row-parallel weight
+  (``o_proj``, ``down_proj``: vLLM splits it along dimension 1, so every rank holds
+  part of every row) is cut alike, and rank ``r`` decodes its row block for the
+  group (``rollout.engines.vllm_slices``);
+- **orders** the segments: first every tensor that all ranks need whole (small
+  tensors, 1-D tensors), in table order; then the row-cut tensors by
   the fraction of the rows where their block starts. Rank ``r`` of ``t`` then needs
   one contiguous run of the second part (rows ``[r/t, (r+1)/t)`` of every tensor),
   and the packer starts a new chunk at each change of block fraction (and after the
@@ -23,10 +25,11 @@ fetch and decode only what it holds, the encoder:
   against its signed hash, as every chunk is), and checks that each fetched chunk
   holds exactly the segments the index gives it (:mod:`p2psync.codec.segindex`).
 
-Row-parallel weights (``o_proj``, ``down_proj``, ...) keep row-cut segments: a row
-spans every rank's columns, so every rank fetches them and the ranks rebuild each
-segment's range together before decoding it (``rollout.engines.vllm_tp``). The
-name list only steers order and cuts; any split decodes correctly.
+A row of a row-parallel weight spans every rank's columns: the ranks rebuild each
+such segment's range together (``rollout.engines.vllm_tp``), the rank whose row
+block holds it decodes it, and the changes go to the ranks holding their columns.
+Any split decodes correctly: a segment that lies in no one rank's row block is
+fetched and decoded by every rank holding part of it.
 
 Decoders that take whole artifacts ignore all of this: cuts and order change only
 which segments exist and where they sit, never what a segment means.
@@ -45,21 +48,13 @@ MIN_SLICED = 1 << 14
 """Elements from which a tensor of two or more dimensions is cut into row blocks."""
 SPLITS = range(2, 9)
 """Tensor-parallel sizes whose dim-0 splits the cuts keep."""
-ROW_PARALLEL = frozenset({"o_proj", "down_proj", "out_proj", "dense", "dense_4h_to_h", "fc2", "w2", "wo"})
-"""Module names whose weight vLLM splits along dimension 1 (``RowParallelLinear``) in the usual families."""
 
 S = TypeVar("S", bytes, bytearray, memoryview, bytes | bytearray)
 
 
-def row_parallel(name: str) -> bool:
-    """Whether checkpoint tensor ``name`` is the weight of a layer vLLM usually splits along dim 1."""
-    parts = name.split(".")
-    return len(parts) >= 2 and parts[-1] == "weight" and parts[-2] in ROW_PARALLEL
-
-
 def sliced(spec: TensorSpec) -> bool:
     """Whether ``spec``'s segments are cut into row blocks and ordered by block."""
-    return len(spec.shape) >= 2 and spec.numel >= MIN_SLICED and spec.shape[0] > 1 and not row_parallel(spec.name)
+    return len(spec.shape) >= 2 and spec.numel >= MIN_SLICED and spec.shape[0] > 1
 
 
 def row_cuts(spec: TensorSpec) -> list[int]:

@@ -13,9 +13,13 @@ segment (:func:`plan`):
   the update's threads, with no collective;
 - **gathered**: it holds part of the range (a row of a row-parallel weight spans
   every rank's columns): the ranks rebuild the range together
-  (:func:`rollout.engines.vllm_tp.gather_ranges`) and every rank holding part of it
-  decodes it. Every rank learns the set of gathered segments from a sum over the
-  ranks, so their collectives stay in step.
+  (:func:`rollout.engines.vllm_tp.gather_ranges`), and one rank decodes it for the
+  group: the rank whose row block (rows ``[r R/N, (r+1) R/N)`` of the tensor's ``R``
+  rows at ``N`` ranks, the blocks the trainer cuts at) holds the segment. Only that
+  rank fetches its chunk; after the decode the ranks swap the changes, so each rank
+  writes those in its own columns. A segment in no single row block is fetched and
+  decoded by every rank holding part of it. Every rank learns the set of gathered
+  segments from a sum over the ranks, so their collectives stay in step.
 
 Each rank counts towards the fingerprint the changes at the positions it owns (its
 placement is ``counted``), so the ranks' sums are the trainer's fingerprint, and
@@ -94,9 +98,23 @@ class SegmentRef:
     start: int
     stop: int
     need: bool
-    """This rank holds some of its elements."""
+    """This rank fetches and decodes it: it holds some of its elements, or decodes it for the group."""
     local: bool
     """This rank holds all of them (decoded alone)."""
+    partial: bool = False
+    """This rank holds some of its elements, not all (its range is rebuilt with the group)."""
+    decoder: int | None = None
+    """The rank that decodes it for the group when it is gathered (None: every rank holding part of it)."""
+
+
+def decoder_of(spec: Any, start: int, stop: int, size: int) -> int | None:
+    """The rank whose block of rows (``N`` = ``size`` equal blocks of dimension 0) holds elements
+    ``[start, stop)`` of ``spec``, if one does."""
+    if size < 2 or len(spec.shape) < 2 or spec.shape[0] % size:
+        return None
+    block = spec.numel // size
+    first, last = start // block, (stop - 1) // block
+    return int(first) if first == last else None
 
 
 def plan(live: LiveWeights, index: Index) -> list[SegmentRef]:
@@ -113,7 +131,10 @@ def plan(live: LiveWeights, index: Index) -> list[SegmentRef]:
                 raise SegmentIndexError("segments", f"chunk {i} names tensor #{t}, the table has {len(live.specs)}")
             place = live.places[t]
             h = held_in(place, s, e)
-            out.append(SegmentRef(i, t, s, e, h > 0, h == e - s))
+            whole = h == e - s
+            dec = decoder_of(live.specs[t], s, e, live.group.size) if live.sharded[t] and not whole else None
+            need = h > 0 if dec is None else dec == live.group.rank
+            out.append(SegmentRef(i, t, s, e, need, whole, 0 < h < e - s, dec))
     live.slice_plan = (index, out)
     return out
 
@@ -149,7 +170,7 @@ def decode(live: LiveWeights, manifest: Manifest, chunks: Sequence[bytes | memor
         agreed = group.first(len(refs)) == len(refs)
         if not group.all_true(failed is None and agreed):
             raise failed or RankRefused("the tensor-parallel ranks were given different deltas")
-        flags = group.sum_u64([1 if r.need and not r.local and live.sharded[r.tensor] else 0 for r in refs])
+        flags = group.sum_u64([1 if r.partial and live.sharded[r.tensor] else 0 for r in refs])
         gathered = [k for k, f in enumerate(flags) if f]
     elif failed is not None:
         raise failed
@@ -161,26 +182,28 @@ def decode(live: LiveWeights, manifest: Manifest, chunks: Sequence[bytes | memor
                               min(live.threads, max(1, len(alone))), live.cpus)
     results: list[Any] = [o for o in out if o is not None]
     counted = [(o[0], o[4]) for o in results if live.counts(o[0])]
-    g_out, g_err = decode_gathered(live, refs, heads, gathered)
+    g_out, received, g_err = decode_gathered(live, refs, heads, gathered)
     err = err or g_err
     if err is not None:
         raise err
     results += [o for o, _ in g_out]
     counted += [(o[0], ab) for o, ab in g_out if ab is not None]
-    return assembled(live, results, counted)
+    return assembled(live, results, counted, received)
 
 
-def assembled(live: LiveWeights, results: list[Any], counted: list[tuple[int, tuple[int, int]]]
-               ) -> tuple[dict[int, list[tuple[np.ndarray, np.ndarray]]], list[tuple[int, int]]]:
-    """``(changes, sums)`` from the decoded segments (``(tensor, range, positions, new words, _)``)
-    and the sums' changes this rank counts: the group's sums, segments checked not to overlap."""
+def assembled(live: LiveWeights, results: list[Any], counted: list[tuple[int, tuple[int, int]]],
+              received: Sequence[Any] = ()
+              ) -> tuple[dict[int, list[tuple[np.ndarray, np.ndarray]]], list[tuple[int, int]]]:
+    """``(changes, sums)`` from the decoded segments (``(tensor, range, positions, new words, _)``;
+    ``received``: those other ranks decoded for the group) and the sums' changes this rank counts:
+    the group's sums, segments checked not to overlap."""
     delta = [(0, 0)] * len(live.specs)
     for t, (da, db) in counted:
         delta[t] = ((delta[t][0] + int(da)) & MASK64, (delta[t][1] + int(db)) & MASK64)
     summed = live.group_sums(delta)
     sums = [((a[0] + d[0]) & MASK64, (a[1] + d[1]) & MASK64) for a, d in zip(live.sums, summed)]
     by: dict[int, list[tuple[tuple[int, int], np.ndarray, np.ndarray]]] = {}
-    for t, span, pos, new, _ in results:
+    for t, span, pos, new, _ in list(results) + list(received):
         by.setdefault(t, []).append((span, pos, new))
     changes: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
     for t, parts in by.items():
@@ -239,13 +262,16 @@ _GATHER_WORDS = 1 << 22
 
 
 def decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, Any], gathered: list[int]
-                     ) -> tuple[list[tuple[Any, tuple[int, int] | None]], Exception | None]:
+                     ) -> tuple[list[tuple[Any, tuple[int, int] | None]], list[Any], Exception | None]:
     """Rebuild the gathered ranges with the group (the same batches, in the same order, on every
-    rank: one collective per :data:`_GATHER_WORDS` of ranges) and decode each where this rank holds
-    part of it, on the update's threads while the next batch is rebuilt; each result with the sums'
-    change of the changes this rank owns (None where it owns none). Results and the error are those
-    of decoding in index order, stopping at the first failure; after a failure the remaining
-    ranges are still rebuilt (not decoded), so the ranks' collectives stay in step."""
+    rank: one collective per :data:`_GATHER_WORDS` of ranges) and decode each this rank needs (those
+    it decodes for the group, or every one it holds part of when no one rank decodes it), on the
+    update's threads while the next batch is rebuilt; each result with the sums' change it brings
+    (of every change when this rank decodes it for the group, else of those it owns; None where
+    that is none). Then the ranks swap what they decoded for the group (one more collective): the
+    results other ranks decoded come second. Results and the error are those of decoding in index
+    order, stopping at the first failure; after a failure the remaining ranges are still rebuilt
+    (not decoded) and the swap still made, so the ranks' collectives stay in step."""
     import concurrent.futures
 
     from p2psync.workers import pool as pinned_pool
@@ -255,7 +281,9 @@ def decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, 
         place = live.places[r.tensor]
         res = live.decode_segment(heads[k], base)
         ab = None
-        if place is not None and place.counted:
+        if r.decoder is not None:  # decoded once, for the group: every change counts here
+            ab = (int(res[4][0]), int(res[4][1]))
+        elif place is not None and place.counted:
             pos, new = res[2], res[3]
             which, _ = place.local(pos)
             a, b = wordops.hash_change(pos[which], base[pos[which] - r.start], new[which],
@@ -294,4 +322,12 @@ def decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, 
             collect(pending)  # at most this batch and the last one held
             pending = [] if err else [pool.submit(one, k, base) for k, base in zip(batch, bases) if refs[k].need]
         collect(pending)
-    return out, (err[0] if err else None)
+    received: list[Any] = []
+    for_group = {(refs[k].tensor, refs[k].start) for k in gathered if refs[k].decoder is not None}
+    if live.group.size > 1 and for_group:
+        mine = [] if err else [(o[0], o[1], o[2], o[3]) for o, _ in out if (o[0], o[1][0]) in for_group]
+        for rank, theirs in enumerate(live.group.objects(mine)):
+            if rank != live.group.rank:
+                received += [(t, span, pos, new, None) for t, span, pos, new in theirs
+                             if live.places[t] is not None]
+    return out, received, (err[0] if err else None)

@@ -86,8 +86,7 @@ class Streamed:
             return
         if not group.all_true(group.first(len(self.refs)) == len(self.refs)):
             raise RankRefused("the tensor-parallel ranks were given different deltas")
-        flags = group.sum_u64([1 if r.need and not r.local and self.live.sharded[r.tensor] else 0
-                               for r in self.refs])
+        flags = group.sum_u64([1 if r.partial and self.live.sharded[r.tensor] else 0 for r in self.refs])
         self.gathered = {k for k, f in enumerate(flags) if f}
 
     def add(self, i: int, chunk: bytes | memoryview) -> None:
@@ -119,12 +118,12 @@ class Streamed:
             raise failed or RankRefused("another tensor-parallel rank was not given every chunk")
         results = [o for i in sorted(self._results) for o in self._results[i]]
         counted = [(o[0], o[4]) for o in results if live.counts(o[0])]
-        g_out, err = decode_gathered(live, self.refs, self._gheads, sorted(self.gathered))
+        g_out, received, err = decode_gathered(live, self.refs, self._gheads, sorted(self.gathered))
         if not group.all_true(err is None):
             raise err or RankRefused("another tensor-parallel rank could not decode the delta")
         results += [o for o, _ in g_out]
         counted += [(o[0], ab) for o, ab in g_out if ab is not None]
-        return assembled(live, results, counted)
+        return assembled(live, results, counted, received)
 
 
 async def decoding(stream: Streamed, source: Callable[[OnChunk], Awaitable[T]], threads: int,

@@ -56,6 +56,9 @@ class RankGroup(Protocol):
     def texts(self, text: str) -> list[str]:
         """Every rank's ``text``, in rank order."""
 
+    def objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable: e.g. numpy arrays of changes), in rank order."""
+
 
 class Solo:
     """One rank: every collective is the identity."""
@@ -77,6 +80,9 @@ class Solo:
 
     def texts(self, text: str) -> list[str]:
         return [text]
+
+    def objects(self, obj: Any) -> list[Any]:
+        return [obj]
 
 
 class TorchGroup:
@@ -122,11 +128,14 @@ class TorchGroup:
         return box[0]
 
     def texts(self, text: str) -> list[str]:
+        return [str(t) for t in self.objects(text)]
+
+    def objects(self, obj: Any) -> list[Any]:
         import torch.distributed as dist
 
         out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, text, group=self.host_group)
-        return [str(t) for t in out]
+        dist.all_gather_object(out, obj, group=self.host_group)
+        return out
 
 
 def together(group: RankGroup, fn: Callable[[], T], refused: str) -> T:

@@ -55,7 +55,9 @@ def test_cuts_keep_every_dim0_split_from_2_to_8_ranks():
     assert ranges[0][0] == 0 and ranges[-1][1] == spec.numel
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, and no range crosses a cut
     assert not any(s < c < e for s, e in ranges for c in cuts)
-    assert row_cuts(TensorSpec("model.layers.0.mlp.down_proj.weight", "BF16", (256, 256))) == []  # row-parallel
+    # A row-parallel weight is cut alike: the rank of each row block decodes it for the group.
+    assert row_cuts(TensorSpec("model.layers.0.mlp.down_proj.weight", "BF16", (256, 256))) == [
+        r * 256 for r in sorted({k * 256 // t for t in range(2, 9) if 256 % t == 0 for k in range(1, t)})]
     assert row_cuts(TensorSpec("model.norm.weight", "BF16", (1 << 16,))) == []
 
 

@@ -212,7 +212,12 @@ def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, c
         if rank == 0:
             del live._write_host
         res["write_kept"] = _params(model) == before and live.audit() == fps[0]
+        spans: list = []  # the segments this rank decodes in the update that lands
+        decode_segment = live.decode_segment
+        live.decode_segment = lambda p, base=None: (spans.append((p.tensor, p.start)),  # type: ignore[method-assign]
+                                                    decode_segment(p, base))[1]
         res["applied"] = live.apply_delta(m, chunks) == fps[1]
+        res["spans"] = spans
         res["decoded"] = live.decoded
         res["words"] = _params(model) == want_new
         res["audit"] = live.audit() == fps[1]
@@ -261,10 +266,16 @@ def test_two_ranks_apply_a_delta_bit_exact_and_refuse_together(sliced, streamed,
     for r in range(2):
         assert got[r]["corrupt_kept"] and got[r]["write_kept"], got[r]
         assert got[r]["applied"] and got[r]["words"] and got[r]["audit"], got[r]
-    # Each rank decodes only segments it holds elements of, together all of them (the row-parallel
-    # weights' rows: both ranks); cut into row blocks, each rank's share is smaller.
+    # Each rank decodes only segments it holds elements of, together all of them; cut into row
+    # blocks, each rank's share is smaller, and a row-parallel weight's segment (every rank holds
+    # part of its rows) is decoded by one rank only, the one whose row block holds it.
     assert got[0]["decoded"] + got[1]["decoded"] >= segments
     assert all(got[r]["decoded"] < segments * (0.8 if sliced else 1) for r in range(2)), (got, segments)
+    if sliced:
+        rows = [i for i, t in enumerate(m.tensors) if t.name.endswith(("o_proj.weight", "down_proj.weight"))]
+        every = {(t, e[k + 1]) for e in m.segments for k in range(0, len(e), 3) for t in [e[k]] if t in rows}
+        mine = [{sp for sp in map(tuple, got[r]["spans"]) if sp[0] in rows} for r in range(2)]
+        assert not mine[0] & mine[1] and mine[0] | mine[1] == every and mine[0] and mine[1]
 
 
 def test_a_slice_without_a_rank_group_is_refused():
