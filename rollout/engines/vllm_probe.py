@@ -80,10 +80,11 @@ def derive(model: Any, specs: Sequence[TensorSpec], rules: bool = True) -> dict[
     Layers alike (the same checkpoint names, shapes and dtypes up to the layer number, the same
     parameters, module classes and weight loaders) are placed alike: the first of them is probed
     whole, every other one is predicted from it and checked by probing its smaller tensors (a
-    mismatch probes that layer whole). With ``rules``, vocabulary tensors handed untouched to vLLM's
-    own embedding loader are placed by its rule instead of probed (:func:`rollout.engines.vllm_vocab.vocab_rows`). Tensors
-    this rank holds nothing of are absent from the result. Raises :class:`LayoutError` naming the
-    tensor when vLLM's loader refuses it or writes computed (not copied) values."""
+    mismatch probes that layer whole). With ``rules``, vocabulary tensors handed untouched to
+    vLLM's own embedding loader are placed by its rule instead of probed
+    (:func:`rollout.engines.vllm_vocab.vocab_rows`). Tensors this rank holds nothing of are absent
+    from the result. Raises :class:`LayoutError` naming the tensor when vLLM's loader refuses it or
+    writes computed (not copied) values."""
     import torch
 
     t0 = time.perf_counter()
@@ -387,8 +388,8 @@ def placements(model: Any, specs: Sequence[TensorSpec], params: dict[str, Any], 
 
     A vLLM model: derived from its loaders (:func:`derive`; kept per model, rank, table and
     parameter storage in this process, and on disk across restarts by
-    :mod:`rollout.engines.vllm_place_cache`) and checked for transformed copies. Any other module (tests' stand-ins): the hand rules of
-    :func:`rollout.engines.vllm_layout.place`."""
+    :mod:`rollout.engines.vllm_place_cache`) and checked for transformed copies. Any other module
+    (tests' stand-ins): the hand rules of :func:`rollout.engines.vllm_layout.place`."""
     import hashlib
 
     from p2psync.errors import TensorTableMismatch
