@@ -325,9 +325,12 @@ def decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, 
     received: list[Any] = []
     for_group = {(refs[k].tensor, refs[k].start) for k in gathered if refs[k].decoder is not None}
     if live.group.size > 1 and for_group:
-        mine = [] if err else [(o[0], o[1], o[2], o[3]) for o, _ in out if (o[0], o[1][0]) in for_group]
+        # Positions travel as offsets in their segment: 4 bytes, not 8, where it spans < 2**32 elements.
+        mine = [] if err else [(o[0], o[1], (o[2] - o[1][0]).astype(
+            np.uint32 if o[1][1] - o[1][0] < 1 << 32 else np.int64), o[3]) for o, _ in out
+            if (o[0], o[1][0]) in for_group]
         for rank, theirs in enumerate(live.group.objects(mine)):
             if rank != live.group.rank:
-                received += [(t, span, pos, new, None) for t, span, pos, new in theirs
+                received += [(t, span, rel.astype(np.int64) + span[0], new, None) for t, span, rel, new in theirs
                              if live.places[t] is not None]
     return out, received, (err[0] if err else None)
