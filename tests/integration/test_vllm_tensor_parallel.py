@@ -47,8 +47,8 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
             for v in range(1, N + 1):
                 assert engine.reach(v) == lin.states[v].fingerprint
                 # Each rank fetched only the chunks of its slice (its rows of the column- and
-                # vocab-parallel tensors, and every rank the row-parallel and small ones), and
-                # the two fetches together cover the delta.
+                # vocab-parallel tensors, its row block of the row-parallel ones, which it decodes
+                # for both, and every small one), and the two fetches together cover the delta.
                 ranks = [s["timing"] for s in engine.rank_status()]
                 assert [s["rank"] for s in engine.rank_status()] == [0, 1]
                 total = ranks[0]["artifact_bytes"]
