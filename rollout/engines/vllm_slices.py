@@ -322,15 +322,32 @@ def decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, 
             collect(pending)  # at most this batch and the last one held
             pending = [] if err else [pool.submit(one, k, base) for k, base in zip(batch, bases) if refs[k].need]
         collect(pending)
-    received: list[Any] = []
     for_group = {(refs[k].tensor, refs[k].start) for k in gathered if refs[k].decoder is not None}
-    if live.group.size > 1 and for_group:
-        # Positions travel as offsets in their segment: 4 bytes, not 8, where it spans < 2**32 elements.
-        mine = [] if err else [(o[0], o[1], (o[2] - o[1][0]).astype(
-            np.uint32 if o[1][1] - o[1][0] < 1 << 32 else np.int64), o[3]) for o, _ in out
-            if (o[0], o[1][0]) in for_group]
-        for rank, theirs in enumerate(live.group.objects(mine)):
-            if rank != live.group.rank:
-                received += [(t, span, rel.astype(np.int64) + span[0], new, None) for t, span, rel, new in theirs
-                             if live.places[t] is not None]
+    received = _swap(live, [] if err else [o for o, _ in out if (o[0], o[1][0]) in for_group]) \
+        if live.group.size > 1 and for_group else []
     return out, received, (err[0] if err else None)
+
+
+def _swap(live: LiveWeights, mine: list[Any]) -> list[Any]:
+    """Send each other rank the changes of ``mine`` (segments this rank decoded for the group) at the
+    positions that rank holds, and return those the others sent this rank (one collective round per
+    rank; every rank calls it). The ranks' placements of the sharded tensors are swapped once, at the
+    first call, to know who holds what."""
+    group = live.group
+    if live.peer_places is None:
+        live.peer_places = group.objects({t: live.places[t] for t, sh in enumerate(live.sharded) if sh})
+    outgoing: list[list[Any]] = [[] for _ in range(group.size)]
+    for t, span, pos, new, _ in mine:
+        # Positions travel as offsets in their segment: 4 bytes, not 8, where it spans < 2**32 elements.
+        rel_type = np.uint32 if span[1] - span[0] < 1 << 32 else np.int64
+        for q, theirs in enumerate(live.peer_places):
+            place = theirs.get(t) if q != group.rank else None
+            if place is not None:
+                which, _ = place.local(pos)
+                if which.shape[0]:
+                    outgoing[q].append((t, span, (pos[which] - span[0]).astype(rel_type), new[which]))
+    received: list[Any] = []
+    for q, theirs in enumerate(group.exchange(outgoing)):
+        if q != group.rank:
+            received += [(t, span, rel.astype(np.int64) + span[0], new, None) for t, span, rel, new in theirs]
+    return received

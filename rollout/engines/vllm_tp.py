@@ -9,7 +9,7 @@ before decoding it: every rank writes the words it owns (its placement is
 bits of different ranks never overlap, so the sum is their union, exact in any
 integer view. One rank then decodes the range for the group (the rank whose row
 block holds it, :mod:`rollout.engines.vllm_slices`) and the ranks swap those
-changes (:meth:`RankGroup.objects`); every rank writes those of its own piece
+changes, each rank getting those it holds (:meth:`RankGroup.exchange`); every rank writes those of its own piece
 and hashes the words it owns at their global positions; the group sums those
 lanes, so the fingerprint is the trainer's whole-model fingerprint.
 
@@ -59,7 +59,11 @@ class RankGroup(Protocol):
         """Every rank's ``text``, in rank order."""
 
     def objects(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (picklable: e.g. numpy arrays of changes), in rank order."""
+        """Every rank's ``obj`` (picklable), in rank order."""
+
+    def exchange(self, outgoing: list[Any]) -> list[Any]:
+        """``outgoing[q]`` (picklable: e.g. numpy arrays of changes) sent to rank ``q``; returns what each
+        rank sent this one, in rank order (this rank's own slot: ``outgoing[rank]``)."""
 
 
 class Solo:
@@ -85,6 +89,9 @@ class Solo:
 
     def objects(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def exchange(self, outgoing: list[Any]) -> list[Any]:
+        return list(outgoing)
 
 
 class TorchGroup:
@@ -138,6 +145,17 @@ class TorchGroup:
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj, group=self.host_group)
         return out
+
+    def exchange(self, outgoing: list[Any]) -> list[Any]:
+        import torch.distributed as dist
+
+        got: list[Any] = []
+        for q in range(self.size):  # rank q scatters its list: one round per rank (gloo has no all-to-all)
+            box: list[Any] = [None]
+            dist.scatter_object_list(box, list(outgoing) if q == self.rank else None,
+                                     src=dist.get_global_rank(self.host_group, q), group=self.host_group)
+            got.append(box[0])
+        return got
 
 
 def together(group: RankGroup, fn: Callable[[], T], refused: str) -> T:
