@@ -142,20 +142,19 @@ def _place(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: 
         # An expert's elements moved by the layer's repacking: when they lie in one expert's block
         # and the repacking is alike per expert, the first of its kind is moved element by element
         # and the others are that placement shifted by whole blocks.
-        block = expert_block(model, param)
-        base = int(dst[0]) // block * block if block and dst.shape[0] else 0
-        inside = bool(block) and int((dst + lengths - 1).max()) < base + (block or 0) and int(dst.min()) >= base
+        block = expert_block(model, param) or 0
+        base = int(dst.min()) // block * block if block else 0
+        inside = bool(block) and int((dst + lengths).max()) <= base + block
         key = (param, tuple(s.shape), ck.tobytes(), (dst - base).tobytes(), lengths.tobytes())
         if inside and key in moved:
             out[s.name] = _shifted(moved[key], s.name, base)
             continue
-        eck, edst = expand_runs(ck, dst - base if inside else dst, lengths)
+        eck, edst = expand_runs(ck, dst - base, lengths)
         pl = compress(s.name, param, tuple(s.shape), eck, post_load(model, param, params[param], edst),
                       ck_sorted=True)
         if inside:
             moved[key] = pl
-            pl = _shifted(pl, s.name, base)
-        out[s.name] = pl
+        out[s.name] = _shifted(pl, s.name, base) if base else pl
     return out
 
 

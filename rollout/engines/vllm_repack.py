@@ -75,37 +75,40 @@ def repacked(model: Any, param: str) -> bool:
 
 def post_load(model: Any, param: str, live: Any, dst: np.ndarray) -> np.ndarray:
     """``dst`` (flat positions as the loader wrote them) moved through the layer's post-load repacking."""
-    if not repacked(model, param):
+    moved = _replayed(model, param)
+    if moved is None:
         return dst
-    lname, layer = layer_of(model, param)
-    fe = moe_experts(layer)
-    assert fe is not None
-    short = param.rsplit(".", 1)[-1]
-    if _replays(fe) is None:
-        raise LayoutError(transformed_reason(model, param) or f"layer {lname}: unknown expert repacking")
-    if getattr(fe, "_use_zentorch", False):
-        return dst
-    shapes = {n: tuple(getattr(layer, n).shape) for n in ("w13_weight", "w2_weight")}
-    one = _per_expert(fe, layer, short, shapes)
+    one = _per_expert(*moved)
     if one is not None:
         block = one.shape[0]
         return (dst // block) * block + one[dst % block]
-    return _moe_perm(fe, layer, short, shapes)[dst]
+    return _moe_perm(*moved)[dst]
 
 
 def expert_block(model: Any, param: str) -> int | None:
     """The elements of one expert in ``param`` when its post-load repacking moves each expert's
     elements within that expert's block, alike for every expert (then a placement inside one block,
     moved, is the first block's moved and shifted); None otherwise."""
+    moved = _replayed(model, param)
+    one = None if moved is None else _per_expert(*moved)
+    return None if one is None else int(one.shape[0])
+
+
+def _replayed(model: Any, param: str) -> tuple[Any, Any, str, dict[str, tuple[int, ...]]] | None:
+    """``(experts, layer, parameter's short name, both expert parameters' shapes)`` of a repacking
+    :func:`post_load` replays; None where it moves nothing. Raises :class:`LayoutError` for a
+    repacking it cannot replay."""
     if not repacked(model, param):
         return None
-    _, layer = layer_of(model, param)
+    lname, layer = layer_of(model, param)
     fe = moe_experts(layer)
-    if fe is None or _replays(fe) is None or getattr(fe, "_use_zentorch", False):
+    assert fe is not None
+    if _replays(fe) is None:
+        raise LayoutError(transformed_reason(model, param) or f"layer {lname}: unknown expert repacking")
+    if getattr(fe, "_use_zentorch", False):
         return None
     shapes = {n: tuple(getattr(layer, n).shape) for n in ("w13_weight", "w2_weight")}
-    one = _per_expert(fe, layer, param.rsplit(".", 1)[-1], shapes)
-    return None if one is None else int(one.shape[0])
+    return fe, layer, param.rsplit(".", 1)[-1], shapes
 
 
 def _per_expert(fe: Any, layer: Any, short: str, shapes: dict[str, tuple[int, ...]]) -> np.ndarray | None:

@@ -102,7 +102,8 @@ class SegmentRef:
     local: bool
     """This rank holds all of them (decoded alone)."""
     partial: bool = False
-    """This rank holds some of its elements, not all (its range is rebuilt with the group)."""
+    """This rank holds some of its elements, not all (its range is rebuilt with the group; its
+    placement is then not whole, so the tensor is sharded)."""
     decoder: int | None = None
     """The rank that decodes it for the group when it is gathered (None: every rank holding part of it)."""
 
@@ -170,7 +171,7 @@ def decode(live: LiveWeights, manifest: Manifest, chunks: Sequence[bytes | memor
         agreed = group.first(len(refs)) == len(refs)
         if not group.all_true(failed is None and agreed):
             raise failed or RankRefused("the tensor-parallel ranks were given different deltas")
-        flags = group.sum_u64([1 if r.partial and live.sharded[r.tensor] else 0 for r in refs])
+        flags = group.sum_u64([1 if r.partial else 0 for r in refs])
         gathered = [k for k, f in enumerate(flags) if f]
     elif failed is not None:
         raise failed

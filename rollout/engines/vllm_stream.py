@@ -86,7 +86,7 @@ class Streamed:
             return
         if not group.all_true(group.first(len(self.refs)) == len(self.refs)):
             raise RankRefused("the tensor-parallel ranks were given different deltas")
-        flags = group.sum_u64([1 if r.partial and self.live.sharded[r.tensor] else 0 for r in self.refs])
+        flags = group.sum_u64([1 if r.partial else 0 for r in self.refs])
         self.gathered = {k for k, f in enumerate(flags) if f}
 
     def add(self, i: int, chunk: bytes | memoryview) -> None:

@@ -8,10 +8,10 @@ before decoding it: every rank writes the words it owns (its placement is
 ``counted``) into a zeroed block and the group sums the blocks. The owned
 bits of different ranks never overlap, so the sum is their union, exact in any
 integer view. One rank then decodes the range for the group (the rank whose row
-block holds it, :mod:`rollout.engines.vllm_slices`) and the ranks swap those
-changes, each rank getting those it holds (:meth:`RankGroup.exchange`); every rank writes those of its own piece
-and hashes the words it owns at their global positions; the group sums those
-lanes, so the fingerprint is the trainer's whole-model fingerprint.
+block holds it, :mod:`rollout.engines.vllm_slices`) and sends each other rank
+the changes it holds (:meth:`RankGroup.exchange`); every rank writes those of
+its own piece and hashes the words it owns at their global positions; the group
+sums those lanes, so the fingerprint is the trainer's whole-model fingerprint.
 
 All ranks run the same collectives in the same order (the same chunks give the
 same segments), and every outcome is voted: a rank that fails (a fetch, a

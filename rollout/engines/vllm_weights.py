@@ -151,11 +151,11 @@ class LiveWeights(Committer):
         self.decoded = 0
         """Segments this rank decoded in the last delta (its slice)."""
         self.slice_plan: tuple[Any, list[Any]] | None = None
+        """The last artifact's segment index and this rank's segments of it
+        (:func:`rollout.engines.vllm_slices.plan` keeps it: the fetch and the decode ask for the same)."""
         self.peer_places: list[dict[int, Placement | None]] | None = None
         """Every rank's placements of the sharded tensors, by tensor (rank order; fetched with the group
         at the first update that swaps changes: :mod:`rollout.engines.vllm_slices`)."""
-        """The last artifact's segment index and this rank's segments of it
-        (:func:`rollout.engines.vllm_slices.plan` keeps it: the fetch and the decode ask for the same)."""
         self.host_memory = self.device.type == "cpu"
         """The live words are in host memory: decode against them in place and write them with
         compiled loops. Else (a device) decode against a host copy of one segment's range at a time
