@@ -104,11 +104,12 @@ def run_p2psync(tb, art: dict, parents: dict, work: Path, timeout: float, snapsh
             ns.watch(0, timeout)  # every node loaded version 0
             ns.wait_warm(timeout)  # and its codec: the first apply runs at full speed
             # children settled re-open their push streams padded (p2psync.transport.push): give
-            # the padding time to cross the slowest WAN link before the version is published
+            # every stream's padding time to cross the links it shares (a star's 16 streams share
+            # the trainer's uplink) before the version is published
             from p2psync.config import LimitsConfig
 
-            slowest = min((r.wan_mbit for r in tb.cfg.regions if r.wan_mbit > 0), default=1000.0)
-            time.sleep(2 + 8 * LimitsConfig().stream_warmup_bytes / (slowest * 1e6))
+            streams = [(ps[0], child) for child, ps in parents.items()]
+            time.sleep(2 + tb.cfg.concurrent_seconds(streams, LimitsConfig().stream_warmup_bytes))
         for version, kind, file in steps:
             src = Path(art[file])
             dropped: list[float] = []

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from p2psync.codec.decode import Applier
@@ -99,6 +100,7 @@ class Follower:
         self._no_push: set[str] = set()
         self._stream_unpadded = False  # the open push stream asked for no padding (see _watch)
         self._rebuilt: set[int] = set()  # versions whose signed snapshot we rebuilt (or are rebuilding)
+        self._on_held: dict[str, Callable[[], None]] = {}  # artifacts being received: say "holds"
 
     @classmethod
     async def create(cls, config: NodeConfig, log: NodeAdapter, store: VersionStore, board: Board,
@@ -228,6 +230,10 @@ class Follower:
         self.metrics.inc("p2psync_chunks_pushed_in_total")
         self.board.arrived(aid, i)
         self._pushes.arrived()
+        if self.store.artifacts[aid].complete:
+            # Listed complete now, not when this node's decode queue next has room (a leaf that
+            # decodes as chunks arrive submits them behind a bounded queue).
+            self._on_held.get(aid, self.heads.bump)()
 
     def _note_upstream(self, cat: Catalogue) -> None:
         self.upstream_cat = cat
@@ -320,11 +326,32 @@ class Follower:
         decode = Pipeline(applier.add_chunk if applier is not None else _nothing_with,
                           self.config.limits.parallel_streams + 2, self.replica.pool(order.nice, order.threads))
         submitted: set[int] = set()
+        pulled = 0
+        announced = False
+
+        def held() -> None:
+            # Once, the moment every chunk is stored (pushed, pulled or here before), whatever
+            # the decode has reached: listed complete (children and late joiners may pull it, the
+            # parent sees it held) while it decodes and applies.
+            nonlocal announced
+            if announced:
+                return
+            announced = True
+            self.heads.bump()
+            self.log.info("holds %s: %d chunks (%d held or pushed) %.3f s after its manifest", aid,
+                          len(manifest.chunks), len(manifest.chunks) - pulled, time.perf_counter() - t0)
 
         async def submit(i: int, data: bytes | memoryview) -> None:
             if i not in submitted:
                 submitted.add(i)
                 await decode.submit(i, data)
+
+        async def fetched(i: int, data: bytes | memoryview) -> None:
+            nonlocal pulled
+            pulled += 1
+            if art.complete:
+                held()
+            await submit(i, data)
 
         async def submit_held() -> None:
             # Kept from an interrupted fetch or an earlier run, or pushed by the parent.
@@ -338,30 +365,25 @@ class Follower:
         # (also what was here before), so that receiving (and forwarding to children) does not
         # share the CPU with its decode.
         hold = self._pushes.manifest(aid) is not None and order.forward_first
-        if not hold:
-            await submit_held()
-        pushed = len(submitted)
-        if self._pushes.manifest(aid) is not None:
-            await self._take_pushed(art, _nothing if hold else submit_held)
-            pushed = len(set(art.held) | submitted)
-
-        def held() -> None:
-            self.heads.bump()  # held complete (listed so) while it decodes and applies
-            self.log.info("holds %s: %d chunks (%d held or pushed) %.3f s after its manifest", aid,
-                          len(manifest.chunks), pushed, time.perf_counter() - t0)
-
-        # All here already (pushed, forward_first): say so before the decode, whose bounded queue
-        # makes submitting them wait for the first chunks' decode.
-        early = len(art.held) >= len(manifest.chunks)
-        if early:
-            held()
-            if hold and not await self.board.forwarded(aid, FORWARD_WAIT):
-                self.log.info("children still being pushed %s after %.1f s; decoding beside it", aid, FORWARD_WAIT)
-        await submit_held()  # no await between its last look and fetch_chunks' look at the store
-        await fetch_chunks(self.upstream, self.store, self.board, manifest,
-                           self.config.limits.parallel_streams, submit)
-        if not early:
-            held()
+        self._on_held[aid] = held  # a pushed chunk that completes it says so (_on_frame)
+        try:
+            if art.complete:
+                held()
+            if not hold:
+                await submit_held()
+            if self._pushes.manifest(aid) is not None:
+                await self._take_pushed(art, _nothing if hold else submit_held)
+            if art.complete:
+                held()
+                if hold and not await self.board.forwarded(aid, FORWARD_WAIT):
+                    self.log.info("children still being pushed %s after %.1f s; decoding beside it",
+                                  aid, FORWARD_WAIT)
+            await submit_held()  # no await between its last look and fetch_chunks' look at the store
+            await fetch_chunks(self.upstream, self.store, self.board, manifest,
+                               self.config.limits.parallel_streams, fetched)
+        finally:
+            self._on_held.pop(aid, None)
+        held()
         await decode.drain()
         await self.replica.commit(manifest, applier=applier, order=order)
 

@@ -213,6 +213,28 @@ class TestbedConfig:
         real = [c for c in caps if c > 0]
         return min(real) if real else float("inf")
 
+    def concurrent_seconds(self, streams: list[tuple[str, str]], bytes_each: float) -> float:
+        """Seconds until ``bytes_each`` crossed every ``(source id, destination id)`` stream when
+        all of them send at once: each capped link (a machine's uplink or downlink, a region's
+        link to the WAN core in either direction) carries the streams routed over it, so the
+        most loaded link sets the time (latency left out)."""
+        load: dict[tuple[str, str], float] = {}
+        rate: dict[tuple[str, str], float] = {}
+
+        def cross(key: tuple[str, str], mbit: float) -> None:
+            if mbit > 0:
+                load[key] = load.get(key, 0.0) + bytes_each
+                rate[key] = mbit
+
+        for src_id, dst_id in streams:
+            src, dst = self.machine(src_id), self.machine(dst_id)
+            cross(("up", src.id), src.uplink_mbit)
+            cross(("down", dst.id), dst.downlink_mbit)
+            if src.region != dst.region:
+                cross(("wan-out", src.region), self.wan_mbit(src.region))
+                cross(("wan-in", dst.region), self.wan_mbit(dst.region))
+        return max((8 * b / (rate[k] * 1e6) for k, b in load.items()), default=0.0)
+
     def validate(self) -> TestbedConfig:
         if not _NAME.match(self.name):
             raise ConfigError("name", f"must match {_NAME.pattern} (it prefixes namespace names), got {self.name!r}")

@@ -168,6 +168,20 @@ def test_delay_line_drops_instead_of_growing_past_its_queue():
     assert line.dropped == 1 and line.queued_bytes == 200
 
 
+def test_streams_sent_at_once_take_as_long_as_their_most_loaded_link():
+    cfg = from_dict({})  # trainer uplink 1 Gbit/s; eu-west and ap-south 200 Mbit/s to the WAN
+    ap = [m.id for m in cfg.machines() if m.region == "ap-south"]
+    mb = 1e6
+    # One stream to ap-south: 8 Mbit over its 200 Mbit/s link.
+    assert cfg.concurrent_seconds([("trainer", ap[0])], mb) == pytest.approx(0.04)
+    # A relay in ap-south feeding its region: uncapped links inside the region add nothing.
+    assert cfg.concurrent_seconds([("trainer", ap[0]), *((ap[0], c) for c in ap[1:])], mb) == pytest.approx(0.04)
+    # The star: four streams share ap-south's link, sixteen the trainer's uplink (0.128 s).
+    star = [("trainer", m.id) for m in cfg.machines() if m.id != "trainer"]
+    assert cfg.concurrent_seconds(star, mb) == pytest.approx(0.16)
+    assert cfg.concurrent_seconds([], mb) == 0.0
+
+
 def test_planner_model_matches_the_caps():
     from p2psync.testbed.model import network_model
 

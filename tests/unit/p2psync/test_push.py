@@ -160,6 +160,79 @@ def test_an_artifact_complete_but_still_on_the_board_is_listed_and_pushed_once(t
     asyncio.run(go())
 
 
+def test_a_leaf_decoding_as_chunks_arrive_lists_a_pushed_delta_complete_while_its_decode_lags(
+        tmp_path, setup, monkeypatch):
+    # A leaf with a spare core decodes each pushed chunk as it arrives, through a bounded queue.
+    # It holds the delta once the last chunk is verified and stored, and its catalogue must say so
+    # then, whatever its decode has reached: on the WAN testbed such leaves were the last machines
+    # "holding" a version, listed complete only once their decode had caught up to within the
+    # queue's depth. Here the decode is held back entirely.
+    import threading
+
+    from p2psync.node import follower
+
+    import torch
+
+    priv = setup[0]
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(1 << 21, generator=g).bfloat16()
+    new = base.clone()
+    new[::3] = (new[::3].float() * 1.01).bfloat16()
+    states = [ModelState({"w": base}), ModelState({"w": new})]
+    arts = _artifacts(priv, states)
+    m, chunks = arts[1]
+    depth = 1 + 2  # parallel_streams + 2
+    assert len(chunks) > depth + 1
+    gate = threading.Event()
+    gate.set()
+
+    class Gated(follower.Applier):
+        def add_chunk(self, index, chunk):
+            assert gate.wait(30)
+            super().add_chunk(index, chunk)
+
+    monkeypatch.setattr(follower, "Applier", Gated)
+
+    async def go():
+        tr = await Node.create(_cfg(tmp_path, "trainer", "trainer"))
+        leaf = await Node.create(_cfg(tmp_path, "leaf", "rollout", [tr.address],
+                                      limits={"forward_first": False, "parallel_streams": 1}))
+        watcher = await PeerClient.create(TOKEN, "watcher", stall_timeout=5.0, sse_keepalive=1.0,
+                                          parallel_streams=1, tls=tlsutil.node_tls("watcher"))
+        try:
+            await tr.publish(*arts[0])
+            await asyncio.wait_for(leaf.wait_version(0), 30)
+            await _padded((tr, 1))
+            await asyncio.sleep(0.5)  # the stream is open
+            assert not leaf.replica.decode_order().forward_first
+            listed = asyncio.Event()
+
+            async def watch():  # what a child or an observer sees: the leaf's event stream
+                async for cat in watcher.call_events(leaf.address):
+                    if any(a.id == m.artifact_id and a.complete for a in cat.artifacts):
+                        listed.set()
+                        return
+
+            watching = asyncio.create_task(watch())
+            await asyncio.sleep(0.3)  # its first catalogue came
+            gate.clear()
+            await tr.publish(m, chunks)
+            await asyncio.wait_for(listed.wait(), 20)
+            await watching
+            assert leaf.version == 0  # nothing decoded yet, nothing applied
+            assert leaf.metrics.total("p2psync_chunks_pushed_in_total") == len(chunks)
+            gate.set()
+            await asyncio.wait_for(leaf.wait_version(1), 30)
+            assert _same(leaf.state, states[1]) and leaf.fingerprint == tr.fingerprint
+        finally:
+            gate.set()
+            await watcher.close()
+            for n in (leaf, tr):
+                await n.close()
+
+    asyncio.run(go())
+
+
 def test_a_parent_pushing_corrupt_chunks_is_avoided_and_nothing_wrong_is_applied(tmp_path, setup):
     priv, states, arts = setup
 
