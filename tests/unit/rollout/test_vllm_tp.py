@@ -282,3 +282,45 @@ def test_ranks_apply_a_delta_bit_exact_and_refuse_together(sliced, streamed, gat
         mine = [{sp for sp in map(tuple, got[r]["spans"]) if sp[0] in rows} for r in ranks]
         assert sum(map(len, mine)) == len(every) and set().union(*mine) == every  # each once, all of them
         assert sum(1 for s in mine if s) >= 2
+
+
+def test_a_slice_without_a_rank_group_is_refused():
+    from rollout.engines.vllm_layout import LayoutError
+    from rollout.engines.vllm_weights import LiveWeights
+
+    old = _state(0)
+    model = rank_model({n: old.tensor(n) for n in old}, 0, 2)
+    with pytest.raises(LayoutError, match="tensor-parallel slice"):
+        LiveWeights(model, old.specs)
+    assert issubclass(LayoutError, P2PSyncError)
+
+
+@pytest.mark.parametrize("layout", ["column slice", "whole at an offset", "one row", "transposed"])
+def test_a_range_rebuilt_holds_exactly_the_words_this_rank_owns(layout):
+    """What one rank adds to a rebuilt range (a group of one: nothing else is added): its own words
+    at their checkpoint positions, zeros elsewhere, for ranges that start and end inside rows."""
+    from rollout.engines.vllm_placement import compress
+    from rollout.engines.vllm_tp import Solo, gather_ranges
+
+    rows, cols = 12, 40
+    ck = np.arange(rows * cols, dtype=np.int64)
+    r, c = np.divmod(ck, cols)
+    if layout == "column slice":  # columns 10..29 of each row, stored as a [12, 20] parameter
+        keep = (c >= 10) & (c < 30)
+        ck, dst = ck[keep], r[keep] * 20 + c[keep] - 10
+    elif layout == "whole at an offset":
+        dst = ck + 7
+    elif layout == "one row":
+        ck = ck[cols * 3:cols * 4]
+        dst = np.arange(cols, dtype=np.int64) + 5
+    else:
+        dst = c * rows + r
+    place = compress("x", "p", (rows, cols), ck, dst, ck_sorted=True)
+    rng = np.random.default_rng(0)
+    flat = torch.from_numpy(rng.integers(1, 1 << 15, size=int(dst.max()) + 9).astype(np.int16))
+    want = np.zeros(rows * cols, dtype=np.uint16)
+    want[ck] = flat.numpy().view(np.uint16)[dst]
+    spans = [(0, rows * cols), (3, 17), (35, 95), (45, 75), (130, 131), (0, 1), (rows * cols - 50, rows * cols)]
+    got = gather_ranges(Solo(), [(place, flat, a, b, np.uint16) for a, b in spans])
+    for (a, b), g in zip(spans, got):
+        assert np.array_equal(g, want[a:b]), (layout, a, b)
