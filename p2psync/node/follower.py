@@ -365,7 +365,10 @@ class Follower:
         # (also what was here before), so that receiving (and forwarding to children) does not
         # share the CPU with its decode.
         hold = self._pushes.manifest(aid) is not None and order.forward_first
-        self._on_held[aid] = held  # a pushed chunk that completes it says so (_on_frame)
+        # Said once all is stored: here if it already is (before submitting, which waits on the
+        # decode queue), else by the pushed chunk (_on_frame) or the pulled one (fetched) that
+        # completes it, and at the latest after the fetch.
+        self._on_held[aid] = held
         try:
             if art.complete:
                 held()
@@ -373,11 +376,8 @@ class Follower:
                 await submit_held()
             if self._pushes.manifest(aid) is not None:
                 await self._take_pushed(art, _nothing if hold else submit_held)
-            if art.complete:
-                held()
-                if hold and not await self.board.forwarded(aid, FORWARD_WAIT):
-                    self.log.info("children still being pushed %s after %.1f s; decoding beside it",
-                                  aid, FORWARD_WAIT)
+            if hold and art.complete and not await self.board.forwarded(aid, FORWARD_WAIT):
+                self.log.info("children still being pushed %s after %.1f s; decoding beside it", aid, FORWARD_WAIT)
             await submit_held()  # no await between its last look and fetch_chunks' look at the store
             await fetch_chunks(self.upstream, self.store, self.board, manifest,
                                self.config.limits.parallel_streams, fetched)
