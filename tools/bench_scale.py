@@ -36,6 +36,7 @@ figure ``null`` with the error beside it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -44,7 +45,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import bench_decode_threads
 import bench_first_use
@@ -76,22 +79,23 @@ def rank_fields(status: dict) -> dict:
 
 def rpc_threads(worker) -> int:
     """The threads this worker's backend decodes and writes on."""
-    from rollout.engines.vllm_backend import _backend
+    from rollout.engines.vllm_rpc import backend as _backend
 
     live = _backend(worker).live
     return live.threads if live is not None else 0
 
 
 def _ranks(eng) -> list[dict]:
-    from rollout.engines.vllm_backend import rpc_status
+    from rollout.engines.vllm_rpc import rpc_status
 
     rpc = eng.llm.collective_rpc
     return [{**rank_fields(st), "threads": th} for st, th in zip(rpc(rpc_status), rpc(rpc_threads))]
 
 
-def tp_run(ctx: dict, url: str, tp: int) -> dict:
-    """A fresh engine at tensor parallel ``tp``: its first update to version 1, then (after vLLM's
-    dense reload of version 0) the same update again; every rank's figures for both."""
+@contextlib.contextmanager
+def engine(ctx: dict, url: str, tp: int) -> Iterator[tuple[Any, Any]]:
+    """A fresh vLLM engine of the workload's checkpoint at tensor parallel ``tp`` (one core per
+    worker), attached to ``url`` at version 0 and audited once: ``(engine, parent)``."""
     from rollout.engines.base import EngineConfig, ParentInfo
     from rollout.engines.vllm import VLLMEngine, llm_kwargs, start_llm
 
@@ -113,22 +117,34 @@ def tp_run(ctx: dict, url: str, tp: int) -> dict:
     try:
         eng.attach(parent, version=0)
         eng.audit()
+        yield eng, parent
+    finally:
+        eng.close()
+
+
+def back_to_v0(ctx: dict, eng: Any, parent: Any) -> str | None:
+    """vLLM's dense reload of version 0, then an init at version 0; an error text if it did not restore it."""
+    eng.llm.collective_rpc(bench_vllm_apply.rpc_dense, args=(str(Path(ctx["out"]) / "dense_v0.safetensors"),))
+    if eng.audit() != ctx["v0"]:
+        return "vLLM's dense reload did not restore version 0"
+    eng.attach(parent, version=0)
+    return None
+
+
+def tp_run(ctx: dict, url: str, tp: int) -> dict:
+    """A fresh engine at tensor parallel ``tp``: its first update to version 1, then (after vLLM's
+    dense reload of version 0) the same update again; every rank's figures for both."""
+    with engine(ctx, url, tp) as (eng, parent):
         res: dict = {"tp": tp}
         for key in ("first", "again"):
-            if key == "again":
-                eng.llm.collective_rpc(bench_vllm_apply.rpc_dense,
-                                       args=(str(Path(ctx["out"]) / "dense_v0.safetensors"),))
-                if eng.audit() != ctx["v0"]:
-                    res["again_error"] = "vLLM's dense reload did not restore version 0"
-                    break
-                eng.attach(parent, version=0)
+            if key == "again" and (err := back_to_v0(ctx, eng, parent)):
+                res["again_error"] = err
+                break
             t = time.perf_counter()
             if eng.reach(1) != ctx["target"]:
                 raise SystemExit(f"tensor parallel {tp}: the update did not reach the signed fingerprint")
             res[key] = {"s": round(time.perf_counter() - t, 4), "ranks": _ranks(eng)}
         return res
-    finally:
-        eng.close()
 
 
 def position_coding(ctx: dict, repeats: int) -> dict:

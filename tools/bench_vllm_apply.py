@@ -110,7 +110,7 @@ def rpc_rusage(worker) -> tuple[int, float]:
 
 def rpc_overlap(worker, on: bool) -> None:
     """Decode a delta's chunks as they arrive (on) or after the fetch (off: the sequential path)."""
-    from rollout.engines.vllm_backend import _backend
+    from rollout.engines.vllm_rpc import backend as _backend
 
     _backend(worker).overlap = on
 

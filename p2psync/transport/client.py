@@ -110,6 +110,11 @@ class PeerClient:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise PeerUnreachable(url, f"GET {path}: {type(exc).__name__}: {exc}") from None
 
+    async def connect(self, url: str, n: int) -> None:
+        """Have at least ``n`` connections to ``url`` open in the pool (``n`` requests for its catalogue at
+        once), so that ``n`` fetches in parallel start without connecting. Failures are left to them."""
+        await asyncio.gather(*(self.call_head(url) for _ in range(n)), return_exceptions=True)
+
     async def call_head(self, url: str) -> Catalogue:
         body = await self._get(url, f"{API}/head", _MAX_CATALOGUE)
         try:

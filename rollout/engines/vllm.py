@@ -14,9 +14,10 @@ the old weights must not be reused). The backend, inside vLLM's worker process,
 fetches the signed manifest and chunks from the node, checks them, and scatters
 only the changed words into the live parameters, verified before it keeps them
 (all-or-nothing, the model keeps serving its previous weights on any error). So
-this engine decodes nothing in its own process: :meth:`VLLMEngine.prepare` only
-records the manifest, and :meth:`VLLMEngine.commit` asks vLLM to reach its
-target version. Its fingerprint and audit come from the backend (the audit
+this engine decodes nothing in its own process: :meth:`VLLMEngine.prepare` has
+the backend stage the artifact (fetch it, and with one rank decode it, in a thread
+of vLLM's worker, while generation goes on) and :meth:`VLLMEngine.commit` asks
+vLLM to reach its target version, which commits what was staged. Its fingerprint and audit come from the backend (the audit
 hashes every live parameter word). Errors of the backend cross vLLM's process
 boundary as text; they come back as :class:`UpdateRefused` with ``kind`` the
 p2psync error class (``WrongBase``, ``SignatureError``, ``ChunkHashMismatch``,
@@ -201,21 +202,21 @@ class VLLMEngine(RolloutEngine):
             return llm.collective_rpc(fn, args=args)[0]
 
     def status(self) -> dict[str, Any]:
-        from rollout.engines.vllm_backend import rpc_status
+        from rollout.engines.vllm_rpc import rpc_status
 
         return self._rpc(rpc_status)
 
     def rank_status(self) -> list[dict[str, Any]]:
         """:meth:`status` of every tensor-parallel worker, in rank order (each rank's bytes fetched and
         seconds for the last update: :meth:`rollout.engines.vllm_backend.P2PSyncWeightTransfer.status`)."""
-        from rollout.engines.vllm_backend import rpc_status
+        from rollout.engines.vllm_rpc import rpc_status
 
         with self.calling() as llm:
             return list(llm.collective_rpc(rpc_status))
 
     def read(self, names: Sequence[str]) -> dict[str, bytes]:
         """Raw bytes of the live weights of checkpoint tensors ``names`` (read back from vLLM)."""
-        from rollout.engines.vllm_backend import rpc_read
+        from rollout.engines.vllm_rpc import rpc_read
 
         return self._rpc(rpc_read, list(names))
 
@@ -245,6 +246,25 @@ class VLLMEngine(RolloutEngine):
         if self.version != version:
             raise UpdateRefused("P2PSyncError", f"backend is at version {self.version} after asking for {version}")
         return str(self._fingerprint)
+
+    def stage(self, version: int) -> None:
+        """Have the backend fetch (and decode) ``version`` in the background, beside generation; the
+        next :meth:`reach` of it commits what was staged (:mod:`rollout.engines.vllm_stage`)."""
+        if self.parent is None:
+            raise P2PSyncError("engine 'vllm': no parent to pull artifacts from (call attach() first)")
+        try:
+            with self.calling() as llm:
+                llm.start_weight_update()
+                try:
+                    llm.update_weights({"update_info": {"version": int(version), "stage": True}})
+                except Exception:
+                    self._end_refused_session(llm)
+                    raise
+                llm.finish_weight_update()
+        except P2PSyncError:
+            raise
+        except Exception as exc:
+            raise refused(exc) from exc
 
     @staticmethod
     def _end_refused_session(llm: Any) -> None:
@@ -281,7 +301,7 @@ class VLLMEngine(RolloutEngine):
         return self._fingerprint
 
     def audit(self, threads: int = 2) -> str:
-        from rollout.engines.vllm_backend import rpc_audit
+        from rollout.engines.vllm_rpc import rpc_audit
 
         fp = self._rpc(rpc_audit)
         if fp is None:
@@ -303,7 +323,13 @@ class VLLMEngine(RolloutEngine):
         return fp
 
     def prepare(self, manifest: Manifest, chunks: Sequence[bytes], threads: int = 2) -> Prepared:
-        """Nothing to decode here: the backend fetches and decodes inside vLLM at :meth:`commit`."""
+        """Nothing to decode here: the backend stages the artifact inside vLLM (:meth:`stage`), beside
+        generation, and :meth:`commit` applies it. A stage refused is logged: the commit fetches."""
+        if self.parent is not None and self.version is not None and manifest.base_version == self.version:
+            try:
+                self.stage(manifest.target_version)
+            except Exception as exc:  # noqa: BLE001 - only a head start; the commit reports real errors
+                logger.warning("engine 'vllm': staging version %d refused: %s", manifest.target_version, exc)
         return Prepared(manifest, None, self.version)
 
     def prepare_decoded(self, manifest: Manifest, changes: dict, sums: list[tuple[int, int]]) -> Prepared:

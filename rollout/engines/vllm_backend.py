@@ -37,6 +37,10 @@ process with the loaded model. Turned on with ``weight_transfer_config=
   are decoded and the target fingerprint checked.
   Each artifact is one transaction: on any error the model keeps the last
   version it fully reached (and keeps serving).
+- ``update_weights({"update_info": {"version": v, "stage": true}})``: stage
+  ``v`` and return at once: the first artifact of the way to it fetched (at
+  tensor parallel 1 also decoded) in a thread beside generation; the next update
+  that needs it commits it (:mod:`rollout.engines.vllm_stage`).
 
 Every refusal is a :class:`~p2psync.errors.P2PSyncError` raised with its class
 name at the front of its message (``TransferInfoError: update_info.version:
@@ -75,6 +79,7 @@ from rollout.engines.vllm_cpus import own_cpus, update_cpus
 from rollout.engines.vllm_fetch import (Fetcher, check_key, fetch_artifact, fetch_manifest, fetch_plan,
                                         fetch_version_manifest)
 from rollout.engines.vllm_requests import NotInitialized, TransferInfoError, load_public_key
+from rollout.engines.vllm_stage import Staged, Stager, replay, stage
 from rollout.engines.vllm_stream import Streamed, decoding, streams
 from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, together, vllm_group
 from rollout.engines.vllm_weights import LiveWeights
@@ -96,6 +101,8 @@ class P2PSyncInitInfo(WeightTransferInitInfo, vllm_requests.InitFields):
 class P2PSyncUpdateInfo(WeightTransferUpdateInfo):
     version: int
     """The version to reach."""
+    stage: bool = False
+    """Only stage it: fetch (and decode) in the background, return at once (:mod:`rollout.engines.vllm_stage`)."""
 
 
 def _init_error(exc: P2PSyncError, url: str, version: int | None) -> P2PSyncError:
@@ -137,6 +144,8 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         """The last artifact's bytes fetched, and fetch, decode and commit seconds (see :meth:`status`)."""
         self.fetcher = Fetcher()
         """The client an update fetches through, kept between updates (its connections reused)."""
+        self.stager = Stager()
+        """The update staged ahead of its commit, if any (:mod:`rollout.engines.vllm_stage`)."""
         self.overlap = True
         """Decode a delta's chunks as they arrive (:mod:`rollout.engines.vllm_stream`). Off: fetch every
         chunk, then decode."""
@@ -167,7 +176,8 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
 
     def parse_update_info(self, update_dict: Any) -> P2PSyncUpdateInfo:
         """The client's ``update_info``, checked; raises :class:`TransferInfoError` naming the field."""
-        return P2PSyncUpdateInfo(vllm_requests.update_info(update_dict).version)
+        got = vllm_requests.update_info(update_dict)
+        return P2PSyncUpdateInfo(got.version, got.stage)
 
     def update_weights(self, update_info: Any) -> None:
         """vLLM's entry for one ``update_info``: checked, then :meth:`receive_weights` (refusals tagged)."""
@@ -190,6 +200,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         if init_info.refusal is not None:
             self._refuse(init_info.refusal, "p2psync init")
             return
+        self.stager.take()  # staged from the previous parent: dropped
         info = init_info
         version, live = self.version, self.live
         try:
@@ -209,6 +220,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             self._refuse(exc, f"p2psync init{'' if info.version is None else f' at version {info.version}'}")
             return
         self.public_key, self.info, self.version, self.live = public_key, info, version, live
+        self.fetcher.connect(info.token, info.node_id, info.timeout, info.tls_dir, info.url)
 
     def _at_init(self, call: Any, info: P2PSyncInitInfo) -> Any:
         """``call(client)`` through the fetcher (its connections then serve the first update), with
@@ -226,13 +238,23 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
 
     def shutdown(self) -> None:
         self.info = None
+        self.stager.take()
         self.fetcher.close()
 
     def receive_weights(self, update_info: P2PSyncUpdateInfo) -> None:
+        from p2psync.codec import precompile
+
+        what = "stage of version" if update_info.stage else "update to version"
         try:
-            self.reach(int(update_info.version))
+            if update_info.stage:
+                self.stage(int(update_info.version))
+                return
+            warming = vllm_warm.pending()
+            with precompile.first_use() as loaded:
+                self.reach(int(update_info.version))
+            self.timing.update(kernels_loaded=len(loaded), warming=warming)
         except P2PSyncError as exc:
-            self._refuse(exc, f"p2psync update to version {update_info.version}")
+            self._refuse(exc, f"p2psync {what} {update_info.version}")
 
     def __call__(self) -> dict[str, Any]:
         """:meth:`status` (what ``POST /collective_rpc {"method": "weight_transfer_engine"}`` returns)."""
@@ -253,22 +275,60 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             raise _Tagged(exc, text) from exc
 
     # --- p2psync ---------------------------------------------------------------------------------
-    def reach(self, target: int) -> None:
-        """Apply the artifacts from the current version to ``target`` (see module doc)."""
+    def _checked(self, target: int) -> P2PSyncInitInfo:
         info = self.info
         if info is None:
             raise NotInitialized()
         if self.version is not None and target < self.version:
             raise TransferInfoError("update_info.version", f"{target} is below the version held ({self.version}): "
                                     "updates only move forward")
-        # Tensor-parallel ranks apply rank 0's plan together; each fetches and checks it itself.
+        return info
+
+    def _fetching(self, info: P2PSyncInitInfo) -> Any:
         def fetching(call: Any, retry: bool = False) -> Any:  # through the client kept between updates
             return self.fetcher.run(info.token, info.node_id, info.timeout, info.tls_dir, call, retry=retry)
+        return fetching
 
-        plan = self._together(lambda: [a.id for a in fetching(lambda c: fetch_plan(
-            info.url, info.token, info.node_id, self.version, target, info.timeout, info.tls_dir, client=c),
-            retry=True)], share=True)
+    def stage(self, target: int) -> None:
+        """Start staging ``target`` in the background (:mod:`rollout.engines.vllm_stage`); returns at once."""
+        info = self._checked(target)
+        if target == self.version:
+            return
+        base, live, key, overlap = self.version, self.live, self.public_key, self.overlap
+        self.stager.start(target, lambda: stage(self._fetching(info), info, key, live, base, target, overlap))
+
+    def _staged(self, target: int) -> tuple[Staged | None, list[str] | None]:
+        """What was staged (after waiting for a stage in progress), and its plan if that alone reaches
+        ``target`` from the version held on every rank (the commit then asks the parent nothing)."""
+        staged = self.stager.take()
+        if staged is not None and staged.error is not None:
+            logger.warning("p2psync: staging version %d failed (%s); the update fetches it", staged.target,
+                           tagged(staged.error))
+        alone = staged is not None and staged.target == target and len(staged.plan) == 1 \
+            and staged.usable(staged.plan[0], self.version)
+        lead = self.group.first(staged.plan if alone and staged is not None else None)
+        if self.group.all_true(alone and staged is not None and staged.plan == lead):
+            return staged, lead
+        return staged, None
+
+    def reach(self, target: int) -> None:
+        """Apply the artifacts from the current version to ``target`` (see module doc)."""
+        info = self._checked(target)
+        fetching = self._fetching(info)
+        staged, plan = self._staged(target)
+        # Tensor-parallel ranks apply rank 0's plan together; each fetches and checks it itself.
+        if plan is None:
+            # the chunk streams' connections open while the plan and the manifest are fetched
+            self.fetcher.connect(info.token, info.node_id, info.timeout, info.tls_dir, info.url)
+            plan = self._together(lambda: [a.id for a in fetching(lambda c: fetch_plan(
+                info.url, info.token, info.node_id, self.version, target, info.timeout, info.tls_dir, client=c),
+                retry=True)], share=True)
         for aid in plan:
+            if self.group.all_true(staged is not None and staged.usable(aid, self.version)):
+                assert staged is not None
+                self._commit_staged(staged)
+                staged = None
+                continue
             t = time.perf_counter()
             manifest = self._together(lambda: fetching(lambda c: fetch_manifest(
                 info.url, info.token, info.node_id, aid, self.public_key, info.timeout, info.tls_dir, client=c),
@@ -300,6 +360,30 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
                            "bytes": size, "fetched_bytes": size, "artifact_bytes": manifest.payload_bytes,
                            "fetched_chunks": len(got), "artifact_chunks": len(manifest.chunks),
                            "fetched_runs": _runs(got)}
+
+    def _commit_staged(self, staged: Staged) -> None:
+        """Apply a staged artifact: decode its chunks here if the stage did not, check, commit."""
+        manifest, chunks, stream = staged.manifest, staged.chunks, staged.stream
+        assert chunks is not None
+        t = time.perf_counter()
+        if stream is None:
+            stream = self._together(lambda: self._stream(manifest))  # voted: a WrongBase refuses on every rank
+            if stream is not None:
+                stream.agree()
+                assert self.live is not None
+                threads, cpus = self.live.threads, self.live.cpus
+                self._together(lambda: self.fetcher.call(lambda: decoding(stream, replay(chunks), threads, cpus)))
+        decoded = time.perf_counter() - t
+        self.apply(manifest, chunks, stream)
+        got = [i for i, c in enumerate(chunks) if c is not None]
+        size = staged.fetched_bytes
+        timing = dict(self.live.timing) if self.live else {}
+        if staged.stream is None:
+            timing["decode_s"] = round(timing.get("decode_s", 0.0) + decoded, 4)
+        self.timing = {"fetch_s": 0.0, **timing, "staged": True, "staged_s": round(staged.seconds, 4),
+                       "bytes": size, "fetched_bytes": size, "artifact_bytes": manifest.payload_bytes,
+                       "fetched_chunks": len(got), "artifact_chunks": len(manifest.chunks),
+                       "fetched_runs": _runs(got)}
 
     def _stream(self, manifest: Any) -> Streamed | None:
         """A decoder of ``manifest``'s chunks as they arrive, where it applies (a delta with a segment
@@ -372,10 +456,14 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
           ``fetched_chunks``, ``artifact_chunks``, and ``fetched_runs`` (the chunks fetched, as
           ``[first, end)`` runs of indices). A rank's share of the transfer is
           ``fetched_bytes / artifact_bytes`` (1.0 at one rank, and for a snapshot or a manifest
-          without a segment index); its apply time is ``fetch_s + decode_s + commit_s``."""
+          without a segment index); its apply time is ``fetch_s + decode_s + commit_s``. An artifact
+          committed from a stage has ``staged`` true, ``staged_s`` (the stage's seconds, beside
+          generation) and ``fetch_s`` 0;
+        - ``staging``: ``{"version", "done"}`` of a stage in progress or kept for its commit, or None."""
         live = self.live
         return {"version": self.version, "fingerprint": live.fingerprint if live else None,
-                "rank": self.group.rank, "ranks": self.group.size, "timing": dict(self.timing)}
+                "rank": self.group.rank, "ranks": self.group.size, "timing": dict(self.timing),
+                "staging": self.stager.state()}
 
     def audit(self) -> str | None:
         return self.live.audit() if self.live else None
@@ -398,32 +486,3 @@ class _Tagged(P2PSyncError):
     def __init__(self, exc: P2PSyncError, text: str | None = None) -> None:
         super().__init__(text or tagged(exc))
         self.original = exc
-
-
-# --- collective_rpc helpers (module-level: vLLM's workers import them by reference) ----------
-def _backend(worker: Any) -> P2PSyncWeightTransfer:
-    eng = getattr(worker, "weight_transfer_engine", None)
-    if eng is None:
-        eng = getattr(getattr(worker, "worker", None), "weight_transfer_engine", None)
-    if not isinstance(eng, P2PSyncWeightTransfer):
-        raise P2PSyncError(f"vLLM's weight-transfer backend is {type(eng).__name__}, not p2psync "
-                           "(build the LLM with weight_transfer_config={'backend': 'p2psync'})")
-    return eng
-
-
-def rpc_status(worker: Any) -> dict[str, Any]:
-    """:meth:`P2PSyncWeightTransfer.status` of the backend in this worker."""
-    return _backend(worker).status()
-
-
-def rpc_audit(worker: Any) -> str | None:
-    """The fingerprint recomputed from every live parameter word (None before the first update)."""
-    return _backend(worker).audit()
-
-
-def rpc_read(worker: Any, names: list[str]) -> dict[str, bytes]:
-    """Raw bytes of the live words of checkpoint tensors ``names`` (tests and audits)."""
-    live = _backend(worker).live
-    if live is None:
-        raise P2PSyncError("no weights bound yet (no update applied)")
-    return {n: live.read(n).tobytes() for n in names}

@@ -63,10 +63,12 @@ class Fetcher:
         self._lock = threading.Lock()
         self._client: Any = None
         self._key: tuple[Any, ...] | None = None
+        self._getting = asyncio.Lock()
 
     def _running(self) -> asyncio.AbstractEventLoop:
         with self._lock:
             if self._loop is None:
+                self._getting = asyncio.Lock()  # used on that loop only
                 loop = asyncio.new_event_loop()
                 threading.Thread(target=loop.run_forever, name="p2psync-fetch", daemon=True).start()
                 self._loop = loop
@@ -74,12 +76,13 @@ class Fetcher:
 
     async def _get(self, key: tuple[Any, ...]) -> tuple[Any, bool]:
         """The client for ``key`` and whether it is new."""
-        if self._client is not None and self._key == key:
-            return self._client, False
-        await self._drop()
-        token, node_id, timeout, parallel, tls_dir = key
-        self._client, self._key = await _new_client(token, node_id, timeout, parallel, tls_dir), key
-        return self._client, True
+        async with self._getting:  # a background connect() and a call must not both build one
+            if self._client is not None and self._key == key:
+                return self._client, False
+            await self._drop()
+            token, node_id, timeout, parallel, tls_dir = key
+            self._client, self._key = await _new_client(token, node_id, timeout, parallel, tls_dir), key
+            return self._client, True
 
     async def _drop(self) -> None:
         client, self._client, self._key = self._client, None, None
@@ -110,6 +113,26 @@ class Fetcher:
             except BaseException:
                 await self._drop()
                 raise
+
+        return asyncio.run_coroutine_threadsafe(go(), self._running()).result()
+
+    def connect(self, token: str, node_id: str, timeout: float, tls_dir: str, url: str, parallel: int = 4) -> None:
+        """Open ``parallel`` connections to ``url`` in the background, returning at once: a fetch in
+        parallel streams that follows (after the plan and manifest, say) then starts on open
+        connections, its TLS handshakes done beside those calls. Failures are left to the fetch."""
+        key = (token, node_id, timeout, parallel, tls_dir)
+
+        async def go() -> None:
+            client, _ = await self._get(key)
+            await client.connect(url, parallel)
+
+        fut = asyncio.run_coroutine_threadsafe(go(), self._running())
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: never logged as lost
+
+    def call(self, make: Callable[[], Awaitable[T]]) -> T:
+        """``await make()`` on the fetcher's loop, without a client (blocking the caller until it ends)."""
+        async def go() -> T:
+            return await make()
 
         return asyncio.run_coroutine_threadsafe(go(), self._running()).result()
 

@@ -6,7 +6,7 @@ backend as they came over HTTP (or from ``LLM``). :func:`init_info` and
 :func:`update_info` turn them into typed values or raise
 :class:`TransferInfoError` naming the field (``init_info.url``,
 ``update_info.version``, ...): wrong types, missing or unknown keys, negative
-versions. JSON has no integer type of its own, so a version must be a JSON
+versions, a ``stage`` that is not ``true`` or ``false``. JSON has no integer type of its own, so a version must be a JSON
 integer (``5``), not ``"5"`` or ``5.0``.
 
 No vLLM import here: the rules are plain Python, testable without an engine.
@@ -63,6 +63,9 @@ class UpdateFields:
     """The fields of ``update_info``."""
 
     version: int
+    stage: bool = False
+    """Fetch (and decode) ``version`` in the background and return at once; a later update to it
+    commits what was staged (:mod:`rollout.engines.vllm_stage`)."""
 
 
 _INIT_REQUIRED = ("url", "token", "public_key")
@@ -136,8 +139,11 @@ def init_info(value: Any) -> InitFields:
 
 def update_info(value: Any) -> UpdateFields:
     """The ``update_info`` a client sent (for this worker's rank), checked (see module doc)."""
-    d = _table(value, "update_info", ("version",), ("version",))
-    return UpdateFields(version=_integer(d["version"], "update_info.version", 0))
+    d = _table(value, "update_info", ("version", "stage"), ("version",))
+    stage = d.get("stage", False)
+    if not isinstance(stage, bool):
+        raise TransferInfoError("update_info.stage", f"must be true or false, got {_shown(stage)}")
+    return UpdateFields(version=_integer(d["version"], "update_info.version", 0), stage=stage)
 
 
 def load_public_key(text: str, field: str = "init_info.public_key") -> Any:

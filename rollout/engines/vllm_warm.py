@@ -96,3 +96,8 @@ def start(model: Any, cpus: set[int] | None = None) -> threading.Thread:
         codes = model_codes(model)
         _started = precompile.start(codes, extra=lambda: exercise(codes), cpus=cpus)
     return _started
+
+
+def pending() -> bool:
+    """Whether the warm-up of :func:`start` is still running."""
+    return _started is not None and _started.is_alive()

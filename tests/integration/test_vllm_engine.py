@@ -100,10 +100,53 @@ def test_truncated_delta_is_refused_and_the_engine_keeps_serving(qwen):
     assert_bits(engine, lin.states[held + 1])
 
 
+def test_a_staged_update_commits_without_the_parent_and_a_failed_stage_changes_nothing(qwen):
+    """Staged (fetched and decoded inside vLLM's worker while it serves), then committed: the commit
+    asks the parent nothing (the proxy the stage went through sees no request after it), lands
+    bit-exact and says so in the backend's status. A stage that met a short chunk writes nothing,
+    and the update after it is refused for that chunk with the weights as they were."""
+    from chunk_proxy import chunk_proxy
+
+    lin, cluster, trainer, engine, _ = qwen
+    held = engine.version
+    assert held is not None and held + 2 <= N, held
+
+    def staged():
+        st = engine.status()["staging"]
+        return st is not None and st["done"]
+
+    with chunk_proxy(trainer.url, "pass", tlsutil.node_tls("proxy")) as proxy:
+        engine.attach(parent_of(cluster, proxy))
+        engine.stage(held + 1)
+        assert all(len(t) == 8 for t, _ in greedy(engine))  # generating beside the stage
+        wait_for(staged, 120, "the stage to end")
+        assert engine.status()["staging"] == {"version": held + 1, "done": True}
+        assert_bits(engine, lin.states[held])  # a stage writes nothing
+        asked = proxy.requests
+        assert engine.reach(held + 1) == lin.states[held + 1].fingerprint
+        assert proxy.requests == asked, "the commit of a staged update asked the parent"
+    st = engine.status()
+    assert st["timing"]["staged"] is True and st["timing"]["fetch_s"] == 0.0, st["timing"]
+    assert st["timing"]["fetched_bytes"] > 0 and st["staging"] is None
+    assert_bits(engine, lin.states[held + 1])
+    assert engine.audit() == lin.states[held + 1].fingerprint
+
+    with chunk_proxy(trainer.url, "short", tlsutil.node_tls("proxy")) as proxy:
+        engine.attach(parent_of(cluster, proxy))
+        engine.stage(held + 2)
+        wait_for(staged, 120, "the stage to end")
+        assert proxy.cut >= 1
+        assert_bits(engine, lin.states[held + 1])
+        err = _refused(engine, lin, held + 2, "TruncatedError")
+        assert "chunk 0 of" in str(err), err
+    engine.attach(parent_of(cluster, trainer))
+
+
 def test_deltas_land_bit_exact_and_generation_equals_a_fresh_vllm(qwen):
     lin, cluster, trainer, engine, root = qwen
     before = greedy(engine)
-    for v in range(1, N + 1):
+    assert engine.version is not None and engine.version < N
+    for v in range(engine.version + 1, N + 1):
         fp = engine.reach(v)
         assert fp == lin.states[v].fingerprint
         assert_bits(engine, lin.states[v])

@@ -4,8 +4,10 @@ Two worker processes each hold a slice of most tensors; each fetches only the
 chunks of its slice of a delta (fewer bytes than the artifact, the two together
 all of it), decodes its own rows alone and rebuilds the row-parallel ranges with
 the other, writes its own slice, and they reach the trainer's whole-model
-fingerprint. Generation then equals that of a fresh two-rank vLLM loaded from the
-trainer's checkpoint, and a corrupt update is refused by both ranks.
+fingerprint, also when the update was staged first (each rank fetched its slice
+beside generation and decodes it at the commit). Generation then equals that of
+a fresh two-rank vLLM loaded from the trainer's checkpoint, and a corrupt update,
+staged or not, is refused by both ranks.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
             engine.attach(parent, version=0)
             before = greedy(engine, 6)
             for v in range(1, N + 1):
+                if v == N:  # staged: each rank fetches its slice beside generation, decodes it at the commit
+                    engine.stage(v)
+                    wait_for(lambda: all((s["staging"] or {}).get("done") for s in engine.rank_status()), 120,
+                             "both ranks staged")
                 assert engine.reach(v) == lin.states[v].fingerprint
                 # Each rank fetched only the chunks of its slice (its rows of the column- and
                 # vocab-parallel tensors, its row block of the row-parallel ones, which it decodes
@@ -55,6 +61,7 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
                 assert all(0 < r["fetched_bytes"] < total for r in ranks), ranks
                 covered = {i for r in ranks for a, b in r["fetched_runs"] for i in range(a, b)}
                 assert covered == set(range(ranks[0]["artifact_chunks"])), ranks
+                assert all(r.get("staged", False) == (v == N) for r in ranks), ranks
             assert engine.audit() == lin.states[N].fingerprint  # every live word of both ranks hashed
             after = greedy(engine, 6)
             assert [lp for _, lp in after] != [lp for _, lp in before]  # both ranks compute with the new bits
@@ -64,6 +71,9 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
             try:
                 wait_for(lambda: at_version(relay, N + 1), 60, "relay caught up")
                 engine.attach(ParentInfo(relay.url, TOKEN, parent.public_key, "engine", tls_dir))
+                engine.stage(N + 1)  # each rank's stage meets the bad chunks; the update fetches again
+                wait_for(lambda: all((s["staging"] or {}).get("done") for s in engine.rank_status()), 120,
+                         "both ranks' stages ended")
                 with pytest.raises(UpdateRefused) as err:
                     engine.reach(N + 1)
                 assert err.value.kind == "ChunkHashMismatch", err.value

@@ -51,6 +51,9 @@ def test_malformed_init_info_names_the_field(given, field):
     ({"version": None}, "update_info.version"),
     ({"version": 5, "extra": 1}, "update_info.extra"),
     ([{"version": 5}], "update_info"),
+    ({"version": 5, "stage": 1}, "update_info.stage"),
+    ({"version": 5, "stage": "true"}, "update_info.stage"),
+    ({"stage": True}, "update_info.version"),
 ])
 def test_malformed_update_info_names_the_field(given, field):
     with pytest.raises(TransferInfoError) as err:
@@ -64,6 +67,10 @@ def test_well_formed_requests_parse():
     assert init_info({**GOOD, "threads": 0}).threads == 0  # the default: as many as the update's CPUs
     assert init_info({**GOOD, "version": None}).version is None
     assert update_info({"version": 0}).version == 0
+    assert update_info({"version": 0}).stage is False
+    assert update_info({"version": 3, "stage": True}) == update_info({"version": 3, "stage": True})
+    assert (update_info({"version": 3, "stage": True}).stage, update_info({"version": 3, "stage": False}).stage) == (
+        True, False)
 
 
 def test_public_key_from_a_file_or_pem_text_or_a_typed_refusal(tmp_path):

@@ -1,0 +1,41 @@
+"""Functions vLLM's workers run through ``collective_rpc``: the p2psync backend's status, audit and words.
+
+Module-level (``collective_rpc`` sends a function by reference and the worker
+imports it); each finds the worker's :class:`~rollout.engines.vllm_backend.P2PSyncWeightTransfer`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from p2psync.errors import P2PSyncError
+from rollout.engines.vllm_backend import P2PSyncWeightTransfer
+
+
+def backend(worker: Any) -> P2PSyncWeightTransfer:
+    """The p2psync backend of the vLLM worker ``worker`` (a typed refusal if it has another)."""
+    eng = getattr(worker, "weight_transfer_engine", None)
+    if eng is None:
+        eng = getattr(getattr(worker, "worker", None), "weight_transfer_engine", None)
+    if not isinstance(eng, P2PSyncWeightTransfer):
+        raise P2PSyncError(f"vLLM's weight-transfer backend is {type(eng).__name__}, not p2psync "
+                           "(build the LLM with weight_transfer_config={'backend': 'p2psync'})")
+    return eng
+
+
+def rpc_status(worker: Any) -> dict[str, Any]:
+    """:meth:`P2PSyncWeightTransfer.status` of the backend in this worker."""
+    return backend(worker).status()
+
+
+def rpc_audit(worker: Any) -> str | None:
+    """The fingerprint recomputed from every live parameter word (None before the first update)."""
+    return backend(worker).audit()
+
+
+def rpc_read(worker: Any, names: list[str]) -> dict[str, bytes]:
+    """Raw bytes of the live words of checkpoint tensors ``names`` (tests and audits)."""
+    live = backend(worker).live
+    if live is None:
+        raise P2PSyncError("no weights bound yet (no update applied)")
+    return {n: live.read(n).tobytes() for n in names}
