@@ -23,7 +23,10 @@ adds the work (grants, batches, progress) on top. What it promises:
   decode).
 - **Short pauses.** Preparing the next artifact reads the engine's weights
   only, so it runs while generation goes on; at the safe point only the
-  commit (fingerprint check and the writes) pauses generation. The audit
+  commit (fingerprint check and the writes) pauses generation. An engine that
+  pulls artifacts itself (vLLM) prepares the next one as soon as the node lists
+  it, while it is still arriving: it fetches each chunk from the node once the
+  node has it (:mod:`rollout.engines.vllm_stage`). The audit
   (fingerprint from every weight) also runs beside generation and must finish
   before the next commit.
 
@@ -31,7 +34,8 @@ Event (``events_path``, JSON lines): ``{"event": "switch", version,
 fingerprint (engine's, recomputed from its weights), expected (manifest
 target), ok, switch_s (artifact complete -> engine serving it), stall_s
 (generation paused for the switch), apply_s (decode start -> serving),
-audit_s, how (snapshot, delta, node-decoded, copy), time}``. "Artifact
+audit_s, how (snapshot, delta, node-decoded, copy), staged (engines that
+stage: whether the commit applied what its stage fetched ahead), time}``. "Artifact
 complete" is the moment the node's ``subscribe()`` yielded it (the node had
 every chunk and applied its own copy); a version found without that signal
 counts from when it began to apply it.
@@ -94,10 +98,28 @@ class EngineSync:
             self._events.write(json.dumps({**event, "time": round(time.time(), 4)}) + "\n")
 
     async def _watch_applied(self) -> None:
-        async for m in self.node.subscribe():
-            self._arrived.setdefault(m.target_version, time.time())
-            self._newer.set()
-            self._prefetch()
+        heads = getattr(self.node, "heads", None)
+        early = asyncio.create_task(self._watch_announced(heads), name="rollout:watch-announced") \
+            if self.engine.pulls_artifacts and heads is not None else None
+        try:
+            async for m in self.node.subscribe():
+                self._arrived.setdefault(m.target_version, time.time())
+                self._newer.set()
+                self._prefetch()
+        finally:
+            if early is not None:
+                early.cancel()
+
+    async def _watch_announced(self, heads: Any) -> None:
+        """An engine that pulls artifacts itself (vLLM) starts preparing the next one as soon as the
+        node lists it, while it is still arriving: the node serves each chunk once it came
+        (cut-through), so the engine's fetch and decode run beside the node's download, not after it."""
+        seq = None
+        while not heads.closed:
+            if heads.seq != seq:
+                seq = heads.seq
+                self._prefetch(announced=True)
+            await heads.wait(seq, 60.0)
 
     # --- weights -----------------------------------------------------------------------------
     # Three things touch the engine's weights: generation steps and audits only read them,
@@ -124,6 +146,9 @@ class EngineSync:
             del self._arrived[v]
         info = {"switch_s": round(max(0.0, now - arrived), 6), "stall_s": round(now - t_safe, 6),
                 "apply_s": round(now - t0, 6), "how": how}
+        staged = getattr(self.engine, "last_staged", None)
+        if staged is not None and how != "copy":
+            info["staged"] = staged
         self.switches += 1
         self.log.info("engine serving version %d (%s; generation paused %.3f s)", version, how, now - t_safe)
         if fp is not None or not self.opts.audit:
@@ -208,19 +233,31 @@ class EngineSync:
         return v is not None and (self.engine.version is None or v > self.engine.version)
 
     def _prepare(self, aid: str, manifest: Any) -> Prepared:
+        if self.engine.pulls_artifacts:  # it fetches the chunks itself
+            return self.engine.prepare(manifest, [], self._threads())
         decoded = getattr(self.node, "decoded", None)
         got = decoded(aid) if decoded is not None and manifest.kind == "delta" else None
         if got is not None:  # the node decoded it already (one decode per node, not two)
             return self.engine.prepare_decoded(manifest, *got)
         return self.engine.prepare(manifest, self.node.store.chunks(aid), self._threads())
 
-    def _prefetch(self) -> None:
-        """Start decoding the next artifact against the current weights (reads them only)."""
-        if self._prep is not None or self._syncing or not self._behind():
+    def _prefetch(self, announced: bool = False) -> None:
+        """Start decoding the next artifact against the current weights (reads them only); with
+        ``announced``, the next one the node lists, held or still arriving (engines that pull)."""
+        if self._prep is not None or self._syncing:
             return
         store = self.node.store
+        listed = store.catalogue(complete_only=not announced)
+        if announced:
+            head = max((a.target for a in listed), default=None)
+            if self.engine.version is None or head is None or head <= self.engine.version:
+                return
+        elif not self._behind():
+            return
+        else:
+            head = self.node.version
         try:
-            aid = plan_catchup(self.engine.version, self.node.version, store.catalogue())[0].id
+            aid = plan_catchup(self.engine.version, head, listed)[0].id
             manifest = store.artifacts[aid].manifest
         except (P2PSyncError, KeyError, IndexError):
             return  # sync() finds its own way (or copies the node's weights)
@@ -287,6 +324,7 @@ class EngineSync:
             await self._load_from_node()
         finally:
             self._syncing = False
+        self._prefetch(announced=self.engine.pulls_artifacts)  # the next one, if the node lists it already
 
     async def reach(self, version: int) -> None:
         """Return once the engine serves ``version`` or newer (waits for the node to get it)."""

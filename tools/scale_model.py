@@ -9,20 +9,21 @@ What one update costs, from the trainer's announcement until an engine rank serv
 code does it today::
 
     T = hops * chunk / link               the cut-through tree: one chunk time per hop
-      + artifact_bytes / link             the whole artifact crosses the regional link once
-      + fetch_fixed                       the rank's fetch from its machine's node, which starts once
-      + machine_bytes / fetch_rate          the node holds the artifact (the worker is told then); the
-      + machine_chunks * per_chunk          node serves its machine's ranks at one measured rate in all
-      + decode(changes_rank, threads)     decode + checks on the rank's threads, beside its fetch
-      ... as max(fetch, decode)             (chunks decode as they arrive), then the last chunk's
-      + decode(chunk_changes, 1)            decode on one thread
+      + max(artifact_bytes / link,        the whole artifact crosses the regional link once,
+            fetch_fixed                   the rank's fetch from its machine's node, chunk by chunk as
+            + machine_bytes / fetch_rate    the node receives them (the node serves its machine's
+            + machine_chunks * per_chunk,   ranks at one measured rate in all),
+            decode(changes_rank, threads))  decode + checks on the rank's threads as chunks arrive
+      + decode(chunk_changes, 1)          then the last chunk's decode on one thread
       + write(changes_rank, threads)      scatter into the live weights + undo log + fingerprint lanes
       + fixed                             plan, manifest, signature, RPCs, fingerprint fold
 
-The rollout worker starts the engine's update once its node holds the whole artifact
-(``rollout/engine_sync.py``); inside it each rank decodes its chunks as they arrive
-(``rollout/engines/vllm_stream.py``), so its fetch and decode overlap: ``fetch_fixed + ...`` and
-``decode(...)`` above add as their maximum. The ranges tensor-parallel ranks rebuild together
+The rollout worker has the engine stage an artifact as soon as its node lists it, while the node
+still receives it (``rollout/engine_sync.py``, ``rollout/engines/vllm_stage.py``): each rank
+fetches every chunk from its node once the node has it and decodes it as it arrives
+(``rollout/engines/vllm_stream.py``), so the link, the rank's fetch and its decode overlap and add
+as their maximum. ``s_after_node_holds`` is the same update started once the node holds the whole
+artifact (link, then the larger of fetch and decode), for comparison. The ranges tensor-parallel ranks rebuild together
 (row-parallel weights) decode after the fetch; the model counts them as overlapped. Decode
 and write: ``s = intercept + changes / (rate * S(threads))`` with ``S(n) = 1 / (f + (1 - f) / n)``
 (Amdahl); ``rate`` and ``intercept`` from a least-squares line per thread count, ``f`` from the
@@ -249,11 +250,12 @@ def project_one(rates: Rates, shape: Shape, link_gbit: float, ranks: int, slices
     # Chunks decode as they arrive (one chunk on one thread): the rank's decode runs beside its
     # fetch, and what is left after the last chunk arrived is that chunk's decode.
     parts["decode_after_fetch_s"] = rates.decode.s(min(changes, CHUNK_BYTES / bpc), 1)
-    s = (parts["tree_s"] + parts["link_s"] + max(parts["rank_fetch_s"], parts["decode_s"])
-         + parts["decode_after_fetch_s"] + parts["write_s"] + parts["fixed_s"])
+    after = parts["decode_after_fetch_s"] + parts["write_s"] + parts["fixed_s"]
+    s = parts["tree_s"] + max(parts["link_s"], parts["rank_fetch_s"], parts["decode_s"]) + after
+    held = parts["tree_s"] + parts["link_s"] + max(parts["rank_fetch_s"], parts["decode_s"]) + after
     return {"model": shape.name, "link_gbit": link_gbit, "ranks": ranks, "slices": slices,
             "artifact_gb": round(total_bytes / 1e9, 3), "rank_changes": round(changes), "hops": h,
-            **{k: round(v, 3) for k, v in parts.items()}, "s": round(s, 2)}
+            **{k: round(v, 3) for k, v in parts.items()}, "s": round(s, 2), "s_after_node_holds": round(held, 2)}
 
 
 def project(rates: Rates, fraction: float = 0.02, threads: int = THREADS, machines: int = 64,
@@ -269,9 +271,10 @@ def project(rates: Rates, fraction: float = 0.02, threads: int = THREADS, machin
         "machines_per_region": machines, "tree_fanout": 4, "chunk_bytes": CHUNK_BYTES,
         "slices": "with slices each rank fetches and decodes its 1/N of the sharded tensors plus what it "
                   "holds whole; without, every rank fetches and decodes the whole artifact",
-        "overlap": "the tree is cut-through; the ranks' fetch starts once their node holds the artifact, "
-                   "their decode beside it as chunks arrive (max of the two, plus the last chunk's decode on "
-                   "one thread), their write once their decode ends (as the code does)",
+        "overlap": "the tree is cut-through; the ranks stage the artifact once their node lists it, fetching "
+                   "each chunk once the node has it and decoding it as it arrives (max of the link, the fetch "
+                   "and the decode, plus the last chunk's decode on one thread), their write once their decode "
+                   "ends (as the code does); s_after_node_holds: the fetch started once the node holds it all",
         "node_serving": "a machine's node serves all its ranks' chunks at the measured fetch rate in all",
         "shapes": [asdict(s) for s in shapes]},
         "rates": asdict(rates), "anchors": list(ANCHORS), "rows": rows}

@@ -27,6 +27,11 @@ class NotHeld(PeerUnreachable):
     """The peer answered 404: it does not hold (any more) what was asked for."""
 
 
+class NotYet(PeerUnreachable):
+    """The peer answered 503: what was asked for is on its way to it (a cut-through node waited
+    ``chunk_wait_timeout`` for the chunk) or failed a re-check there; ask again shortly."""
+
+
 class ChunkBuffer:
     """One chunk on its way in: a buffer of the chunk's exact size and how much of it arrived.
 
@@ -53,7 +58,8 @@ class ChunkBuffer:
 
 
 def _status_error(url: str, what: str, status: int) -> PeerUnreachable:
-    return (NotHeld if status == 404 else PeerUnreachable)(url, f"{what}: HTTP {status}")
+    kind = NotHeld if status == 404 else NotYet if status == 503 else PeerUnreachable
+    return kind(url, f"{what}: HTTP {status}")
 
 
 async def read_body(content: aiohttp.StreamReader, limit: int) -> bytes:

@@ -72,7 +72,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _KINDS = ("TransferInfoError", "WrongBase", "SignatureError", "ChunkHashMismatch", "FingerprintMismatch", "TensorTableMismatch",
-          "UnwritableParameter", "LayoutError", "PeerUnreachable", "NotHeld", "TruncatedError", "CodecError",
+          "UnwritableParameter", "LayoutError", "PeerUnreachable", "NotHeld", "NotYet", "TruncatedError", "CodecError",
           "FormatVersionError", "P2PSyncError")
 
 
@@ -144,6 +144,8 @@ class VLLMEngine(RolloutEngine):
         vLLM down under it (which would leave that thread blocked and the process unable to
         exit), and calls after it fail at once."""
         self._closed = False
+        self.last_staged: bool | None = None
+        """Whether the last update committed what a stage had fetched (and decoded) ahead."""
 
     @classmethod
     def build(cls, config: EngineConfig) -> VLLMEngine:
@@ -243,6 +245,7 @@ class VLLMEngine(RolloutEngine):
             self._reset_cache()
         st = self.status()
         self.version, self._fingerprint = st["version"], st["fingerprint"]
+        self.last_staged = bool(st["timing"].get("staged"))
         if self.version != version:
             raise UpdateRefused("P2PSyncError", f"backend is at version {self.version} after asking for {version}")
         return str(self._fingerprint)

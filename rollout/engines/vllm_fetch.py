@@ -22,6 +22,9 @@ from rollout.engines.vllm_requests import TransferInfoError
 
 T = TypeVar("T")
 
+NOT_YET_RETRY_S = 0.2
+"""Pause before asking again for a chunk the parent does not hold yet."""
+
 
 def _tls(tls_dir: str) -> Any:
     from p2psync.transport.tls import Tls
@@ -153,24 +156,34 @@ async def fetch_artifact(url: str, token: str, node_id: str, aid: str, public_ke
     """The manifest (signature checked) and the chunks (hash checked) of artifact ``aid`` at ``url``.
 
     ``manifest``: already fetched and checked (:func:`fetch_manifest`); ``need``: the chunks to
-    fetch (None: every chunk); the others are None in the list returned. ``on_chunk(i, data)``:
+    fetch (None: every chunk); the others are None in the list returned. A chunk the parent says
+    is not there yet (HTTP 503: it is still receiving the artifact) is asked for again every
+    :data:`NOT_YET_RETRY_S` until ``timeout`` seconds passed. ``on_chunk(i, data)``:
     awaited with each chunk as soon as its hash matched (:mod:`rollout.engines.vllm_stream`); on
     any failure the fetches still running are cancelled before it is raised."""
     from p2psync.artifact import verify_chunk
-    from p2psync.transport.client import ChunkBuffer
+    from p2psync.transport.client import ChunkBuffer, NotYet
 
     async with _using(client, token, node_id, timeout, parallel, tls_dir) as client:
         if manifest is None:
             manifest = await _checked_manifest(client, url, aid, public_key)
         sem = asyncio.Semaphore(parallel)
+        loop = asyncio.get_running_loop()
 
         async def one(i: int) -> memoryview:
             async with sem:
                 buf = ChunkBuffer(manifest.chunks[i].size)
-                try:
-                    await client.call_chunk(url, aid, i, buf)
-                except WrongSize as exc:
-                    raise short_answer(exc, f"chunk {i} of {aid} from {url}") or exc
+                deadline = loop.time() + timeout
+                while True:
+                    try:
+                        await client.call_chunk(url, aid, i, buf)
+                        break
+                    except NotYet:  # still on its way to a parent that is receiving it: ask again
+                        if loop.time() >= deadline:
+                            raise
+                        await asyncio.sleep(NOT_YET_RETRY_S)
+                    except WrongSize as exc:
+                        raise short_answer(exc, f"chunk {i} of {aid} from {url}") or exc
                 data = buf.take()
                 verify_chunk(manifest, i, data)
             if on_chunk is not None:  # outside the semaphore: the next fetch starts meanwhile
@@ -234,18 +247,21 @@ async def fetch_version_manifest(url: str, token: str, node_id: str, version: in
 
 
 async def fetch_plan(url: str, token: str, node_id: str, current: int | None, target: int, timeout: float,
-                     tls_dir: str = "", client: Any = None) -> list[Any]:
-    """The artifacts to apply, in order, to go from ``current`` to ``target`` with what ``url`` holds."""
+                     tls_dir: str = "", client: Any = None, in_flight: bool = False) -> list[Any]:
+    """The artifacts to apply, in order, to go from ``current`` to ``target`` with what ``url`` holds
+    (``in_flight``: or is receiving: a cut-through node lists those and serves each chunk once it
+    arrived)."""
     from p2psync.store import plan_catchup
 
     async with _using(client, token, node_id, timeout, 1, tls_dir) as client:
         cat = await client.call_head(url)
-    held = [a for a in cat.artifacts if a.complete]
+    held = [a for a in cat.artifacts if a.complete or in_flight]
     try:
         return plan_catchup(current, target, held)
     except P2PSyncError as exc:
         newest = max((a.target for a in held), default=None)
-        raise TransferInfoError("update_info.version", f"{exc} at {url} (the newest complete version there is "
+        what = "listed" if in_flight else "complete"
+        raise TransferInfoError("update_info.version", f"{exc} at {url} (the newest {what} version there is "
                                 f"{newest})") from None
 
 

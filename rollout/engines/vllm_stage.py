@@ -5,7 +5,10 @@ once. In a thread of its own, beside vLLM's generation, the backend fetches the
 first artifact of its way to ``v`` from its parent, every chunk checked against
 the signed manifest, and with one rank also decodes each chunk as it arrives
 against the live words (they only read them: nothing but an update writes
-weights). A later ``update_weights`` whose way starts with that artifact commits
+weights). The parent need not hold the artifact yet: one that is still
+receiving it (a cut-through node lists it) serves each chunk as it arrives, so a
+stage sent when the trainer announces a version follows the artifact down the
+tree and its decode hides under the transfer. A later ``update_weights`` whose way starts with that artifact commits
 what was staged: with one rank it checks the target fingerprint and writes, as
 after any decode; with tensor or expert parallelism each rank decodes its staged
 chunks then (the ranks' decode runs collectives, which belong on the worker's
@@ -83,7 +86,8 @@ def stage(fetching: Fetching, info: Any, public_key: Any, live: Any, base: int |
     out = Staged(target, base)
     try:
         out.plan = [a.id for a in fetching(lambda c: fetch_plan(
-            info.url, info.token, info.node_id, base, target, info.timeout, info.tls_dir, client=c), retry=True)]
+            info.url, info.token, info.node_id, base, target, info.timeout, info.tls_dir, client=c, in_flight=True),
+            retry=True)]
         if not out.plan:
             return out
         aid = out.plan[0]

@@ -20,15 +20,18 @@ from vllm_helpers import SHAPES, Lineage  # noqa: E402
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def start_rollout(cluster: Cluster, tmp_path: Path, lin: Lineage) -> tuple[Proc, Proc, Path]:
-    """A trainer node serving ``lin``'s version 0 and a rollout node with a vLLM engine under it."""
+def start_rollout(cluster: Cluster, tmp_path: Path, lin: Lineage, serve_delay: float = 0.0
+                  ) -> tuple[Proc, Proc, Path]:
+    """A trainer node serving ``lin``'s version 0 (each chunk ``serve_delay`` seconds late) and a
+    rollout node with a vLLM engine under it."""
     events = tmp_path / "events.jsonl"
     cfg = tmp_path / "rollout.json"
     cfg.write_text(json.dumps({
         "engine": "vllm", "model_config": {"model_type": "qwen3", "tie_word_embeddings": True, **SHAPES},
         "events_path": str(events), "vllm": {"max_model_len": 256}}))
     lin.publish(cluster.publish_dir, cluster.priv, range(0, 1))
-    trainer = cluster.start("trainer", "trainer", publish=True)
+    trainer = cluster.start("trainer", "trainer", publish=True,
+                            extra=[f"--testing.serve_delay={serve_delay}"] if serve_delay else [])
     rollout = cluster.start("r1", "rollout", [trainer.url],
                             extra=["--job", "rollout.worker:run", "--job-config", str(cfg)])
     return trainer, rollout, events
@@ -43,11 +46,15 @@ def switches(rollout: Proc, events: Path) -> list[dict]:
 
 
 def test_vllm_rollout_node_tracks_every_version(cluster, tmp_path):
+    """The trainer serves each chunk a second late, so the rollout node holds every delta in flight
+    for a while: its engine stages each one while the node still receives it (it began preparing
+    before the node held the artifact: ``apply_s`` counts from then, ``switch_s`` from the node
+    holding it) and commits what it staged."""
     steps = 3
     lin = Lineage("qwen3", tied=True, seed=3)
     for _ in range(steps):
         lin.step()
-    _, rollout, events = start_rollout(cluster, tmp_path, lin)
+    _, rollout, events = start_rollout(cluster, tmp_path, lin, serve_delay=1.0)
     wait_for(lambda: at_version(rollout, 0), 60, "rollout node at version 0")
     wait_for(lambda: switches(rollout, events), 240, "vLLM engine built and loaded (snapshot from the node)")
     for v in range(1, steps + 1):
@@ -58,6 +65,9 @@ def test_vllm_rollout_node_tracks_every_version(cluster, tmp_path):
     sw = switches(rollout, events)
     assert all(r["ok"] for r in sw), sw
     assert {r["version"]: r["fingerprint"] for r in sw}[steps] == lin.states[steps].fingerprint
+    deltas = [r for r in sw if r["how"] == "delta"]
+    assert deltas and all(r["staged"] for r in deltas), sw
+    assert any(r["apply_s"] > r["switch_s"] + 0.5 for r in deltas), sw  # staged before the node held it
     assert rollout.popen.poll() is None  # still running
     rollout.kill(signal.SIGTERM)
     assert rollout.popen.wait(30) == 0  # the job hands back, the engine shuts vLLM's processes down
