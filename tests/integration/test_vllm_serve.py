@@ -115,6 +115,9 @@ class Docs:
     switches: list[int] = field(default_factory=list)
     first: dict = field(default_factory=dict)
     """The answers of the server before any init was accepted (see the fixture)."""
+    stage: list[dict] = field(default_factory=list)
+    staged: dict = field(default_factory=dict)
+    """The answers to the staging block, and the backend's status once its stage ended."""
 
 
 def call(url: str, body: dict | None = None, method: str = "POST", timeout: float = 600.0) -> tuple[int, dict]:
@@ -169,15 +172,15 @@ def docs(tmp_path_factory):
            "PYTHONUNBUFFERED": "1"}
     env.pop("VLLM_SERVER_DEV_MODE", None)
     found = blocks()
-    assert [lang for lang, _ in found] == ["bash", "python", "python", "bash", "bash", "bash", "bash", "bash"], \
+    assert [lang for lang, _ in found] == ["bash", "python", "python", "bash", "bash", "bash", "bash", "bash", "bash"], \
         "docs/ROLLOUT.md's blocks changed: say here how each new one runs"
     code = [re.sub(r"\b(7001|8000)\b", lambda m: ports[m.group(1)], text) for _, text in found]
     assert "vllm serve ckpt-v0" in code[3]  # the CUDA block: not run (see module doc)
     running: list[Background] = []
 
-    def shell(i: int) -> str:
-        done = subprocess.run(["bash", "-euo", "pipefail", "-c", code[i]], cwd=root, env=env, capture_output=True,
-                              text=True, timeout=START_S)
+    def shell(i: int, before: str = "") -> str:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", before + code[i]], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=START_S)
         assert done.returncode == 0, (i, done.stdout[-2000:], done.stderr[-3000:])
         return done.stdout
 
@@ -213,8 +216,12 @@ def docs(tmp_path_factory):
         d.first["status"] = status(d)
         d.first["tokens"] = completion(d)
         d.curl = shell(5).splitlines()
-        shell(6)
-        node = Background(["bash", "-c", code[7]], root, env, root / "r1.log")
+        # Staging version 4 (S and post() from the block before: the same terminal), then its state.
+        d.stage = [json.loads(line) for line in shell(6, code[5].split("post init_weight")[0]).splitlines()]
+        until(lambda: (status(d)["staging"] or {}).get("done"), START_S, "the stage of version 4 ended")
+        d.staged = status(d)
+        shell(7)
+        node = Background(["bash", "-c", code[8]], root, env, root / "r1.log")
         running.append(node)
         events = root / "run" / "r1-events.jsonl"
 
@@ -248,6 +255,10 @@ def test_rollout_md_runs_as_written(docs):
     (st,) = next(a["results"] for a in answers if "results" in a)
     assert st["version"] == 3 and st["fingerprint"] == signed_fingerprint(docs, 3)
     assert len(next(a for a in answers if "choices" in a)["choices"][0]["logprobs"]["tokens"]) == 8
+    # Version 4 staged: accepted, fetched and decoded beside serving, nothing written yet.
+    assert docs.stage == [{"message": "Weight update started"}, {"message": "Weights updated"},
+                          {"message": "Weight update finished"}], docs.stage
+    assert docs.staged["staging"] == {"version": 4, "done": True} and docs.staged["version"] == 3, docs.staged
     # The rollout node's engine followed the trainer to its last version.
     assert docs.switches[-1] == 5, docs.switches
     # No chat-template warmup traceback in the server's log (the plugin drops it).
