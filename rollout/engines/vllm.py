@@ -227,14 +227,7 @@ class VLLMEngine(RolloutEngine):
         if self.parent is None:
             raise P2PSyncError("engine 'vllm': no parent to pull artifacts from (call attach() first)")
         try:
-            with self.calling() as llm:
-                llm.start_weight_update()
-                try:
-                    llm.update_weights({"update_info": {"version": int(version)}})
-                except Exception:
-                    self._end_refused_session(llm)
-                    raise
-                llm.finish_weight_update(weight_version=str(version))
+            self._session({"version": int(version)}, str(version))
         except P2PSyncError:
             raise
         except Exception as exc:
@@ -256,18 +249,23 @@ class VLLMEngine(RolloutEngine):
         if self.parent is None:
             raise P2PSyncError("engine 'vllm': no parent to pull artifacts from (call attach() first)")
         try:
-            with self.calling() as llm:
-                llm.start_weight_update()
-                try:
-                    llm.update_weights({"update_info": {"version": int(version), "stage": True}})
-                except Exception:
-                    self._end_refused_session(llm)
-                    raise
-                llm.finish_weight_update()
+            self._session({"version": int(version), "stage": True})
         except P2PSyncError:
             raise
         except Exception as exc:
             raise refused(exc) from exc
+
+    def _session(self, update_info: dict[str, Any], weight_version: str | None = None) -> None:
+        """One update session: ``start_weight_update``, ``update_weights(update_info)``,
+        ``finish_weight_update(weight_version)``; a refused update ends the session on every rank."""
+        with self.calling() as llm:
+            llm.start_weight_update()
+            try:
+                llm.update_weights({"update_info": update_info})
+            except Exception:
+                self._end_refused_session(llm)
+                raise
+            llm.finish_weight_update(weight_version=weight_version)
 
     @staticmethod
     def _end_refused_session(llm: Any) -> None:
