@@ -456,7 +456,10 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
           ``fetched_chunks``, ``artifact_chunks``, and ``fetched_runs`` (the chunks fetched, as
           ``[first, end)`` runs of indices). A rank's share of the transfer is
           ``fetched_bytes / artifact_bytes`` (1.0 at one rank, and for a snapshot or a manifest
-          without a segment index); its apply time is ``fetch_s + decode_s + commit_s``. An artifact
+          without a segment index); its apply time is ``fetch_s + decode_s + commit_s``.
+          ``kernels_loaded``: compiled kernels the update had to load (0 once the warm-up of
+          :mod:`rollout.engines.vllm_warm` ran); ``warming``: whether that warm-up was still running
+          when the update began. An artifact
           committed from a stage has ``staged`` true, ``staged_s`` (the stage's seconds, beside
           generation) and ``fetch_s`` 0;
         - ``staging``: ``{"version", "done"}`` of a stage in progress or kept for its commit, or None."""
