@@ -76,11 +76,10 @@ from vllm.distributed.weight_transfer.base import (
 from p2psync.errors import P2PSyncError, PeerUnreachable, SignatureError, TruncatedError, WrongBase, WrongSize
 from rollout.engines import vllm_requests, vllm_warm
 from rollout.engines.vllm_cpus import own_cpus, update_cpus
-from rollout.engines.vllm_fetch import (Fetcher, check_key, fetch_artifact, fetch_manifest, fetch_plan,
-                                        fetch_version_manifest)
+from rollout.engines.vllm_fetch import Fetcher, check_key, fetch_manifest, fetch_plan, fetch_version_manifest
 from rollout.engines.vllm_requests import NotInitialized, TransferInfoError, load_public_key
 from rollout.engines.vllm_stage import Staged, Stager, replay, stage
-from rollout.engines.vllm_stream import Streamed, decoding, streams
+from rollout.engines.vllm_stream import Streamed, decoding, fetch_decoding, streams
 from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, together, vllm_group
 from rollout.engines.vllm_weights import LiveWeights
 
@@ -304,12 +303,10 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         if staged is not None and staged.error is not None:
             logger.warning("p2psync: staging version %d failed (%s); the update fetches it", staged.target,
                            tagged(staged.error))
-        alone = staged is not None and staged.target == target and len(staged.plan) == 1 \
-            and staged.usable(staged.plan[0], self.version)
-        lead = self.group.first(staged.plan if alone and staged is not None else None)
-        if self.group.all_true(alone and staged is not None and staged.plan == lead):
-            return staged, lead
-        return staged, None
+        alone = staged.plan if staged is not None and staged.target == target and len(staged.plan) == 1 \
+            and staged.usable(staged.plan[0], self.version) else None
+        lead = self.group.first(alone)
+        return staged, lead if self.group.all_true(alone is not None and alone == lead) else None
 
     def reach(self, target: int) -> None:
         """Apply the artifacts from the current version to ``target`` (see module doc)."""
@@ -340,26 +337,13 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             if stream is not None:
                 stream.agree()
 
-            def fetch(client: Any, on_chunk: Any = None) -> Any:
-                return fetch_artifact(info.url, info.token, info.node_id, aid, self.public_key, info.timeout,
-                                      tls_dir=info.tls_dir, manifest=manifest, need=need, on_chunk=on_chunk,
-                                      client=client)
-
-            if stream is None:
-                _, chunks = self._together(lambda: fetching(fetch))
-            else:  # each chunk decoded as it arrives (rollout.engines.vllm_stream)
-                assert self.live is not None
-                threads, cpus = self.live.threads, self.live.cpus
-                _, chunks = self._together(lambda: fetching(
-                    lambda c: decoding(stream, lambda on_chunk: fetch(c, on_chunk), threads, cpus)))
+            # with a stream, each chunk decoded as it arrives (rollout.engines.vllm_stream)
+            chunks = self._together(lambda: fetch_decoding(fetching, info, self.public_key, aid, manifest, need,
+                                                           stream))
             fetched = (t_bind - t) + (time.perf_counter() - t_need)
             self.apply(manifest, chunks, stream)
-            got = [i for i, c in enumerate(chunks) if c is not None]
-            size = sum(len(chunks[i]) for i in got)
             self.timing = {"fetch_s": round(fetched, 4), **(self.live.timing if self.live else {}),
-                           "bytes": size, "fetched_bytes": size, "artifact_bytes": manifest.payload_bytes,
-                           "fetched_chunks": len(got), "artifact_chunks": len(manifest.chunks),
-                           "fetched_runs": _runs(got)}
+                           **_transfer(manifest, chunks)}
 
     def _commit_staged(self, staged: Staged) -> None:
         """Apply a staged artifact: decode its chunks here if the stage did not, check, commit."""
@@ -375,15 +359,11 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
                 self._together(lambda: self.fetcher.call(lambda: decoding(stream, replay(chunks), threads, cpus)))
         decoded = time.perf_counter() - t
         self.apply(manifest, chunks, stream)
-        got = [i for i, c in enumerate(chunks) if c is not None]
-        size = staged.fetched_bytes
         timing = dict(self.live.timing) if self.live else {}
         if staged.stream is None:
             timing["decode_s"] = round(timing.get("decode_s", 0.0) + decoded, 4)
         self.timing = {"fetch_s": 0.0, **timing, "staged": True, "staged_s": round(staged.seconds, 4),
-                       "bytes": size, "fetched_bytes": size, "artifact_bytes": manifest.payload_bytes,
-                       "fetched_chunks": len(got), "artifact_chunks": len(manifest.chunks),
-                       "fetched_runs": _runs(got)}
+                       **_transfer(manifest, chunks)}
 
     def _stream(self, manifest: Any) -> Streamed | None:
         """A decoder of ``manifest``'s chunks as they arrive, where it applies (a delta with a segment
@@ -470,6 +450,14 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
 
     def audit(self) -> str | None:
         return self.live.audit() if self.live else None
+
+
+def _transfer(manifest: Any, chunks: list[Any]) -> dict[str, Any]:
+    """The status's figures of what this rank fetched of ``manifest`` (``chunks``: None where not fetched)."""
+    got = [i for i, c in enumerate(chunks) if c is not None]
+    size = sum(len(chunks[i]) for i in got)
+    return {"bytes": size, "fetched_bytes": size, "artifact_bytes": manifest.payload_bytes,
+            "fetched_chunks": len(got), "artifact_chunks": len(manifest.chunks), "fetched_runs": _runs(got)}
 
 
 def _runs(ids: list[int]) -> list[list[int]]:

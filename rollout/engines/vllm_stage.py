@@ -33,18 +33,15 @@ What a stage is not:
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.engines.vllm_fetch import fetch_artifact, fetch_manifest, fetch_plan
+from rollout.engines.vllm_fetch import fetch_manifest, fetch_plan
 from rollout.engines.vllm_slices import chunks_needed
-from rollout.engines.vllm_stream import OnChunk, Streamed, decoding, streams
-
-logger = logging.getLogger(__name__)
+from rollout.engines.vllm_stream import OnChunk, Streamed, fetch_decoding, streams
 
 Fetching = Callable[..., Any]
 """``fetching(call, retry=False)``: ``await call(client)`` through the backend's kept client."""
@@ -72,10 +69,6 @@ class Staged:
         """Whether this stage holds artifact ``aid`` for weights at ``version``."""
         return self.error is None and self.chunks is not None and self.plan[:1] == [aid] and self.base == version
 
-    @property
-    def fetched_bytes(self) -> int:
-        return sum(len(c) for c in self.chunks or () if c is not None)
-
 
 def stage(fetching: Fetching, info: Any, public_key: Any, live: Any, base: int | None, target: int,
           overlap: bool = True) -> Staged:
@@ -95,21 +88,11 @@ def stage(fetching: Fetching, info: Any, public_key: Any, live: Any, base: int |
             info.url, info.token, info.node_id, aid, public_key, info.timeout, info.tls_dir, client=c), retry=True)
         if manifest.kind != "delta" or live is None or live.specs != list(manifest.tensors):
             return out  # a snapshot, or a table the weights are not bound to (bound at the commit)
-        need = chunks_needed(live, manifest)
-
-        def fetch(client: Any, on_chunk: OnChunk | None = None) -> Any:
-            return fetch_artifact(info.url, info.token, info.node_id, aid, public_key, info.timeout,
-                                  tls_dir=info.tls_dir, manifest=manifest, need=need, on_chunk=on_chunk,
-                                  client=client)
-
-        if overlap and live.group.size == 1 and streams(live, manifest):
-            stream = Streamed(live, manifest)  # checks the base fingerprint first
-            _, chunks = fetching(lambda c: decoding(stream, lambda on_chunk: fetch(c, on_chunk), live.threads,
-                                                    live.cpus))
-            out.stream = stream
-        else:
-            _, chunks = fetching(fetch)
-        out.chunks = list(chunks)
+        # one rank decodes as chunks arrive (Streamed checks the base fingerprint first); several ranks
+        # decode at the commit, where their collectives run
+        stream = Streamed(live, manifest) if overlap and live.group.size == 1 and streams(live, manifest) else None
+        out.chunks = fetch_decoding(fetching, info, public_key, aid, manifest, chunks_needed(live, manifest), stream)
+        out.stream = stream
     except BaseException as exc:  # noqa: BLE001 - kept for the commit, which decides
         out.error = exc
     finally:

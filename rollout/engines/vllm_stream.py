@@ -38,6 +38,7 @@ from p2psync import workers
 from p2psync.codec.decode import split_chunk
 from p2psync.errors import CodecError, WrongBase
 from p2psync.transport.fetch import Pipeline
+from rollout.engines.vllm_fetch import fetch_artifact
 from rollout.engines.vllm_slices import LiveWeights, assembled, chunk_heads, decode_gathered, plan
 from rollout.engines.vllm_tp import RankRefused
 
@@ -144,3 +145,19 @@ async def decoding(stream: Streamed, source: Callable[[OnChunk], Awaitable[T]], 
             raise
         await pipe.drain()
     return got
+
+
+def fetch_decoding(fetching: Callable[..., Any], info: Any, public_key: Any, aid: str, manifest: Manifest,
+                   need: list[int] | None, stream: Streamed | None) -> list[Any]:
+    """The chunks of ``aid`` this rank needs (``need``; the others None), fetched from the parent of
+    ``info`` (the accepted init) through ``fetching(call)`` (the backend's kept client), each checked
+    against ``manifest``; with ``stream``, each decoded into it as it arrives."""
+    def fetch(client: Any, on_chunk: OnChunk | None = None) -> Any:
+        return fetch_artifact(info.url, info.token, info.node_id, aid, public_key, info.timeout,
+                              tls_dir=info.tls_dir, manifest=manifest, need=need, on_chunk=on_chunk, client=client)
+
+    if stream is None:
+        return list(fetching(fetch)[1])
+    live = stream.live
+    return list(fetching(lambda c: decoding(stream, lambda on_chunk: fetch(c, on_chunk), live.threads,
+                                            live.cpus))[1])
