@@ -93,6 +93,11 @@ def refused(exc: BaseException) -> UpdateRefused:
     return UpdateRefused(m.group(1) if m else type(exc).__name__, text[m.start():] if m else text)
 
 
+CPU_KV_CACHE_BYTES = 1 << 30
+"""The KV cache of a vLLM engine on CPU unless ``config.vllm`` sizes it (``kv_cache_memory_bytes`` or
+``gpu_memory_utilization``)."""
+
+
 def llm_kwargs(config: EngineConfig, model: str) -> dict[str, Any]:
     """``vllm.LLM`` keyword arguments for ``config`` (``config.vllm`` overrides the defaults).
 
@@ -102,8 +107,10 @@ def llm_kwargs(config: EngineConfig, model: str) -> dict[str, Any]:
     kw: dict[str, Any] = dict(model=model, dtype=config.dtype, skip_tokenizer_init=True, enforce_eager=True,
                               max_model_len=512, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                               weight_transfer_config={"backend": "p2psync"})
-    if config.device == "cpu":
-        kw["gpu_memory_utilization"] = 0.1  # on CPU the fraction is of RAM (KV cache)
+    if config.device == "cpu" and not {"gpu_memory_utilization", "kv_cache_memory_bytes"} & set(config.vllm):
+        # On CPU vLLM's memory fraction is of the NUMA node's RAM and must also hold the weights: 0.1 of a
+        # 16 GiB node leaves no KV cache for a 1 GB model. A KV cache of its own size holds on any machine.
+        kw["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     kw.update(config.vllm)
     if kw.get("quantization"):
         raise P2PSyncError("engine 'vllm': a quantized model cannot hold the trainer's exact bits")

@@ -39,7 +39,7 @@ from p2psync.codec.decode import split_chunk
 from p2psync.errors import CodecError, WrongBase
 from p2psync.transport.fetch import Pipeline
 from rollout.engines.vllm_fetch import fetch_artifact
-from rollout.engines.vllm_slices import LiveWeights, assembled, chunk_heads, decode_gathered, plan
+from rollout.engines.vllm_slices import LiveWeights, assembled, chunk_heads, decode_gathered, outputs, plan
 from rollout.engines.vllm_tp import RankRefused
 
 if TYPE_CHECKING:
@@ -78,6 +78,7 @@ class Streamed:
         """``("begin" | "end", chunk)`` of each chunk's decode, in the order they happened."""
         self.busy_s = 0.0
         """Thread-seconds spent decoding chunks."""
+        self.out = outputs()
 
     def agree(self) -> None:
         """With several ranks, agree on the segments rebuilt together (a collective: every rank calls
@@ -101,7 +102,7 @@ class Streamed:
             self._results[i] = []
             self.order.append(("begin", i))
         heads = chunk_heads(self.live, self.index, self.refs, self.first, i, split_chunk(chunk))
-        out = [self.live.decode_segment(heads[k]) for k in sorted(heads) if k not in self.gathered]
+        out = [self.live.decode_segment(heads[k], out=self.out) for k in sorted(heads) if k not in self.gathered]
         with self._lock:
             self._gheads.update((k, p) for k, p in heads.items() if k in self.gathered)
             self._results[i] = out
@@ -119,7 +120,7 @@ class Streamed:
             raise failed or RankRefused("another tensor-parallel rank was not given every chunk")
         results = [o for i in sorted(self._results) for o in self._results[i]]
         counted = [(o[0], o[4]) for o in results if live.counts(o[0])]
-        g_out, received, err = decode_gathered(live, self.refs, self._gheads, sorted(self.gathered))
+        g_out, received, err = decode_gathered(live, self.refs, self._gheads, sorted(self.gathered), self.out)
         if not group.all_true(err is None):
             raise err or RankRefused("another tensor-parallel rank could not decode the delta")
         results += [o for o, _ in g_out]

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from p2psync import dtypes, wordops
-from p2psync.codec import segdecode
+from p2psync.codec import segdecode, slabs
 from p2psync.codec.segment import KIND_DELTA, parse_head
 from p2psync.workers import run_ordered
 from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, TensorTableMismatch, WrongBase
@@ -319,25 +319,26 @@ class LiveWeights(Committer):
         assert p.raw is not None
         return p
 
-    def decode_segment(self, p: Any, base: np.ndarray | None = None
+    def decode_segment(self, p: Any, base: np.ndarray | None = None, out: slabs.Arena | None = None
                        ) -> tuple[int, tuple[int, int], np.ndarray, np.ndarray, tuple[int, int]]:
         """``(tensor, range, positions, new words, sums' change)`` of one segment, decoded against
         the live words in place (host memory, whole tensor), ``base`` (the range rebuilt from every
         rank) or a copy of the segment's range (the decoder told its origin: positions and sums'
-        change are the tensor's)."""
+        change are the tensor's); positions and new words cut from ``out`` (the update's
+        :func:`~rollout.engines.vllm_slices.outputs`) when given."""
         spec = self.specs[p.tensor]
         d, seed = dtypes.from_code(spec.dtype), np.uint64(self.seeds[p.tensor])
         if base is None and self.host_memory and self.offset[p.tensor] is not None:
             # in place; the decoder also returns the sums' change
             pos, new, ab = segdecode.decode(p.raw, p.body_at, p.start, p.stop, d,
-                                            self.host_words(p.tensor, 0, spec.numel), seed)
+                                            self.host_words(p.tensor, 0, spec.numel), seed, out)
             return p.tensor, (p.start, p.stop), pos, new, ab
         mp = self._maps[p.tensor] if base is None and self.host_memory else None
         if mp is not None:  # a strided block: its range copied into this thread's scratch words
             base = vllm_kernels.gather_mapped(self._mem(p.tensor), p.start, p.stop, *mp,
                                               self._scratch_words(p.stop - p.start, self.word_types[p.tensor]))
         old = self.host_words(p.tensor, p.start, p.stop) if base is None else base
-        pos, new, ab = segdecode.decode(p.raw, p.body_at, p.start, p.stop, d, old, seed, origin=p.start)
+        pos, new, ab = segdecode.decode(p.raw, p.body_at, p.start, p.stop, d, old, seed, out, origin=p.start)
         return p.tensor, (p.start, p.stop), pos, new, ab
 
     def _scratch_words(self, n: int, word: Any) -> np.ndarray:

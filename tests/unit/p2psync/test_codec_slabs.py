@@ -11,6 +11,7 @@ than a slab.
 from __future__ import annotations
 
 import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -214,3 +215,60 @@ def test_a_slab_comes_back_once_its_last_piece_is_gone(small_slabs):
     assert len(slabs._free) == 4 and slabs.kept_bytes() == 4 * slabs.SLAB_BYTES
     slabs.release()
     assert slabs.kept_bytes() == 0 and not slabs._free
+
+
+def _mapping(x: np.ndarray):
+    """The memory mapping a fresh arena's piece lives in."""
+    b = x
+    while isinstance(b, np.ndarray):
+        b = b.base
+    return b.obj if isinstance(b, memoryview) else b
+
+
+def test_a_fresh_arena_keeps_nothing_and_its_memory_goes_back_with_its_last_piece(monkeypatch):
+    monkeypatch.setattr(slabs, "FRESH_SLAB_BYTES", 64 << 10)
+    kept = slabs.kept_bytes()
+    a, b = slabs.Arena(fresh=True), slabs.Arena(fresh=True)
+    pieces = [a.take(1000, np.uint16), a.take(3000, np.uint32), b.take(1000, np.uint16),
+              a.take(20_000, np.uint16)]  # the last positions are larger than a slab: a mapping of their own
+    flat = [x for p in pieces for x in p]
+    assert [x.size for x in flat] == [1000, 1000, 3000, 3000, 1000, 1000, 20_000, 20_000]
+    assert not any(np.shares_memory(x, y) for i, x in enumerate(flat) for y in flat[i + 1:])
+    assert pieces[0][0].ctypes.data % (2 << 20) == 0  # a slab starts on a huge page
+    assert slabs.kept_bytes() == kept  # nothing joined the pool
+    for k, x in enumerate(flat):
+        x[:] = k
+    assert all((x == k).all() for k, x in enumerate(flat))
+    maps = [weakref.ref(m) for m in {id(m): m for m in map(_mapping, flat)}.values()]
+    assert len(maps) == 4  # a's slab, b's slab, the large positions, a's second slab (for their words)
+    held = pieces[1][1][10:]  # a view of a piece holds its mapping
+    del a, b, pieces, flat, x
+    gc.collect()
+    assert sum(r() is not None for r in maps) == 1
+    assert (held == 3).all()
+    del held
+    gc.collect()
+    assert all(r() is None for r in maps)
+
+
+@pytest.mark.parametrize("origin", [False, True])
+def test_segments_decoded_into_a_fresh_arena_give_the_bits_of_arrays_of_their_own(monkeypatch, origin):
+    monkeypatch.setattr(slabs, "FRESH_SLAB_BYTES", 16 << 10)  # many slabs, and pieces larger than one
+    base, new = _pair(21, True)
+    base.tensor_sums()
+    enc = encode_delta(base, new, OPTS)
+    arena = slabs.Arena(fresh=True)
+    parts: dict[int, list] = {}
+    for chunk in enc.chunks:
+        for seg in split_chunk(chunk):
+            p = parse_head(seg)
+            spec = base.specs[p.tensor]
+            old = base.words(spec.name)
+            if origin:  # a copy of the segment's range, as a rank decodes a strided or rebuilt range
+                old = old[p.start:p.stop].copy()
+            pos, words, _ = segdecode.decode(p.raw, p.body_at, p.start, p.stop, dtypes.from_code(spec.dtype),
+                                             old, tensor_seed(spec.name), arena, origin=p.start if origin else 0)
+            parts.setdefault(p.tensor, []).append((p.start, pos, words))
+    got = {t: (np.concatenate([x[1] for x in sorted(ps, key=lambda x: x[0])]),
+               np.concatenate([x[2] for x in sorted(ps, key=lambda x: x[0])])) for t, ps in parts.items()}
+    _same_changes(got, _fresh_changes(base, enc))

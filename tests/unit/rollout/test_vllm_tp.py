@@ -215,8 +215,8 @@ def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, c
         res["write_kept"] = _params(model) == before and live.audit() == fps[0]
         spans: list = []  # the segments this rank decodes in the update that lands
         decode_segment = live.decode_segment
-        live.decode_segment = lambda p, base=None: (spans.append((p.tensor, p.start)),  # type: ignore[method-assign]
-                                                    decode_segment(p, base))[1]
+        live.decode_segment = lambda p, base=None, out=None: (  # type: ignore[method-assign]
+            spans.append((p.tensor, p.start)), decode_segment(p, base, out))[1]
         res["applied"] = live.apply_delta(m, chunks) == fps[1]
         res["spans"] = spans
         res["decoded"] = live.decoded
