@@ -30,7 +30,7 @@ writes); any other stream goes through the general loop, so the result is the
 same for every input.
 
 Numba caches this module's kernels keyed on this file alone, and they compile in
-``kernels.locate``, ``kernels.locate_grouped``, ``kernels.hash_change``, ``rice._read`` and
+``positions.locate``, ``positions.locate_grouped``, ``kernels.hash_change``, ``rice._read`` and
 ``rans._parse_models``: after editing one of those, delete ``p2psync/codec/__pycache__/segdecode.*``
 (a fresh clone has no cache; compiling this module takes ~11 s once).
 """
@@ -40,7 +40,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from p2psync.codec import kernels, rans, rice, slabs
+from p2psync.codec import kernels, positions, rans, rice, slabs
 from p2psync.codec.segment import MAX_BUCKETS, decompress
 from p2psync.dtypes import DType
 from p2psync.errors import CodecError, TruncatedError
@@ -77,8 +77,8 @@ frequencies instead of building a 4096-slot table per model (~2 us each)."""
 
 GROUPED_LOCATE = 2
 """Segments with at most one change per this many elements find their positions with
-:func:`~p2psync.codec.kernels.locate_grouped` (a fixed cost per change: ~5 ns), denser ones with
-:func:`~p2psync.codec.kernels.locate`, whose whole-block path is cheaper when most of a bucket
+:func:`~p2psync.codec.positions.locate_grouped` (a fixed cost per change: ~5 ns), denser ones with
+:func:`~p2psync.codec.positions.locate`, whose whole-block path is cheaper when most of a bucket
 changes (measured: the two cross near half the elements changed)."""
 
 _M = rans.M
@@ -381,9 +381,9 @@ def decode_body(seg, at, start, stop, old, shift, exp_mask, seed, planes, planes
         for i in range(nt):
             consts[1 + i] = (thr[i] << shift) - 1
         if n * GROUPED_LOCATE <= span:
-            found = kernels.locate_grouped(old, start, stop, consts, counts, ranks, pos, old_w)
+            found = positions.locate_grouped(old, start, stop, consts, counts, ranks, pos, old_w)
         else:
-            found = kernels.locate(old, start, stop, consts, counts, ranks, pos, old_w)
+            found = positions.locate(old, start, stop, consts, counts, ranks, pos, old_w)
         if found != n:
             return OUTSIDE, n - found, e_i, e_w, nil, (z, z)
     if res_status != OK:

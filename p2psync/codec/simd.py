@@ -264,3 +264,12 @@ def low_bits(count):
     if count >= 64:
         return ~_U64(0)
     return (_U64(1) << _U64(count)) - _U64(1)
+
+
+@njit(nogil=True, cache=True)
+def gt3_tail(old, blk, cnt, consts):
+    """:func:`gt_mask_tail` of the last ``cnt`` (< 64) words from ``blk`` against each of the three
+    thresholds ``consts[1:4]`` (key mask ``consts[0]``): the bucket masks of a segment's last block."""
+    km = consts[0]
+    return gt_mask_tail(old, blk, cnt, km, consts[1]), gt_mask_tail(old, blk, cnt, km, consts[2]), \
+        gt_mask_tail(old, blk, cnt, km, consts[3])

@@ -32,7 +32,7 @@ import struct
 import numpy as np
 from numba import njit
 
-from p2psync.codec import context, kernels, rans, rice
+from p2psync.codec import context, kernels, positions, rans, rice
 from p2psync.codec.segment import (
     BUCKET_TABLE,
     CODEC_RAW,
@@ -193,7 +193,7 @@ def decode_changes(p: ParsedSegment, d: DType, old: np.ndarray, seed: np.uint64
         old_w = np.empty(p.n, dtype=old.dtype)
         counts = np.zeros(4, dtype=np.int64)
         counts[: p.counts.shape[0]] = p.counts
-        found = kernels.locate(old, p.start, p.stop, context.consts_for(d, p.thresholds), counts, ranks, pos, old_w)
+        found = positions.locate(old, p.start, p.stop, context.consts_for(d, p.thresholds), counts, ranks, pos, old_w)
         if found != p.n:
             raise CodecError(f"segment: {p.n - found} changes fall outside the range")
     new_w = _decode_residuals(p.res, old_w, d)

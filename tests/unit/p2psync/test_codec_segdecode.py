@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from numba import njit
 
 from p2psync import dtypes
-from p2psync.codec import context, kernels, rice, segdecode
+from p2psync.codec import context, positions, rice, segdecode
 from p2psync.codec.decode import split_chunk
 from p2psync.codec.encode import CodecOptions, encode_delta
 from p2psync.codec.segment import parse_head, parse_segment
@@ -263,7 +263,7 @@ def test_truncated_body_is_a_truncated_error(cut):
 
 
 # --- locate: the two-phase grouped kernel against the per-block one ------------------------
-_G = 64 * kernels.GROUP_BLOCKS  # elements per group
+_G = 64 * positions.GROUP_BLOCKS  # elements per group
 
 
 @settings(max_examples=300, deadline=None)
@@ -298,8 +298,8 @@ def test_grouped_locate_finds_what_locate_finds(code, span, n_thr, density, misf
     n = ranks.shape[0]
     pos_a, old_a = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=old.dtype)
     pos_b, old_b = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=old.dtype)
-    found = kernels.locate(old, start, start + span, consts, counts, ranks, pos_a, old_a)
-    assert kernels.locate_grouped(old, start, start + span, consts, counts, ranks, pos_b, old_b) == found
+    found = positions.locate(old, start, start + span, consts, counts, ranks, pos_a, old_a)
+    assert positions.locate_grouped(old, start, start + span, consts, counts, ranks, pos_b, old_b) == found
     if found == n:  # slots of ranks that do not fit hold nothing defined
         assert np.array_equal(pos_b, pos_a) and np.array_equal(old_b, old_a)
         assert np.array_equal(old[pos_a], old_a)

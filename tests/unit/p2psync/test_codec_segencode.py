@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from p2psync import dtypes
-from p2psync.codec import context, encode, kernels, rans, rice, segencode, sparse
+from p2psync.codec import context, encode, kernels, rans, rice, segbits, segencode, sparse
 from p2psync.codec.decode import split_chunk
 from p2psync.codec.encode import CodecOptions, encode_delta, encode_delta_sparse
 from p2psync.state import tensor_seed
@@ -207,7 +207,7 @@ def test_rice_writer_writes_the_reference_streams(groups, data):
     ks = np.empty(len(groups), dtype=np.int64)
     ubits, rbits = rice.plan(ranks, starts, ends, ks)
     ks2 = np.empty(len(groups), dtype=np.int64)
-    assert segencode._rice_plan(ranks, starts, ends, ks2) == (ubits, rbits)
+    assert segbits.rice_plan(ranks, starts, ends, ks2) == (ubits, rbits)
     assert np.array_equal(ks, ks2)
     # any parameter, not only the planned one: huge unary runs (k = 0) and remainders above 32 bits
     ks = np.array([data.draw(st.sampled_from([0, 1, 5, 31, 33, 40])) if data.draw(st.booleans()) else k
@@ -222,7 +222,7 @@ def test_rice_writer_writes_the_reference_streams(groups, data):
     rem = np.zeros(rlen, dtype=np.uint8)
     rice.write(ranks, starts, ends, ks, unary, rem)
     out = np.full(ulen + rlen + 8, 0xAB, dtype=np.uint8)
-    segencode._rice_write(ranks, starts, ends, ks, out, 0, ulen)
+    segbits.rice_write(ranks, starts, ends, ks, out, 0, ulen)
     assert out[:ulen].tobytes() == unary.tobytes()
     assert out[ulen:ulen + rlen].tobytes() == rem.tobytes()
 
@@ -251,7 +251,7 @@ def test_rans_with_reciprocals_writes_the_reference_stream(n_models, n, seed):
     ref = np.empty(2 * n + 16, dtype=np.uint8)
     o = rans._encode(sym, model, starts, f, ref)
     got = np.empty(2 * n + 4, dtype=np.uint8)
-    o2 = segencode._rans_encode(sym, model.astype(np.uint8), n, freqs, got)
+    o2 = segbits.rans_encode(sym, model.astype(np.uint8), n, freqs, got)
     assert got[o2:].tobytes() == ref[o:].tobytes()
 
 
