@@ -106,6 +106,11 @@ def _codes(torch_dtypes: Iterable[torch.dtype]) -> tuple[str, ...]:
     return tuple(sorted(codes))
 
 
+POSITION_CODINGS = {"ranked": 4, "base-free": 1}
+"""A delta's position codings by name, and the magnitude buckets each gives the codec
+(``CodecOptions.context_buckets``)."""
+
+
 class Publisher(ShardIO):
     """Publishes a model's weights after each optimizer step as signed deltas (see module docstring).
 
@@ -115,6 +120,11 @@ class Publisher(ShardIO):
     next ``step()`` waits for it (weights change only in ``step``).
     ``group``: process group for the publisher's own collectives when sharded (default: a new
     gloo group over all ranks, so they never interleave with the training's collectives).
+    ``position_coding``: how a delta codes where its changes are (:data:`POSITION_CODINGS`; every
+    receiver decodes both): ``"ranked"`` (the default) ranks each change among the base words of its
+    magnitude bucket, the smallest deltas, for links where bytes cost the most; ``"base-free"`` codes
+    positions alone (~30 % more bytes), which receivers decode without a pass over their base words:
+    the faster apply where the regional links are fast (docs/BENCHMARKS.md, "Position coding").
     """
 
     def __init__(self, model: torch.nn.Module, node: Any = None, *, dtype: torch.dtype = torch.bfloat16,
@@ -123,7 +133,7 @@ class Publisher(ShardIO):
                  max_pending: int = 2, optimizer: torch.optim.Optimizer | None = None, group: Any = None,
                  private_key: Any = None, loop: asyncio.AbstractEventLoop | None = None,
                  on_record: Callable[[PublishRecord], None] | None = None, full_weights: bool = False,
-                 verify_own: bool = False) -> None:
+                 verify_own: bool = False, position_coding: str = "ranked") -> None:
         if bucket_bytes < 4096:
             raise ConfigError("bucket_bytes", f"must be at least 4 KiB, got {bucket_bytes}")
         if max_pending < 1:
@@ -134,7 +144,11 @@ class Publisher(ShardIO):
         self.dtype_overrides = dict(dtype_overrides or {})
         self.model_id = model_id
         self.bucket_bytes = bucket_bytes
-        self.opts = CodecOptions(chunk_size=chunk_size, threads=threads, zstd_level=zstd_level)
+        if position_coding not in POSITION_CODINGS:
+            raise ConfigError("position_coding",
+                              f"must be one of {', '.join(POSITION_CODINGS)}, got {position_coding!r}")
+        self.opts = CodecOptions(chunk_size=chunk_size, threads=threads, zstd_level=zstd_level,
+                                 context_buckets=POSITION_CODINGS[position_coding])
         self.optimizer = optimizer
         self.on_record = on_record
         self.full_weights = full_weights

@@ -316,3 +316,48 @@ def test_full_weights_publishes_every_version_as_a_full_snapshot_a_follower_take
             await tr.close()
 
     asyncio.run(go())
+
+
+def test_base_free_position_coding_reaches_the_follower_bit_exact_and_an_unknown_one_is_refused(tmp_path):
+    """``position_coding="base-free"``: every delta segment codes its positions in one bucket (where
+    the default ranks them in several), and the follower still holds the trainer's bits."""
+    from p2psync.codec.decode import split_chunk
+    from p2psync.codec.encode import encode_delta
+    from p2psync.codec.segment import KIND_DELTA, parse_segment
+    from p2psync.errors import ConfigError
+
+    _, tr_cfg, common = _configs(tmp_path)
+    w = _workload(lr=1e-4)
+    with pytest.raises(ConfigError, match="position_coding"):
+        Publisher(w.model, None, position_coding="sorted")
+
+    def buckets(chunks) -> list[int]:
+        return [len(parse_segment(s).counts) for c in chunks for s in split_chunk(c) if s[0] == KIND_DELTA]
+
+    async def go():
+        tr = await Node.create(tr_cfg)
+        fol = await _follower(tmp_path, common, tr.address)
+        try:
+            pub = await Publisher.create(w.model, tr, chunk_size=64 << 10, position_coding="base-free")
+            await fol.wait_version(0)
+            states = [ModelState(w.published())]
+            for v in (1, 2):
+                await asyncio.to_thread(w.step)
+                assert await pub.publish() == v
+                await pub.flush()
+                states.append(ModelState(w.published()))
+                await fol.wait_version(v)
+                _same_bits(fol.state, w.published())
+                assert fol.state.audit() == fol.fingerprint == pub.fingerprints[v]
+                art = tr.store.find("delta", v)
+                assert art is not None and art.manifest.base_version == v - 1
+                got = buckets(tr.store.chunks(art.manifest.artifact_id))
+                assert got and set(got) == {1}
+            ranked = buckets(encode_delta(states[1], states[2]).chunks)  # the default coding of the same step
+            assert max(ranked) > 1
+            await pub.close()
+        finally:
+            await fol.close()
+            await tr.close()
+
+    asyncio.run(go())
