@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from p2psync.codec.encode import POSITION_CODINGS
 from p2psync.control.api import Result, RolloutRequest
 from p2psync.errors import ConfigError
 from trainer.grpo_math import LossStats, group_advantages, grpo_loss, response_logprobs
@@ -97,6 +98,8 @@ class GRPOOptions:
     publish_threads: int = 2
     """Codec threads of the publisher."""
     chunk_size: int = 1 << 20
+    position_coding: str = "ranked"
+    """How deltas code their positions (:class:`trainer.publisher.Publisher`): ``"ranked"`` or ``"base-free"``."""
     publish_first: bool | None = None
     """Announce each version before the next step's training starts (None: when ``max_staleness <= 1``).
     At k <= 1 the next-but-one batch waits for this version on the rollout nodes, while the next
@@ -125,6 +128,8 @@ class GRPOOptions:
         if self.warm_start_steps < 0 or self.warm_start_threads < 0 or self.warm_start_batch < 1:
             raise ConfigError("warm_start_steps" if self.warm_start_steps < 0 else "warm_start_threads"
                               if self.warm_start_threads < 0 else "warm_start_batch", "out of range")
+        if self.position_coding not in POSITION_CODINGS:
+            raise ConfigError("position_coding", f"must be one of {', '.join(POSITION_CODINGS)}")
         if not self.warm_start_lr > 0:
             raise ConfigError("warm_start_lr", "must be > 0")
         if not 0.0 <= self.warm_start_noise < 1.0:
@@ -346,7 +351,7 @@ class GRPORun:
         model_id = opts.model_path or f"preset:{opts.preset}"
         self.pub = await Publisher.create(self.model, node, model_id=model_id, threads=opts.publish_threads,
                                           chunk_size=opts.chunk_size, on_record=self._on_record,
-                                          full_weights=opts.sync == "full",
+                                          full_weights=opts.sync == "full", position_coding=opts.position_coding,
                                           # extraction runs beside the next batch's forward/backward;
                                           # the optimizer's next step waits for it
                                           optimizer=self.trainer.opt)

@@ -75,7 +75,7 @@ import torch
 from p2psync import dtypes
 from p2psync.artifact import Manifest, build_manifest
 from p2psync.codec import precompile
-from p2psync.codec.encode import CodecOptions, EncodedArtifact, element_ranges, pack_chunks
+from p2psync.codec.encode import POSITION_CODINGS, CodecOptions, EncodedArtifact, element_ranges, pack_chunks
 from p2psync.codec.slices import block_key, order_segments
 from p2psync.codec.segment import SegmentStats, encode_raw_segment, shift_segment
 from p2psync.errors import CodecError, ConfigError, P2PSyncError
@@ -104,11 +104,6 @@ def _codes(torch_dtypes: Iterable[torch.dtype]) -> tuple[str, ...]:
         except CodecError:
             pass
     return tuple(sorted(codes))
-
-
-POSITION_CODINGS = {"ranked": 4, "base-free": 1}
-"""A delta's position codings by name, and the magnitude buckets each gives the codec
-(``CodecOptions.context_buckets``)."""
 
 
 class Publisher(ShardIO):

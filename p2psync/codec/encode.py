@@ -39,6 +39,11 @@ MASK64 = 0xFFFFFFFFFFFFFFFF
 MAX_SEGMENT_CHANGES = 1 << 17
 
 
+POSITION_CODINGS = {"ranked": 4, "base-free": 1}
+"""A delta's position codings by name (what a trainer chooses), and the magnitude buckets each gives
+:attr:`CodecOptions.context_buckets`: ranked within buckets of the base words, or positions alone."""
+
+
 @dataclass(frozen=True)
 class CodecOptions:
     chunk_size: int = 4 << 20

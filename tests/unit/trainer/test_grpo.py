@@ -121,10 +121,12 @@ def test_options_name_the_bad_field():
     with pytest.raises(ConfigError) as err:
         GRPOOptions.from_dict({"stpes": 3})
     assert err.value.field == "stpes"
-    for bad, field in (({"lr": 0}, "lr"), ({"group_size": 0}, "group_size"), ({"rollouts": "x"}, "rollouts")):
+    for bad, field in (({"lr": 0}, "lr"), ({"group_size": 0}, "group_size"), ({"rollouts": "x"}, "rollouts"),
+                       ({"position_coding": "sorted"}, "position_coding")):
         with pytest.raises(ConfigError) as err:
             GRPOOptions.from_dict(bad)
         assert err.value.field == field
+    assert GRPOOptions.from_dict({"position_coding": "base-free"}).position_coding == "base-free"
 
 
 # --- runs on a real trainer node ---------------------------------------------------------------------
