@@ -62,13 +62,13 @@ def main() -> int:
     os.environ.setdefault("NUMBA_CACHE_DIR", str(REPO / ".numba_cache"))
     import torch
 
-    import bench_vllm_apply
+    import vllm_workload
     from benchout import emit, loadavg
     from vllm_modules import vllm_model
 
     shape = argparse.Namespace(model="moe", vocab=32768, hidden=1024, mlp=3072, layers=args.layers, heads=8,
                                kv_heads=4, experts=args.experts, moe_mlp=256, lr=1e-6)
-    v0, _, ck = bench_vllm_apply.build_versions(shape, Path(args.out))
+    v0, _, ck = vllm_workload.build_versions(shape, Path(args.out))
     t = time.perf_counter()
     timing: dict[str, float] = {}
     model = vllm_model(str(ck), timing=timing)

@@ -23,7 +23,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_vllm_apply  # noqa: E402
+import vllm_workload  # noqa: E402
 from bench_scale import QUICK  # noqa: E402
 from benchout import emit, loadavg  # noqa: E402
 
@@ -38,7 +38,7 @@ def update(url: str, tls: str, pub: Any, fetcher: Any) -> dict[str, float]:
     """One update's three fetches, each timed (seconds)."""
     from rollout.engines.vllm_fetch import fetch_artifact, fetch_manifest, fetch_plan
 
-    tok, who = bench_vllm_apply.TOKEN, "bench"
+    tok, who = vllm_workload.TOKEN, "bench"
 
     def run(make: Any, retry: bool = False) -> Any:
         if fetcher is None:
@@ -72,11 +72,11 @@ def main() -> int:
     else:
         ns = argparse.Namespace(**QUICK, lr=1e-6, model="dense", experts=0, moe_mlp=0, link_mbit=0, repeats=1,
                                 json=None, tp=1, chunk_mib=1 / 16)
-        ctx = bench_vllm_apply.build_workload(ns, out)
+        ctx = vllm_workload.build_workload(ns, out)
     pub = keys.load_public(Path(ctx["keydir"]) / "trainer.pub")
     times: dict[str, dict[str, list[float]]] = {"fresh": {}, "kept": {}}
-    with bench_vllm_apply.serving(ctx) as url:
-        bench_vllm_apply.wait_head(ctx, url)
+    with vllm_workload.serving(ctx) as url:
+        vllm_workload.wait_head(ctx, url)
         fetcher = Fetcher()
         try:
             for rep in range(args.reps + 2):

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 import bench_decode_threads
-import bench_vllm_apply
+import vllm_workload
 from benchout import emit, loadavg
 
 
@@ -57,7 +57,7 @@ def fetch_points(ctx: dict, url: str, reps: int) -> list[dict]:
     plan: list = []
     for _ in range(600):  # the node ingests its publish folder after it starts
         try:
-            plan = asyncio.run(fetch_plan(url, bench_vllm_apply.TOKEN, "bench", None, 1, 30.0, tls))
+            plan = asyncio.run(fetch_plan(url, vllm_workload.TOKEN, "bench", None, 1, 30.0, tls))
             break
         except Exception:  # noqa: BLE001 - not there yet
             time.sleep(0.5)
@@ -68,7 +68,7 @@ def fetch_points(ctx: dict, url: str, reps: int) -> list[dict]:
         times, nbytes, chunks = [], 0, 0
         for _ in range(reps):
             t = time.perf_counter()
-            m, got = asyncio.run(fetch_artifact(url, bench_vllm_apply.TOKEN, "bench", art.id, pub, 60.0, tls_dir=tls))
+            m, got = asyncio.run(fetch_artifact(url, vllm_workload.TOKEN, "bench", art.id, pub, 60.0, tls_dir=tls))
             times.append(time.perf_counter() - t)
             nbytes, chunks = sum(len(c) for c in got), len(got)
             del got
@@ -154,9 +154,9 @@ def main() -> int:
                                 kv_heads=max(1, args.hidden // 128), vocab=args.vocab, lr=1e-6, model="dense",
                                 experts=0, moe_mlp=0, link_mbit=0, repeats=1, json=None, tp=1,
                                 chunk_mib=args.chunk_mib)
-        ctx = bench_vllm_apply.build_workload(ns, out)
+        ctx = vllm_workload.build_workload(ns, out)
     res["workload"] = {k: ctx[k] for k in ("params", "changed", "delta_bytes")}
-    with bench_vllm_apply.serving(ctx) as url:
+    with vllm_workload.serving(ctx) as url:
         res["fetch"] = fetch_points(ctx, url, args.reps)
     fractions = (0.25, 0.5, 1.0)
     dec = bench_decode_threads.measure(out, args.reps, fractions=fractions)

@@ -54,6 +54,7 @@ import bench_first_use
 import bench_rank_rates
 import bench_rollout_memory
 import bench_vllm_apply
+import vllm_workload
 import scale_model
 from benchout import loadavg
 
@@ -100,7 +101,7 @@ def engine(ctx: dict, url: str, tp: int) -> Iterator[tuple[Any, Any]]:
     from rollout.engines.vllm import VLLMEngine, llm_kwargs, start_llm
 
     ck, keydir = ctx["ck"], Path(ctx["keydir"])
-    parent = ParentInfo(url, bench_vllm_apply.TOKEN, (keydir / "trainer.pub").read_text(), "bench", ctx["tls_dir"])
+    parent = ParentInfo(url, vllm_workload.TOKEN, (keydir / "trainer.pub").read_text(), "bench", ctx["tls_dir"])
     cpus = sorted(os.sched_getaffinity(0))
     old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if tp > 1 and len(cpus) >= tp:  # one core per worker ('auto' keeps one back for the front end)
@@ -333,11 +334,11 @@ def main() -> int:
         chunk_mib = args.chunk_mib or (1 / 16 if args.quick else 1.0)
         ns = argparse.Namespace(**(QUICK if args.quick else FULL), lr=1e-6, model="dense", experts=0, moe_mlp=0,
                                 link_mbit=0, repeats=args.repeats, json=None, tp=1, chunk_mib=chunk_mib)
-        ctx = bench_vllm_apply.build_workload(ns, out)
+        ctx = vllm_workload.build_workload(ns, out)
     ctx.update(repeats=args.repeats, json=None)
     res["workload"] = {k: ctx[k] for k in ("params", "changed", "delta_bytes")}
     parts: dict = {}
-    with bench_vllm_apply.serving(ctx) as url:
+    with vllm_workload.serving(ctx) as url:
         if "apply" not in skip:
             def tp1() -> dict:
                 from vllm import LLM  # noqa: F401 - fail early, with the import's own message

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_scale
-import bench_vllm_apply
+import vllm_workload
 from benchout import loadavg
 
 
@@ -95,10 +95,10 @@ def main() -> int:
         chunk_mib = args.chunk_mib or (1 / 16 if args.quick else 1.0)
         ns = argparse.Namespace(**(bench_scale.QUICK if args.quick else bench_scale.FULL), lr=1e-6, model="dense",
                                 experts=0, moe_mlp=0, link_mbit=0, repeats=1, json=None, tp=1, chunk_mib=chunk_mib)
-        ctx = bench_vllm_apply.build_workload(ns, out)
+        ctx = vllm_workload.build_workload(ns, out)
     ctx.update(json=None)
     res["workload"] = {k: ctx[k] for k in ("params", "changed", "delta_bytes")}
-    with bench_vllm_apply.serving(ctx) as url:
+    with vllm_workload.serving(ctx) as url:
         res.update(measure(ctx, url, args.tp, args.repeats))
     res["loadavg_end"] = loadavg()
     res["wall_s"] = round(time.perf_counter() - t0, 1)

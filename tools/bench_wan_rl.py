@@ -45,6 +45,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tools"))
 
+from wan_rl_report import median, write_outputs  # noqa: E402 - tools/ is on the path from here on
+
 TOKEN = "wan-rl-bench-token-0123456789"
 PY = sys.executable
 CLI = [PY, "-c", "import sys; from p2psync.cli import main; sys.exit(main())"]
@@ -298,14 +300,6 @@ def run_modes(tb, modes: list[str], args: argparse.Namespace, work: Path, keydir
     return out
 
 
-def _median(xs: list[float]) -> float | None:
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    n = len(xs)
-    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
-
-
 def summarise(mode: str, d: Path, rollouts: list[str], args: argparse.Namespace, cfg, status: dict,
               final: int | None) -> dict[str, Any]:
     rows = sorted(_lines(d / "metrics.jsonl"), key=lambda r: r["step"])
@@ -353,16 +347,16 @@ def summarise(mode: str, d: Path, rollouts: list[str], args: argparse.Namespace,
     return {
         "mode": mode, "sync": MODES[mode], "steps": len(rows), "measured_steps": len(measured),
         "step_s": [round(r["step_s"], 3) for r in measured],
-        "median_step_s": None if not measured else round(_median([r["step_s"] for r in measured]), 3),
-        "median_train_s": None if not measured else round(_median([r.get("train_s") for r in measured]), 3),
+        "median_step_s": None if not measured else round(median([r["step_s"] for r in measured]), 3),
+        "median_train_s": None if not measured else round(median([r.get("train_s") for r in measured]), 3),
         "tokens": tokens, "window_s": None if window is None else round(window, 2),
         "tokens_per_s": None if not window else round(tokens / window, 1),
         "tokens_per_dollar": None if not window else round(tokens / (dollars_per_s * window), 1),
-        "payload_bytes_per_step": _median(payloads), "full_bytes": rows[-1].get("full_bytes") if rows else None,
-        "changed_fraction": _median([r.get("changed_fraction") for r in measured]),
+        "payload_bytes_per_step": median(payloads), "full_bytes": rows[-1].get("full_bytes") if rows else None,
+        "changed_fraction": median([r.get("changed_fraction") for r in measured]),
         "bytes_in_rollouts": sum(s.get("bytes_in") or 0 for n, s in status.items() if n != "trainer"),
-        "median_sync_s": None if not lat else round(_median(lat), 3),
-        "median_switch_s": _median([e.get("switch_s") for evs in events.values() for e in evs
+        "median_sync_s": None if not lat else round(median(lat), 3),
+        "median_switch_s": median([e.get("switch_s") for evs in events.values() for e in evs
                                     if e.get("event") == "switch" and (e.get("version") or 0) > args.warmup]),
         "reward_last": rows[-1].get("reward_mean") if rows else None,
         "final_version": final, "switches_checked": switches, "mismatches": mismatches,
@@ -395,131 +389,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for r in run_modes(tb, modes, args, work / f"round{rnd + 1}", keydir, BASE_PORT + rnd * len(modes)):
                 results[r["mode"]].append(r)
     return {"testbed": cfg, "results": results}
-
-
-def _round(x: float | None, n: int = 3) -> float | None:
-    return None if x is None else round(x, n)
-
-
-def rows_of(results: dict[str, list[dict]], cfg, rollout_s: float) -> list[dict]:
-    """One row per mode: the median over every measured step of every round; ratios to nosync (and per round,
-    to the nosync run of the same round, since the host's load drifts between rounds)."""
-    from bench_wan import tokens_per_dollar
-
-    def pooled(rs: list[dict]) -> float | None:
-        m = _median([x for r in rs for x in r["step_s"]])
-        return None if m is None else round(m, 3)
-
-    base = results.get("nosync") or []
-    base_step = pooled(base)
-    base_tpd = _median([r["tokens_per_dollar"] for r in base])
-    rows = []
-    for mode, rs in results.items():
-        step = pooled(rs)
-        tpd = _median([r["tokens_per_dollar"] for r in rs])
-        over = None if step is None or base_step is None else max(0.0, step - base_step)
-        per_round = [None if not (b["median_step_s"] and r["median_step_s"]) else round(r["median_step_s"] / b["median_step_s"], 3)
-                     for r, b in zip(rs, base)]
-        rows.append({
-            "mode": mode, "median_step_s": step,
-            "x_nosync": None if step is None or not base_step else round(step / base_step, 3),
-            "x_nosync_per_round": per_round,
-            "median_sync_s": _round(_median([r["median_sync_s"] for r in rs])),
-            "tokens": sum(r["tokens"] for r in rs), "tokens_per_s": _round(_median([r["tokens_per_s"] for r in rs]), 1),
-            "payload_bytes_per_step": _median([r["payload_bytes_per_step"] for r in rs]),
-            "full_bytes": rs[0]["full_bytes"] if rs else None,
-            "bytes_in_rollouts": _median([r["bytes_in_rollouts"] for r in rs]),
-            "tokens_per_dollar": _round(tpd, 1),
-            "tokens_per_dollar_x_nosync": None if tpd is None or not base_tpd else round(tpd / base_tpd, 3),
-            # The issue's cost model at the config's token rates (bench_wan.py): a step of rollout_s of
-            # generation plus this mode's measured overhead over nosync, every machine paid throughout.
-            "tokens_per_dollar_config": None if over is None else round(tokens_per_dollar(cfg, over, rollout_s)),
-            "bit_exact": all(r["bit_exact"] for r in rs), "ok": all(r["ok"] for r in rs),
-        })
-    return rows
-
-
-def target(rows: list[dict]) -> dict | None:
-    get = {r["mode"]: r for r in rows}
-    if "p2psync" not in get or "nosync" not in get or get["p2psync"]["x_nosync"] is None:
-        return None
-    x = get["p2psync"]["x_nosync"]
-    return {"target": "RL step time with p2psync within 5 % of the no-sync ideal", "measured": x,
-            "required": "<= 1.05", "met": x <= 1.05}
-
-
-def markdown(rows: list[dict], goal: dict | None) -> str:
-    out = [("| mode | median step (s) | x no-sync (per round) | sync latency (s) | tokens | tokens/s | payload per step (MB) "
-            "| into rollout nodes, whole run (MB) | tokens per $ (measured) | x no-sync | tokens per $ (config rates) "
-            "| bit-exact |"),
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-
-    def f(x, fmt="{}"):
-        return "-" if x is None else fmt.format(x)
-
-    for r in rows:
-        rounds = ", ".join(f(x) for x in r["x_nosync_per_round"])
-        out.append(f"| {r['mode']} | {f(r['median_step_s'])} | {f(r['x_nosync'])} ({rounds}) | {f(r['median_sync_s'])} | "
-                   f"{r['tokens']:,} | {f(r['tokens_per_s'])} | {f(r['payload_bytes_per_step'] and r['payload_bytes_per_step'] / 1e6, '{:.3f}')} | "
-                   f"{f(r['bytes_in_rollouts'] and r['bytes_in_rollouts'] / 1e6, '{:.1f}')} | "
-                   f"{f(r['tokens_per_dollar'], '{:,.0f}')} | {f(r['tokens_per_dollar_x_nosync'])} | "
-                   f"{f(r['tokens_per_dollar_config'], '{:,}')} | {'yes' if r['bit_exact'] else 'NO'} |")
-    if goal:
-        out.append("")
-        out.append(f"- {goal['target']}: {goal['measured']} (needs {goal['required']}): "
-                   f"{'met' if goal['met'] else 'MISSED'}")
-    return "\n".join(out)
-
-
-def chart(rows: list[dict], results: dict[str, list[dict]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colours = {"nosync": "#2ca02c", "p2psync": "#1f77b4", "full": "#d62728"}
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for i, r in enumerate(rows):
-        steps = [s for rr in results[r["mode"]] for s in rr["step_s"]]
-        a.bar(i, r["median_step_s"] or 0, 0.6, color=colours.get(r["mode"], "grey"))
-        a.scatter([i] * len(steps), steps, s=8, color="black", zorder=3)
-        if r["x_nosync"]:
-            a.text(i, (r["median_step_s"] or 0) * 1.02, f"{r['x_nosync']:.2f}x", ha="center", va="bottom")
-        b.bar(i, (r["payload_bytes_per_step"] or 0) / 1e6, 0.6, color=colours.get(r["mode"], "grey"))
-    names = [r["mode"] for r in rows]
-    a.set_xticks(range(len(rows)), names)
-    a.set_ylabel("GRPO step time (s): median, dots = steps")
-    a.set_title("step time")
-    b.set_xticks(range(len(rows)), names)
-    b.set_ylabel("weight-sync payload per step (MB)")
-    b.set_title("bytes per version")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def write_outputs(doc: dict, out: Path, tag: str) -> list[dict]:
-    """Rows, target, JSON, markdown table and chart from a run's ``doc`` (header, testbed, results)."""
-    from p2psync.testbed.config import from_dict
-
-    cfg = from_dict(doc["testbed"])
-    w = doc["workload"]
-    rows = rows_of(doc["results"], cfg, doc.get("rollout_seconds", 60.0))
-    goal = None if doc.get("concurrent") else target(rows)  # side by side, the modes shared the CPU
-    doc.update(rows=rows, target=goal)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"wan_rl{tag}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    table = markdown(rows, goal)
-    if doc.get("concurrent"):
-        table += "\n\n(--concurrent: the modes ran side by side; step times are not comparable)"
-    (out / f"wan_rl{tag}.md").write_text(table + "\n")
-    full = next((r["full_bytes"] for r in rows if r["full_bytes"]), 0)
-    chart(rows, doc["results"], out / f"wan_rl{tag}.png",
-          f"GRPO on {len(cfg.machines()) - 1} rollout machines in {', '.join(r.name for r in cfg.regions)} "
-          f"({w['preset']}, {full / 1e6:.1f} MB bf16, lr {w['lr']:g}, k={w['max_staleness']}, {w['rounds']} round(s))")
-    print(table)
-    return rows
 
 
 def main() -> int:
