@@ -305,6 +305,8 @@ def main() -> int:
     ap.add_argument("--chunk-mib", type=float, default=0.0,
                     help="chunk size of the artifacts in MiB (default: 1/16, the smallest, with --quick, 1 otherwise: a delta "
                          "of many chunks, as a large model's is, so that a rank's share of them shows)")
+    ap.add_argument("--position-coding", default="ranked", choices=["ranked", "base-free"],
+                    help="how the workload's delta codes its positions (the trainer's Publisher(position_coding=...))")
     ap.add_argument("--changed-fraction", type=float, default=0.02, help="the projection's changed fraction per step")
     ap.add_argument("--points", nargs="*", default=[], help="JSON files of more measured points for the cost model "
                                                              "(tools/bench_rank_rates.py; scale_model.py's doc)")
@@ -333,10 +335,12 @@ def main() -> int:
     else:
         chunk_mib = args.chunk_mib or (1 / 16 if args.quick else 1.0)
         ns = argparse.Namespace(**(QUICK if args.quick else FULL), lr=1e-6, model="dense", experts=0, moe_mlp=0,
-                                link_mbit=0, repeats=args.repeats, json=None, tp=1, chunk_mib=chunk_mib)
+                                link_mbit=0, repeats=args.repeats, json=None, tp=1, chunk_mib=chunk_mib,
+                                position_coding=args.position_coding)
         ctx = vllm_workload.build_workload(ns, out)
     ctx.update(repeats=args.repeats, json=None)
     res["workload"] = {k: ctx[k] for k in ("params", "changed", "delta_bytes")}
+    res["workload"]["position_coding"] = ctx.get("position_coding", "ranked")
     parts: dict = {}
     with vllm_workload.serving(ctx) as url:
         if "apply" not in skip:

@@ -81,7 +81,7 @@ def build_workload(args: argparse.Namespace, out: Path) -> dict:
 
     from p2psync import keys
     from p2psync.artifact import build_manifest, write_file
-    from p2psync.codec.encode import CodecOptions, encode_delta, encode_snapshot
+    from p2psync.codec.encode import POSITION_CODINGS, CodecOptions, encode_delta, encode_snapshot
 
     t = time.perf_counter()
     s0, s1, ck = build_versions(args, out)
@@ -105,7 +105,8 @@ def build_workload(args: argparse.Namespace, out: Path) -> dict:
         keys.write_pair(priv, keydir)
     else:
         priv = keys.load_private(keydir / "trainer.key")
-    opts = CodecOptions(chunk_size=int(args.chunk_mib * (1 << 20)))
+    coding = getattr(args, "position_coding", "ranked")
+    opts = CodecOptions(chunk_size=int(args.chunk_mib * (1 << 20)), context_buckets=POSITION_CODINGS[coding])
     enc = encode_snapshot(s0, opts)
     write_file(pub / "000000-snapshot.p2sa", build_manifest(enc, model_id="bench", target_version=0,
                                                              chunk_size=opts.chunk_size, private_key=priv), enc.chunks)
@@ -118,7 +119,7 @@ def build_workload(args: argparse.Namespace, out: Path) -> dict:
     ctx = {"model": args.model, "params": nparams, "changed": nchanged, "delta_bytes": delta_bytes, "v0": s0.fingerprint,
            "v1": s1.fingerprint, "target": dm.target_fingerprint, "ck": str(ck), "keydir": str(keydir),
            "out": str(out), "link_mbit": args.link_mbit, "repeats": args.repeats, "tp": args.tp,
-           "alternate": getattr(args, "alternate", False), "chunk_bytes": opts.chunk_size,
+           "alternate": getattr(args, "alternate", False), "chunk_bytes": opts.chunk_size, "position_coding": coding,
            "json": str(Path(args.json).resolve()) if args.json else None}
     (out / "context.json").write_text(json.dumps(ctx))
     return ctx
