@@ -119,7 +119,8 @@ class Publisher(ShardIO):
     receiver decodes both): ``"ranked"`` (the default) ranks each change among the base words of its
     magnitude bucket, the smallest deltas, for links where bytes cost the most; ``"base-free"`` codes
     positions alone (~30 % more bytes), which receivers decode without a pass over their base words:
-    the faster apply where the regional links are fast (docs/BENCHMARKS.md, "Position coding").
+    faster where a receiver waits on its decode rather than its fetch (docs/BENCHMARKS.md, "Position
+    coding").
     """
 
     def __init__(self, model: torch.nn.Module, node: Any = None, *, dtype: torch.dtype = torch.bfloat16,
