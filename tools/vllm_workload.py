@@ -81,7 +81,7 @@ def build_workload(args: argparse.Namespace, out: Path) -> dict:
 
     from p2psync import keys
     from p2psync.artifact import build_manifest, write_file
-    from p2psync.codec.encode import POSITION_CODINGS, CodecOptions, encode_delta, encode_snapshot
+    from p2psync.codec.encode import CodecOptions, encode_delta, encode_snapshot, position_buckets
 
     t = time.perf_counter()
     s0, s1, ck = build_versions(args, out)
@@ -106,7 +106,7 @@ def build_workload(args: argparse.Namespace, out: Path) -> dict:
     else:
         priv = keys.load_private(keydir / "trainer.key")
     coding = getattr(args, "position_coding", "ranked")
-    opts = CodecOptions(chunk_size=int(args.chunk_mib * (1 << 20)), context_buckets=POSITION_CODINGS[coding])
+    opts = CodecOptions(chunk_size=int(args.chunk_mib * (1 << 20)), context_buckets=position_buckets(coding))
     enc = encode_snapshot(s0, opts)
     write_file(pub / "000000-snapshot.p2sa", build_manifest(enc, model_id="bench", target_version=0,
                                                              chunk_size=opts.chunk_size, private_key=priv), enc.chunks)

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from p2psync.codec.encode import POSITION_CODINGS
+from p2psync.codec.encode import position_buckets
 from p2psync.control.api import Result, RolloutRequest
 from p2psync.errors import ConfigError
 from trainer.grpo_math import LossStats, group_advantages, grpo_loss, response_logprobs
@@ -128,8 +128,7 @@ class GRPOOptions:
         if self.warm_start_steps < 0 or self.warm_start_threads < 0 or self.warm_start_batch < 1:
             raise ConfigError("warm_start_steps" if self.warm_start_steps < 0 else "warm_start_threads"
                               if self.warm_start_threads < 0 else "warm_start_batch", "out of range")
-        if self.position_coding not in POSITION_CODINGS:
-            raise ConfigError("position_coding", f"must be one of {', '.join(POSITION_CODINGS)}")
+        position_buckets(self.position_coding)  # a name the publisher knows, checked at start
         if not self.warm_start_lr > 0:
             raise ConfigError("warm_start_lr", "must be > 0")
         if not 0.0 <= self.warm_start_noise < 1.0:

@@ -75,7 +75,7 @@ import torch
 from p2psync import dtypes
 from p2psync.artifact import Manifest, build_manifest
 from p2psync.codec import precompile
-from p2psync.codec.encode import POSITION_CODINGS, CodecOptions, EncodedArtifact, element_ranges, pack_chunks
+from p2psync.codec.encode import CodecOptions, EncodedArtifact, element_ranges, pack_chunks, position_buckets
 from p2psync.codec.slices import block_key, order_segments
 from p2psync.codec.segment import SegmentStats, encode_raw_segment, shift_segment
 from p2psync.errors import CodecError, ConfigError, P2PSyncError
@@ -115,7 +115,7 @@ class Publisher(ShardIO):
     next ``step()`` waits for it (weights change only in ``step``).
     ``group``: process group for the publisher's own collectives when sharded (default: a new
     gloo group over all ranks, so they never interleave with the training's collectives).
-    ``position_coding``: how a delta codes where its changes are (:data:`POSITION_CODINGS`; every
+    ``position_coding``: how a delta codes where its changes are (:data:`~p2psync.codec.encode.POSITION_CODINGS`; every
     receiver decodes both): ``"ranked"`` (the default) ranks each change among the base words of its
     magnitude bucket, the smallest deltas, for links where bytes cost the most; ``"base-free"`` codes
     positions alone (~30 % more bytes), which receivers decode without a pass over their base words:
@@ -140,11 +140,8 @@ class Publisher(ShardIO):
         self.dtype_overrides = dict(dtype_overrides or {})
         self.model_id = model_id
         self.bucket_bytes = bucket_bytes
-        if position_coding not in POSITION_CODINGS:
-            raise ConfigError("position_coding",
-                              f"must be one of {', '.join(POSITION_CODINGS)}, got {position_coding!r}")
         self.opts = CodecOptions(chunk_size=chunk_size, threads=threads, zstd_level=zstd_level,
-                                 context_buckets=POSITION_CODINGS[position_coding])
+                                 context_buckets=position_buckets(position_coding))
         self.optimizer = optimizer
         self.on_record = on_record
         self.full_weights = full_weights

@@ -44,6 +44,14 @@ POSITION_CODINGS = {"ranked": 4, "base-free": 1}
 :attr:`CodecOptions.context_buckets`: ranked within buckets of the base words, or positions alone."""
 
 
+def position_buckets(coding: str) -> int:
+    """:attr:`CodecOptions.context_buckets` of the position coding named ``coding``
+    (:class:`~p2psync.errors.ConfigError` ``position_coding`` for a name not in :data:`POSITION_CODINGS`)."""
+    if coding not in POSITION_CODINGS:
+        raise ConfigError("position_coding", f"must be one of {', '.join(POSITION_CODINGS)}, got {coding!r}")
+    return POSITION_CODINGS[coding]
+
+
 @dataclass(frozen=True)
 class CodecOptions:
     chunk_size: int = 4 << 20

@@ -28,9 +28,9 @@ _U64 = np.uint64
 
 @njit(nogil=True, cache=True)
 def locate(old, start, stop, consts, counts, ranks, pos_out, old_out):
-    """Inverse of :func:`~p2psync.codec.kernels.rank_changes`. ``ranks`` holds each bucket's sorted ranks, bucket after
-    bucket (``counts``: 4 buckets); the matching positions go to the same slots of ``pos_out``, and
-    their base words (read while the block is in L1) to ``old_out``.
+    """Inverse of :func:`~p2psync.codec.kernels.rank_changes`. ``ranks`` holds each bucket's
+    sorted ranks, bucket after bucket (``counts``: 4 buckets); the matching positions go to the
+    same slots of ``pos_out``, and their base words (read while the block is in L1) to ``old_out``.
     Returns how many were found: fewer than ``len(ranks)`` means the ranks do not fit this base.
 
     The per-bucket state lives in scalars, not arrays, so that it stays in registers (the

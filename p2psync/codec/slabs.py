@@ -84,7 +84,7 @@ def _lease() -> np.ndarray:
 def fresh(nbytes: int) -> np.ndarray:
     """A writable uint8 array of ``nbytes`` in an anonymous private mapping of its own, aligned to
     and advised for transparent huge pages; unmapped when the last array that views it is gone."""
-    mm = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
+    mm = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE)  # fd -1: anonymous
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
     if advise is not None:
         try:
