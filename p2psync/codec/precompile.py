@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 KERNEL_MODULES = (
     "p2psync.wordops", "p2psync.codec.simd", "p2psync.codec.kernels", "p2psync.codec.positions",
     "p2psync.codec.context", "p2psync.codec.rice", "p2psync.codec.rans", "p2psync.codec.sparse",
-    "p2psync.codec.segbits", "p2psync.codec.segencode", "p2psync.codec.segdecode",
+    "p2psync.codec.segbits", "p2psync.codec.segencode", "p2psync.codec.segrans", "p2psync.codec.segdecode",
 )
 """Modules whose numba functions make up the codec (those :func:`first_use` watches)."""
 CODES = ("BF16", "F16", "F32")
