@@ -22,7 +22,8 @@ outputs are far larger than what is worth keeping between updates (a large model
 rollout engine: 10 bytes per change, hundreds of MB), where fresh memory cannot be avoided: a
 2 MiB huge page takes one fault where 4 KiB pages take 512 (226 MB of fresh outputs, 57,000 faults:
 0.18 s on the benchmark VM; in huge pages 0.06 s). Where the kernel gives no huge pages (THP
-``never``) the advice changes nothing.
+``never``) the advice changes nothing. :meth:`Arena.array` cuts any other array an update writes
+once and drops with its changes (the engine's received chunks, its undo log).
 
 Decoding writes every element of the arrays it is given before it returns them (the positions
 found and the new words decoded, one per change) and returns nothing from a segment that fails,
@@ -134,6 +135,12 @@ class Arena:
         word = np.dtype(word)
         with self._mutex:
             return self._piece(n, np.dtype(np.int64)), self._piece(n, word)
+
+    def array(self, n: int, dtype: np.dtype | type) -> np.ndarray:
+        """One array of ``n`` elements of ``dtype``, contents undefined (a received chunk, an
+        undo log: what an update writes once and drops with its changes)."""
+        with self._mutex:
+            return self._piece(n, np.dtype(dtype))
 
     def _piece(self, n: int, dtype: np.dtype) -> np.ndarray:
         # caller holds self._mutex; a piece larger than a slab is memory of its own

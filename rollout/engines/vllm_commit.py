@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from p2psync import wordops
+from p2psync.codec import slabs
 from p2psync.errors import FingerprintMismatch
 from p2psync.state import fold_root
 from p2psync.workers import run_ordered
@@ -82,11 +83,14 @@ class Committer:
         items = self._local_parts(changes)
         undo: list[Any] = [None] * len(items)
         lanes: list[tuple[int, int] | None] = [None] * len(items)
+        # The undo log (a word per change, dropped with this update) in memory of its own: huge
+        # pages where the kernel gives them, instead of fresh 4 KiB pages in a new process.
+        arena = slabs.Arena(fresh=True)
         write = self._write_host if self.host_memory else self._write_device
         order = sorted(range(len(items)), key=lambda j: -items[j][2].shape[0])
         failed: BaseException | None = None
         try:
-            _, _, failed = run_ordered(len(items), order, lambda j: write(j, items[j], undo, lanes),
+            _, _, failed = run_ordered(len(items), order, lambda j: write(j, items[j], undo, lanes, arena),
                                        min(self.threads, max(1, len(items))), self.cpus)
         except BaseException as exc:
             failed = exc
@@ -130,7 +134,7 @@ class Committer:
         return items
 
     def _write_host(self, j: int, item: Item, undo: list[Any],
-                    lanes: list[tuple[int, int] | None]) -> None:
+                    lanes: list[tuple[int, int] | None], arena: slabs.Arena) -> None:
         t, local, glob, new = item
         words = self._mem(t)
         new = np.ascontiguousarray(new).view(words.dtype)
@@ -139,11 +143,11 @@ class Committer:
             mp = self._maps[t]
             assert mp is not None
             base, cstr, dstr = mp
-            old = np.empty_like(words, shape=new.shape)
+            old = arena.array(new.shape[0], words.dtype)
             undo[j] = old
             a, b = vllm_kernels.scatter_mapped_logged(words, glob, new, old, seed, base, cstr, dstr)
         elif local is glob:  # one pass: keep, write, hash
-            old = np.empty_like(words, shape=new.shape)
+            old = arena.array(new.shape[0], words.dtype)
             undo[j] = old  # set before the write: a failure part-way is taken back whole
             a, b = wordops.scatter_logged(words, local, new, old, seed)
         else:  # mapped: positions in memory are not the hashed ones
@@ -160,7 +164,7 @@ class Committer:
         return place is not None and place.counted
 
     def _write_device(self, j: int, item: Item, undo: list[Any],
-                      lanes: list[tuple[int, int] | None]) -> None:
+                      lanes: list[tuple[int, int] | None], arena: slabs.Arena) -> None:
         import torch
 
         t, local, glob, new = item

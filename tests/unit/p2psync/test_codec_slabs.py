@@ -272,3 +272,21 @@ def test_segments_decoded_into_a_fresh_arena_give_the_bits_of_arrays_of_their_ow
     got = {t: (np.concatenate([x[1] for x in sorted(ps, key=lambda x: x[0])]),
                np.concatenate([x[2] for x in sorted(ps, key=lambda x: x[0])])) for t, ps in parts.items()}
     _same_changes(got, _fresh_changes(base, enc))
+
+
+def test_a_fresh_arena_cuts_chunk_buffers_and_undo_logs_of_their_own(monkeypatch):
+    monkeypatch.setattr(slabs, "FRESH_SLAB_BYTES", 64 << 10)
+    arena = slabs.Arena(fresh=True)
+    got = [arena.array(1000, np.uint8), arena.array(700, np.uint16), arena.array(50_000, np.uint16),
+           arena.array(3, np.uint8)] + list(arena.take(100, np.uint16))
+    assert [(x.dtype, x.size) for x in got] == [(np.uint8, 1000), (np.uint16, 700), (np.uint16, 50_000),
+                                               (np.uint8, 3), (np.int64, 100), (np.uint16, 100)]
+    assert all(x.flags.writeable and x.flags.c_contiguous and x.ctypes.data % 64 == 0 for x in got)
+    assert not any(np.shares_memory(x, y) for i, x in enumerate(got) for y in got[i + 1:])
+    for k, x in enumerate(got):
+        x[:] = k
+    assert all((x == k).all() for k, x in enumerate(got))
+    maps = [weakref.ref(m) for m in {id(m): m for m in map(_mapping, got)}.values()]
+    del arena, got, x
+    gc.collect()
+    assert all(r() is None for r in maps)  # an update's buffers go back with the update
