@@ -47,6 +47,7 @@ from p2psync.codec.segment import (
     unplanes,
     unzigzag,
 )
+from p2psync.codec.segrans import model_lut
 from p2psync.codec.wire import Reader
 from p2psync.dtypes import DType
 from p2psync.errors import CodecError
@@ -75,15 +76,6 @@ def model_bounds(counts):
     if nb and acc < MIN_CHANGES_PER_MODEL:  # fold a small tail into its neighbour
         nb -= 1
     return bounds[:nb].copy()
-
-
-@njit(nogil=True, cache=True)
-def _model_lut(bounds, width):
-    lut = np.zeros(width, dtype=np.int64)
-    for b in bounds:
-        for e in range(b, width):
-            lut[e] += 1
-    return lut
 
 
 def _check_exponents(values: list[int] | np.ndarray, d: DType, what: str) -> None:
@@ -155,7 +147,7 @@ def _encode_residuals(exps: np.ndarray, zres: np.ndarray, exp_hist: np.ndarray, 
     symbols = np.empty(n, dtype=np.uint8)
     model_of = np.empty(n, dtype=np.int64)
     hist = np.empty((n_models, rans.ALPHABET), dtype=np.int64)
-    n_esc = kernels.residual_symbols(zres, exps, _model_lut(bounds, d.exp_mask + 1), rans.ESCAPE, symbols, model_of,
+    n_esc = kernels.residual_symbols(zres, exps, model_lut(bounds, d.exp_mask + 1), rans.ESCAPE, symbols, model_of,
                                      hist)
     freqs = rans.quantize_all(hist)
     stream = rans.encode(symbols, model_of, freqs)
@@ -211,7 +203,7 @@ def _decode_residuals(res: memoryview, old_w: np.ndarray, d: DType) -> np.ndarra
     esc_codec, esc_len = r.unpack("BI")
     esc = r.take(esc_len)
     r.done()
-    new_w, big = rans.decode_words(stream, old_w, d.exp_shift, d.exp_mask, _model_lut(bounds, d.exp_mask + 1), freqs)
+    new_w, big = rans.decode_words(stream, old_w, d.exp_shift, d.exp_mask, model_lut(bounds, d.exp_mask + 1), freqs)
     if big.shape[0]:
         vals = unplanes(unpack_payload(esc_codec, esc, big.shape[0] * d.width), big.shape[0], d.word)
         if int(vals.min()) < rans.ESCAPE:
