@@ -13,6 +13,7 @@ placement's positions, then a gather and a hash). A device: torch's index ops.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -86,11 +87,11 @@ class Committer:
         # The undo log (a word per change, dropped with this update) in memory of its own: huge
         # pages where the kernel gives them, instead of fresh 4 KiB pages in a new process.
         arena = slabs.Arena(fresh=True)
-        write = self._write_host if self.host_memory else self._write_device
+        write = functools.partial(self._write_host, arena=arena) if self.host_memory else self._write_device
         order = sorted(range(len(items)), key=lambda j: -items[j][2].shape[0])
         failed: BaseException | None = None
         try:
-            _, _, failed = run_ordered(len(items), order, lambda j: write(j, items[j], undo, lanes, arena),
+            _, _, failed = run_ordered(len(items), order, lambda j: write(j, items[j], undo, lanes),
                                        min(self.threads, max(1, len(items))), self.cpus)
         except BaseException as exc:
             failed = exc
@@ -164,7 +165,7 @@ class Committer:
         return place is not None and place.counted
 
     def _write_device(self, j: int, item: Item, undo: list[Any],
-                      lanes: list[tuple[int, int] | None], arena: slabs.Arena) -> None:
+                      lanes: list[tuple[int, int] | None]) -> None:
         import torch
 
         t, local, glob, new = item
