@@ -201,8 +201,8 @@ def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, c
         if rank == 0:
             real = live._write_host
 
-            def failing(j, item, undo, lanes):
-                real(j, item, undo, lanes)
+            def failing(j, item, undo, lanes, **kw):
+                real(j, item, undo, lanes, **kw)
                 raise OSError("injected write failure")
             live._write_host = failing  # type: ignore[method-assign]
         try:
