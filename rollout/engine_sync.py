@@ -26,7 +26,7 @@ adds the work (grants, batches, progress) on top. What it promises:
   commit (fingerprint check and the writes) pauses generation. An engine that
   pulls artifacts itself (vLLM) prepares the next one as soon as the node lists
   it, while it is still arriving: it fetches each chunk from the node once the
-  node has it (:mod:`rollout.engines.vllm_stage`). The audit
+  node has it (:mod:`rollout.engines.vllm.worker.stage`). The audit
   (fingerprint from every weight) also runs beside generation and must finish
   before the next commit.
 

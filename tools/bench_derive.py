@@ -6,7 +6,7 @@
 The ``tools/bench_vllm_apply.py --model moe`` shape (Qwen3-MoE, 64 experts of 256 rows per
 layer, hidden 1024, vocabulary 32,768, tied), built by vLLM in this process as a worker does
 (``tests/integration/vllm_modules.py``: build, load, CPU repacking), then per repeat vLLM's
-``load_weights`` of the checkpoint in memory and ``rollout.engines.vllm_probe.derive``.
+``load_weights`` of the checkpoint in memory and ``rollout.engines.vllm.placement.probe.derive``.
 ``--compare``: the ``derive`` of another checkout of this repository (e.g. an older commit) run
 on the same model after this one's (``--compare-first``: before it), and whether both give the
 same placements. Each checkout's probe kernels are loaded first, as the engine's warm-up does
@@ -33,8 +33,8 @@ def _derive(root: Path, model, specs, reps: int) -> tuple[list[float], dict[str,
         del sys.modules[k]
     sys.path.insert(0, str(root))
     try:
-        import rollout.engines.vllm_probe as probe
-        import rollout.engines.vllm_probe_kernels as kernels
+        import rollout.engines.vllm.placement.probe as probe
+        import rollout.engines.vllm.placement.kernels as kernels
 
         assert Path(probe.__file__).resolve().is_relative_to(root.resolve()), probe.__file__
         kernels.warm()  # as the engine's warm-up does while it starts, before a client's init binds

@@ -36,7 +36,7 @@ def _fresh(coro: Any) -> Any:
 
 def update(url: str, tls: str, pub: Any, fetcher: Any) -> dict[str, float]:
     """One update's three fetches, each timed (seconds)."""
-    from rollout.engines.vllm_fetch import fetch_artifact, fetch_manifest, fetch_plan
+    from rollout.engines.vllm.worker.fetch import fetch_artifact, fetch_manifest, fetch_plan
 
     tok, who = vllm_workload.TOKEN, "bench"
 
@@ -63,7 +63,7 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="append the result line to this file")
     args = ap.parse_args()
     from p2psync import keys
-    from rollout.engines.vllm_fetch import Fetcher
+    from rollout.engines.vllm.worker.fetch import Fetcher
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

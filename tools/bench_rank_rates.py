@@ -9,7 +9,7 @@ about 4 M changed elements) with ``--chunk-mib`` chunks, starts a trainer node o
 its version-0 snapshot and version-1 delta, and measures on this machine:
 
 - ``fetch``: a rank's fetch of a whole artifact from the node, as the vLLM backend does it
-  (:func:`rollout.engines.vllm_fetch.fetch_artifact`: mutual TLS, 4 streams, every chunk's hash
+  (:func:`rollout.engines.vllm.worker.fetch.fetch_artifact`: mutual TLS, 4 streams, every chunk's hash
   checked against the signed manifest), for the snapshot (hundreds of MB, many chunks) and the
   delta (a few MB): two sizes, so that the fit separates the fixed cost from the rate;
 - ``decode``: the delta's segments decoded against the base words on 1 and 2 threads, all of them
@@ -50,7 +50,7 @@ def machine() -> str:
 def fetch_points(ctx: dict, url: str, reps: int) -> list[dict]:
     """Each artifact the node holds, fetched whole by the vLLM backend's client ``reps`` times."""
     from p2psync import keys
-    from rollout.engines.vllm_fetch import fetch_artifact, fetch_plan
+    from rollout.engines.vllm.worker.fetch import fetch_artifact, fetch_plan
 
     pub = keys.load_public(Path(ctx["keydir"]) / "trainer.pub")
     tls = ctx["tls_dir"]

@@ -80,14 +80,14 @@ def rank_fields(status: dict) -> dict:
 
 def rpc_threads(worker) -> int:
     """The threads this worker's backend decodes and writes on."""
-    from rollout.engines.vllm_rpc import backend as _backend
+    from rollout.engines.vllm.worker.rpc import backend as _backend
 
     live = _backend(worker).live
     return live.threads if live is not None else 0
 
 
 def _ranks(eng) -> list[dict]:
-    from rollout.engines.vllm_rpc import rpc_status
+    from rollout.engines.vllm.worker.rpc import rpc_status
 
     rpc = eng.llm.collective_rpc
     return [{**rank_fields(st), "threads": th} for st, th in zip(rpc(rpc_status), rpc(rpc_threads))]
@@ -98,7 +98,7 @@ def engine(ctx: dict, url: str, tp: int) -> Iterator[tuple[Any, Any]]:
     """A fresh vLLM engine of the workload's checkpoint at tensor parallel ``tp`` (one core per
     worker), attached to ``url`` at version 0 and audited once: ``(engine, parent)``."""
     from rollout.engines.base import EngineConfig, ParentInfo
-    from rollout.engines.vllm import VLLMEngine, llm_kwargs, start_llm
+    from rollout.engines.vllm.engine import VLLMEngine, llm_kwargs, start_llm
 
     ck, keydir = ctx["ck"], Path(ctx["keydir"])
     parent = ParentInfo(url, vllm_workload.TOKEN, (keydir / "trainer.pub").read_text(), "bench", ctx["tls_dir"])

@@ -25,8 +25,8 @@ import torch
 from p2psync.artifact import build_manifest
 from p2psync.codec.encode import CodecOptions, encode_delta
 from p2psync.state import ModelState
-from rollout.engines.vllm_placement import compress
-from rollout.engines.vllm_weights import LiveWeights
+from rollout.engines.vllm.placement.boxes import compress
+from rollout.engines.vllm.apply.weights import LiveWeights
 
 
 def _blocked(rows: int, cols: int) -> np.ndarray:

@@ -107,7 +107,7 @@ def rpc_rusage(worker) -> tuple[int, float]:
 
 def rpc_overlap(worker, on: bool) -> None:
     """Decode a delta's chunks as they arrive (on) or after the fetch (off: the sequential path)."""
-    from rollout.engines.vllm_rpc import backend as _backend
+    from rollout.engines.vllm.worker.rpc import backend as _backend
 
     _backend(worker).overlap = on
 
@@ -140,8 +140,8 @@ def rpc_dense_fetched(worker, url: str, pub: str, tls_dir: str) -> dict:
     snapshot of version 0 over the same link with the same client (4 streams, every chunk's hash
     checked), decoded into tensors, then ``load_weights``."""
     from p2psync.codec.decode import decode_state
-    from rollout.engines.vllm_backend import load_public_key
-    from rollout.engines.vllm_fetch import Fetcher, fetch_artifact, fetch_plan
+    from rollout.engines.vllm.worker.backend import load_public_key
+    from rollout.engines.vllm.worker.fetch import Fetcher, fetch_artifact, fetch_plan
 
     model = worker.model_runner.model
     t0 = time.perf_counter()
@@ -190,9 +190,9 @@ def rpc_sparse(worker, path: str) -> dict:
 
 def rpc_derive_s(worker) -> float | None:
     """Seconds the backend's last placement derivation took in this worker."""
-    from rollout.engines import vllm_probe
+    from rollout.engines.vllm.placement import probe
 
-    return vllm_probe.LAST_DERIVE_S
+    return probe.LAST_DERIVE_S
 
 
 def main() -> int:
@@ -284,7 +284,7 @@ def run_engine(ctx: dict, url: str, dense: str) -> dict:
     from vllm import LLM
 
     from rollout.engines.base import EngineConfig, ParentInfo
-    from rollout.engines.vllm import VLLMEngine, llm_kwargs
+    from rollout.engines.vllm.engine import VLLMEngine, llm_kwargs
 
     ck, keydir, out, tls_dir = Path(ctx["ck"]), Path(ctx["keydir"]), Path(ctx["out"]), ctx["tls_dir"]
     wait_head(ctx, url)

@@ -19,9 +19,9 @@ code does it today::
       + fixed                             plan, manifest, signature, RPCs, fingerprint fold
 
 The rollout worker has the engine stage an artifact as soon as its node lists it, while the node
-still receives it (``rollout/engine_sync.py``, ``rollout/engines/vllm_stage.py``): each rank
+still receives it (``rollout/engine_sync.py``, ``rollout/engines/vllm/worker/stage.py``): each rank
 fetches every chunk from its node once the node has it and decodes it as it arrives
-(``rollout/engines/vllm_stream.py``), so the link, the rank's fetch and its decode overlap and add
+(``rollout/engines/vllm/apply/stream.py``), so the link, the rank's fetch and its decode overlap and add
 as their maximum. ``s_after_node_holds`` is the same update started once the node holds the whole
 artifact (link, then the larger of fetch and decode), for comparison. The ranges tensor-parallel ranks rebuild together
 (row-parallel weights) decode after the fetch; the model counts them as overlapped. Decode

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-ENGINE_PATHS = "rollout.engines.vllm_warm:exercise"
+ENGINE_PATHS = "rollout.engines.vllm.worker.warm:exercise"
 """The in-place apply of the vLLM backend: its kernels are built too (same distribution, imported by name)."""
 
 

@@ -2,7 +2,7 @@
 
 Written into the manifest by :func:`p2psync.artifact.build_manifest` and read by
 tensor-parallel ranks that fetch only their slice (:mod:`p2psync.codec.slices`,
-``rollout.engines.vllm_slices``). Chunk hashes are signed already; the index is
+``rollout.engines.vllm.apply.slices``). Chunk hashes are signed already; the index is
 signed with them, and a rank checks that every chunk it fetches holds exactly
 the segments the index gives it.
 """

@@ -10,7 +10,7 @@ fetch and decode only what it holds, the encoder:
   segments, which it decodes against its own words alone; a row-parallel weight
   (``o_proj``, ``down_proj``: vLLM splits it along dimension 1, so every rank holds
   part of every row) is cut alike, and rank ``r`` decodes its row block for the
-  group (``rollout.engines.vllm_slices``);
+  group (``rollout.engines.vllm.apply.slices``);
 - **orders** the segments: first every tensor that all ranks need whole (small
   tensors, 1-D tensors), in table order; then the row-cut tensors by
   the fraction of the rows where their block starts. Rank ``r`` of ``t`` then needs
@@ -26,7 +26,7 @@ fetch and decode only what it holds, the encoder:
   holds exactly the segments the index gives it (:mod:`p2psync.codec.segindex`).
 
 A row of a row-parallel weight spans every rank's columns: the ranks rebuild each
-such segment's range together (``rollout.engines.vllm_tp``), the rank whose row
+such segment's range together (``rollout.engines.vllm.apply.ranks``), the rank whose row
 block holds it decodes it, and the changes go to the ranks holding their columns.
 Any split decodes correctly: a segment that lies in no one rank's row block is
 fetched and decoded by every rank holding part of it.

@@ -48,7 +48,7 @@ class ChunkBuffer:
     def __init__(self, size: int, arena: Arena | None = None) -> None:
         # Uninitialised (every byte is written before it is read): zero-filling a fresh buffer
         # per chunk costs as much as the copy into it. ``arena``: cut from it instead of allocated
-        # (a rollout engine's update: :func:`rollout.engines.vllm_fetch.fetch_artifact`).
+        # (a rollout engine's update: :func:`rollout.engines.vllm.worker.fetch.fetch_artifact`).
         raw = np.empty(size, dtype=np.uint8) if arena is None else arena.array(size, np.uint8)
         self.buf = memoryview(raw).cast("B")  # type: ignore[arg-type]  # numpy arrays are buffers
         self.got = 0

@@ -13,7 +13,7 @@ from rollout.engines.base import EngineConfig, RolloutEngine
 
 ENGINES: dict[str, tuple[str, str]] = {
     "hf": ("rollout.engines.hf", "HFEngine"),
-    "vllm": ("rollout.engines.vllm", "VLLMEngine"),
+    "vllm": ("rollout.engines.vllm.engine", "VLLMEngine"),
 }
 """Engine name -> (module, class). The class has ``build(config: EngineConfig)``."""
 

@@ -30,7 +30,7 @@ top-p truncation (top-p only restricts which tokens may be drawn; the reported
 value is not renormalised over the nucleus). With ``T <= 0`` (greedy) it is
 ``log_softmax(logits)[token]``. The trainer must recompute its log-probs the
 same way (``log_softmax(logits / T)``) for the ratio to be 1 at equal weights.
-(The vLLM engine reports vLLM's sampler's values instead; see :mod:`rollout.engines.vllm`.)
+(The vLLM engine reports vLLM's sampler's values instead; see :mod:`rollout.engines.vllm.engine`.)
 
 Sampling is reproducible: the token at absolute response position ``i`` of a
 stream with seed ``s`` is ``argmax(log p_T - log E)`` over the nucleus, with
@@ -321,7 +321,7 @@ class EngineConfig:
     threads: int = 0
     """torch intra-op threads (0: leave torch's default)."""
     vllm: dict[str, Any] = field(default_factory=dict)
-    """Extra ``vllm.LLM`` keyword arguments (vLLM engine only; see :mod:`rollout.engines.vllm`)."""
+    """Extra ``vllm.LLM`` keyword arguments (vLLM engine only; see :mod:`rollout.engines.vllm.engine`)."""
 
     def __post_init__(self) -> None:
         if not self.engine or not isinstance(self.engine, str):

@@ -65,7 +65,7 @@ def qwen(tmp_path_factory):
 
 
 def _refused(engine, lin, version, kind):
-    from rollout.engines.vllm import UpdateRefused
+    from rollout.engines.vllm.engine import UpdateRefused
 
     held = engine.version
     with pytest.raises(UpdateRefused) as err:
@@ -184,7 +184,7 @@ def test_bad_deltas_are_refused_and_the_engine_keeps_serving(qwen, tmp_path):
         other.stop_all()
     # Forged: the right artifacts signed by another key. Refused at attach already (the trainer's key
     # verifies none of that parent's manifests); the engine keeps its version and serves.
-    from rollout.engines.vllm import UpdateRefused
+    from rollout.engines.vllm.engine import UpdateRefused
 
     forger = Cluster(tmp_path / "c")
     try:

@@ -30,7 +30,7 @@ N = 2
 
 @pytest.mark.parametrize("ep", [False], ids=["tensor-parallel-experts"])
 def test_two_ranks_hold_and_update_only_their_share_of_the_experts(tmp_path, monkeypatch, ep):
-    from rollout.engines.vllm_rpc import rpc_read
+    from rollout.engines.vllm.worker.rpc import rpc_read
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2:  # vLLM's CPU workers bind one core each

@@ -12,7 +12,7 @@ from nodeproc import TOKEN, Cluster, Workload, at_version, wait_for
 
 from p2psync import keys
 from p2psync.errors import SignatureError
-from rollout.engines.vllm_fetch import Fetcher, fetch_artifact, fetch_manifest, fetch_plan
+from rollout.engines.vllm.worker.fetch import Fetcher, fetch_artifact, fetch_manifest, fetch_plan
 
 pytestmark = pytest.mark.integration
 

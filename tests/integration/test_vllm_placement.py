@@ -24,11 +24,11 @@ from p2psync.artifact import build_manifest  # noqa: E402
 from p2psync.codec.encode import CodecOptions, encode_delta  # noqa: E402
 from p2psync.errors import P2PSyncError  # noqa: E402
 from p2psync.state import ModelState, TensorSpec  # noqa: E402
-from rollout.engines.vllm_layout import LayoutError, place  # noqa: E402
-from rollout.engines.vllm_placement import from_piece, same  # noqa: E402
-from rollout.engines.vllm_probe import derive  # noqa: E402
-from rollout.engines.vllm_vocab import vocab_rows  # noqa: E402
-from rollout.engines.vllm_weights import LiveWeights  # noqa: E402
+from rollout.engines.vllm.placement.rules import LayoutError, place  # noqa: E402
+from rollout.engines.vllm.placement.boxes import from_piece, same  # noqa: E402
+from rollout.engines.vllm.placement.probe import derive  # noqa: E402
+from rollout.engines.vllm.placement.vocab import vocab_rows  # noqa: E402
+from rollout.engines.vllm.apply.weights import LiveWeights  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -264,7 +264,7 @@ def test_mla_every_element_lands_where_vllm_loads_it(mla, tmp_path, caplog):
     before = _bits(model)
     import logging
 
-    with caplog.at_level(logging.INFO, logger="rollout.engines.vllm_probe"):
+    with caplog.at_level(logging.INFO, logger="rollout.engines.vllm.placement.probe"):
         places = derive(model, rand.specs)
     assert "(1 of 4 layers predicted" in caplog.text  # layer 2 predicted from layer 1, and checked
     assert _bits(model) == before  # deriving writes nothing
@@ -301,13 +301,13 @@ def test_a_layer_unlike_its_prediction_is_probed_whole(moe, monkeypatch, caplog)
     probed whole: its placement is still where vLLM loaded it."""
     import logging
 
-    from rollout.engines import vllm_probe
+    from rollout.engines.vllm.placement import probe
 
-    from rollout.engines.vllm_placement import same
+    from rollout.engines.vllm.placement.boxes import same
 
     lin, model = moe
     truth = derive(model, lin.states[0].specs)
-    real = vllm_probe._probe
+    real = probe._probe
 
     def corrupt(model_, params_, batch, probed):
         got = real(model_, params_, batch, probed)
@@ -315,8 +315,8 @@ def test_a_layer_unlike_its_prediction_is_probed_whole(moe, monkeypatch, caplog)
             got = {n: (p, (ck, dst + 1, lengths)) for n, (p, (ck, dst, lengths)) in got.items()}
         return got
 
-    monkeypatch.setattr(vllm_probe, "_probe", corrupt)
-    with caplog.at_level(logging.INFO, logger="rollout.engines.vllm_probe"):
+    monkeypatch.setattr(probe, "_probe", corrupt)
+    with caplog.at_level(logging.INFO, logger="rollout.engines.vllm.placement.probe"):
         places = derive(model, lin.states[0].specs)
     assert "is not placed as layer 0" in caplog.text
     layer1 = [n for n in truth if ".layers.1." in n]
@@ -325,31 +325,32 @@ def test_a_layer_unlike_its_prediction_is_probed_whole(moe, monkeypatch, caplog)
 
 
 def test_placements_are_kept_on_disk_and_a_bad_file_is_derived_again(moe, tmp_path, monkeypatch):
-    from rollout.engines import vllm_place_cache, vllm_probe
-    from rollout.engines.vllm_placement import same
-    from rollout.engines.vllm_tp import Solo
+    from rollout.engines.vllm.placement import cache
+    from rollout.engines.vllm.placement import probe
+    from rollout.engines.vllm.placement.boxes import same
+    from rollout.engines.vllm.apply.ranks import Solo
 
     lin, model = moe
     monkeypatch.setenv("P2PSYNC_PLACEMENT_CACHE", str(tmp_path / "cache"))
     params = dict(model.named_parameters())
     specs = lin.states[0].specs
-    vllm_probe._CACHE.clear()
-    first = vllm_probe.placements(model, specs, params, Solo())
+    probe._CACHE.clear()
+    first = probe.placements(model, specs, params, Solo())
     files = list((tmp_path / "cache").glob("*.npz"))
     assert len(files) == 1
-    vllm_probe._CACHE.clear()
+    probe._CACHE.clear()
     calls = []
-    monkeypatch.setattr(vllm_probe, "derive", lambda *a: calls.append(a) or {})
-    again = vllm_probe.placements(model, specs, params, Solo())
+    monkeypatch.setattr(probe, "derive", lambda *a: calls.append(a) or {})
+    again = probe.placements(model, specs, params, Solo())
     assert calls == [] and sorted(again) == sorted(first)
     assert all(same(again[n], first[n]) for n in first)
     files[0].write_bytes(b"not a placement file")
-    vllm_probe._CACHE.clear()
-    monkeypatch.setattr(vllm_probe, "derive", derive)
-    third = vllm_probe.placements(model, specs, params, Solo())
+    probe._CACHE.clear()
+    monkeypatch.setattr(probe, "derive", derive)
+    third = probe.placements(model, specs, params, Solo())
     assert all(same(third[n], first[n]) for n in first)
-    assert vllm_place_cache.load(files[0].stem, specs) is not None  # written again
-    vllm_probe._CACHE.clear()
+    assert cache.load(files[0].stem, specs) is not None  # written again
+    probe._CACHE.clear()
 
 
 def test_experts_are_probed_once_per_kind_and_a_wrong_step_is_caught(moe, monkeypatch, caplog):
@@ -358,14 +359,14 @@ def test_experts_are_probed_once_per_kind_and_a_wrong_step_is_caught(moe, monkey
     the layer is probed whole and every expert is still where vLLM loaded it."""
     import logging
 
-    from rollout.engines import vllm_probe
-    from rollout.engines.vllm_placement import same
+    from rollout.engines.vllm.placement import probe
+    from rollout.engines.vllm.placement.boxes import same
 
     lin, model = moe
     specs = lin.states[0].specs
     truth = derive(model, specs)
     fed: list[int] = []
-    real = vllm_probe._probe
+    real = probe._probe
 
     def shifted_last(model_, params_, batch, probed):
         got = real(model_, params_, batch, probed)
@@ -375,8 +376,8 @@ def test_experts_are_probed_once_per_kind_and_a_wrong_step_is_caught(moe, monkey
                    for n, (p, (ck, dst, lengths)) in got.items()}
         return got
 
-    monkeypatch.setattr(vllm_probe, "_probe", shifted_last)
-    with caplog.at_level(logging.INFO, logger="rollout.engines.vllm_probe"):
+    monkeypatch.setattr(probe, "_probe", shifted_last)
+    with caplog.at_level(logging.INFO, logger="rollout.engines.vllm.placement.probe"):
         places = derive(model, specs)
     assert "not placed at a fixed step" in caplog.text
     assert 9 in fed and 12 in fed  # 3 of 4 experts x 3 tensors sampled, then all 12 probed

@@ -30,7 +30,7 @@ N = 2
 
 
 def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkeypatch):
-    from rollout.engines.vllm import UpdateRefused
+    from rollout.engines.vllm.engine import UpdateRefused
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2:  # vLLM's CPU workers bind one core each; 'auto' keeps one back for the front end

@@ -56,8 +56,8 @@ def main(path: str, warm: bool) -> list[str]:
             trainer = old.clone()  # the trainer node: adopt the publisher's changes
             assert Applier.adopting(trainer, m, changes).commit() == new.fingerprint
         return loaded
-    from rollout.engines import vllm_warm
-    from rollout.engines.vllm_weights import LiveWeights
+    from rollout.engines.vllm.worker import warm as vllm_warm
+    from rollout.engines.vllm.apply.weights import LiveWeights
 
     module = torch.nn.Module()
     for name in old:

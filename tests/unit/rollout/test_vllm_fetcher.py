@@ -1,4 +1,4 @@
-"""The vLLM backend's kept client (:class:`rollout.engines.vllm_fetch.Fetcher`), with calls that fail
+"""The vLLM backend's kept client (:class:`rollout.engines.vllm.worker.fetch.Fetcher`), with calls that fail
 on purpose: a call without side effects that finds a kept client unreachable is tried once on a new
 one; any other failure, or one on a new client, is raised and the next call gets a new client."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from p2psync.errors import PeerUnreachable, SignatureError
-from rollout.engines.vllm_fetch import Fetcher
+from rollout.engines.vllm.worker.fetch import Fetcher
 
 
 def _calls(fail: list[type[Exception] | None]):

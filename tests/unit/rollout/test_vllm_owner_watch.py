@@ -11,15 +11,15 @@ import time
 
 import pytest
 
-from rollout.engines import vllm_plugin
-from rollout.engines.vllm_plugin import OWNER_ENV, owned_processes, start_time, watch_owner
+from rollout.engines.vllm import plugin
+from rollout.engines.vllm.plugin import OWNER_ENV, owned_processes, start_time, watch_owner
 
 pytestmark = pytest.mark.timeout(60)
 
 # The owner starts the child inside owned_processes(), prints its pid, and waits to be killed.
 OWNER = """
 import subprocess, sys, time
-from rollout.engines.vllm_plugin import owned_processes
+from rollout.engines.vllm.plugin import owned_processes
 with owned_processes():
     child = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
 print(child.pid, flush=True)
@@ -27,18 +27,18 @@ time.sleep(120)
 """
 CHILD = """
 import os, signal, sys, time
-from rollout.engines import vllm_plugin
+from rollout.engines.vllm import plugin
 if "ignore-term" in sys.argv[1:]:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if "no-pidfd" in sys.argv[1:]:
     del os.pidfd_open
-assert vllm_plugin.watch_owner() is not None
+assert plugin.watch_owner() is not None
 time.sleep(120)
 """
 
 
 def _running(pid: int, start: int | None) -> bool:
-    return start is not None and vllm_plugin._running(pid, start)
+    return start is not None and plugin._running(pid, start)
 
 
 @pytest.mark.parametrize("mode", ["", "ignore-term", "no-pidfd"])
@@ -60,7 +60,7 @@ def test_a_child_ends_when_its_owner_is_killed(mode):
         took = time.monotonic() - t
         assert not _running(child, start), f"child {child} outlived its owner by 10 s ({mode or 'plain'})"
         if mode == "ignore-term":
-            assert took >= vllm_plugin.GRACE_S - 0.5  # SIGTERM ignored: the hard exit ends it
+            assert took >= plugin.GRACE_S - 0.5  # SIGTERM ignored: the hard exit ends it
     finally:
         if owner.poll() is None:
             owner.kill()
@@ -70,7 +70,7 @@ def test_a_child_ends_when_its_owner_is_killed(mode):
 
 
 def test_no_watch_without_the_owner_name_or_in_the_owner_itself(monkeypatch, caplog):
-    monkeypatch.setattr(vllm_plugin, "_watching", None)
+    monkeypatch.setattr(plugin, "_watching", None)
     monkeypatch.delenv(OWNER_ENV, raising=False)
     assert watch_owner() is None  # a plain `vllm serve`
     with owned_processes():

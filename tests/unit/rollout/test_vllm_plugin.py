@@ -6,7 +6,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from rollout.engines.vllm import refused
+from rollout.engines.vllm.engine import refused
 
 
 def test_backend_errors_come_back_typed_from_their_text():
@@ -24,7 +24,7 @@ def test_plugin_registers_the_backend_and_keeps_cpu_weights_plain():
     from vllm.platforms import current_platform
 
     eps = [e for e in entry_points(group="vllm.general_plugins") if e.name == "p2psync"]
-    assert [e.value for e in eps] == ["rollout.engines.vllm_plugin:register"]  # the installed package's entry point
+    assert [e.value for e in eps] == ["rollout.engines.vllm.plugin:register"]  # the installed package's entry point
     register = eps[0].load()
     register()
     register()  # vLLM loads plugins once per process, possibly more: idempotent

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from p2psync.state import TensorSpec
-from rollout.engines import vllm_probe, vllm_probe_read
-from rollout.engines.vllm_layout import LayoutError
-from rollout.engines.vllm_placement import compress, maximal_runs
-from rollout.engines.vllm_probe import derive
-from rollout.engines.vllm_probe_kernels import OK, runs
+from rollout.engines.vllm.placement import probe
+from rollout.engines.vllm.placement import readback
+from rollout.engines.vllm.placement.rules import LayoutError
+from rollout.engines.vllm.placement.boxes import compress, maximal_runs
+from rollout.engines.vllm.placement.probe import derive
+from rollout.engines.vllm.placement.kernels import OK, runs
 
 Q, K, H = 8, 4, 6  # rows of q, rows of k, columns
 
@@ -74,9 +75,9 @@ def read_back(request, monkeypatch):
     """Each probe read back as runs; or (a cap of 4 runs) by the scatter a transposed load falls to;
     or fed 7 ids per pass, as a layer of more than 2**24 elements is (runs cut by passes joined)."""
     if request.param == "scatter":
-        monkeypatch.setattr(vllm_probe_read, "_MAX_RUNS", 4)
+        monkeypatch.setattr(readback, "_MAX_RUNS", 4)
     if request.param == "passes":
-        monkeypatch.setattr(vllm_probe, "PASS_IDS", 7)
+        monkeypatch.setattr(probe, "PASS_IDS", 7)
     return request.param
 
 

@@ -1,4 +1,4 @@
-"""Replaying an expert repacking on element ids (``rollout.engines.vllm_repack``): the permutation it
+"""Replaying an expert repacking on element ids (``rollout.engines.vllm.placement.repack``): the permutation it
 makes is found exactly, also for ids wider than one 16-bit word, and a repacking that is not a
 permutation (an element dropped for another's copy) is refused."""
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from rollout.engines.vllm_layout import LayoutError
-from rollout.engines.vllm_repack import _moe_perm, _per_expert
+from rollout.engines.vllm.placement.rules import LayoutError
+from rollout.engines.vllm.placement.repack import _moe_perm, _per_expert
 
 SHAPES = {"w13_weight": (2, 64, 1024), "w2_weight": (2, 1024, 32)}  # 131,072 ids: two 16-bit halves
 

@@ -8,7 +8,7 @@ import pytest
 
 from p2psync import keys
 from p2psync.errors import ConfigError, P2PSyncError
-from rollout.engines.vllm_requests import TransferInfoError, init_info, load_public_key, update_info
+from rollout.engines.vllm.worker.infos import TransferInfoError, init_info, load_public_key, update_info
 
 GOOD = {"url": "http://127.0.0.1:7001", "token": "t0k", "public_key": "keys/trainer.pub"}
 
@@ -88,7 +88,7 @@ def test_public_key_from_a_file_or_pem_text_or_a_typed_refusal(tmp_path):
 
 
 def test_plugin_drops_only_the_skipped_tokenizer_warmup_warning():
-    from rollout.engines.vllm_plugin import WARMUP_LOGGER, quiet_skipped_tokenizer_warmup
+    from rollout.engines.vllm.plugin import WARMUP_LOGGER, quiet_skipped_tokenizer_warmup
 
     quiet_skipped_tokenizer_warmup()
     quiet_skipped_tokenizer_warmup()  # idempotent

@@ -14,8 +14,9 @@ from p2psync.artifact import build_manifest, verify_chunk
 from p2psync.codec.encode import CodecOptions, encode_delta
 from p2psync.errors import ChunkHashMismatch, CodecError, FingerprintMismatch, WrongBase
 from p2psync.state import ModelState
-from rollout.engines.vllm_stream import Streamed, decoding, streams
-from rollout.engines.vllm_weights import LiveWeights
+from rollout.engines.vllm.apply.stream import Streamed, streams
+from rollout.engines.vllm.worker.fetch import decoding
+from rollout.engines.vllm.apply.weights import LiveWeights
 from rollout_helpers import live_snapshot
 
 

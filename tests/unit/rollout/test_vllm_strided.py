@@ -11,8 +11,8 @@ import torch
 from p2psync.artifact import build_manifest
 from p2psync.codec.encode import CodecOptions, encode_delta
 from p2psync.state import ModelState
-from rollout.engines.vllm_placement import Placement, compress
-from rollout.engines.vllm_weights import LiveWeights
+from rollout.engines.vllm.placement.boxes import Placement, compress
+from rollout.engines.vllm.apply.weights import LiveWeights
 
 R, C = 6, 2048  # checkpoint shape of the transposed tensor: a 1024-element segment lies inside one row
 E, I, H = 3, 32, 64  # experts, rows, columns of the blocked one
@@ -90,11 +90,11 @@ def test_a_range_of_a_strided_block_is_the_words_its_positions_map_to():
 
 @pytest.mark.parametrize("word", [np.uint8, np.uint16, np.uint32])
 def test_the_compiled_gather_and_map_give_the_words_the_placement_gives(word):
-    """:func:`vllm_kernels.gather_mapped` (16-row blocks copied by a vector transpose, other lines in
-    groups, partial lines alone) and :func:`vllm_kernels.map_positions` against the placement's own
+    """:func:`kernels.gather_mapped` (16-row blocks copied by a vector transpose, other lines in
+    groups, partial lines alone) and :func:`kernels.map_positions` against the placement's own
     positions, for blocked experts (widths a multiple of 16 or not, 16 rows or many), transposed and
     one-dimensional strided tensors, over random ranges."""
-    from rollout.engines import vllm_kernels
+    from rollout.engines.vllm.apply import kernels
 
     g = np.random.default_rng(5)
     cases = [((r, c), _blocked(r, c)) for r, c in ((64, 1024), (48, 40), (16, 17), (80, 33))]
@@ -111,10 +111,10 @@ def test_the_compiled_gather_and_map_give_the_words_the_placement_gives(word):
         for k in range(40):
             a = 0 if k == 0 else int(g.integers(0, n + 1))
             b = n if k == 0 else int(g.integers(a, n + 1))
-            got = vllm_kernels.gather_mapped(mem, a, b, bm[0], cstr, dstr, np.empty(b - a, dtype=word))
+            got = kernels.gather_mapped(mem, a, b, bm[0], cstr, dstr, np.empty(b - a, dtype=word))
             assert np.array_equal(got, mem[layout[a:b] + 7]), (shape, a, b)
             pos = g.permutation(np.arange(a, b, dtype=np.int64))[:(b - a) // 3]
-            assert np.array_equal(vllm_kernels.map_positions(pos, bm[0], cstr, dstr), layout[pos] + 7), shape
+            assert np.array_equal(kernels.map_positions(pos, bm[0], cstr, dstr), layout[pos] + 7), shape
 
 
 @pytest.mark.parametrize("segment", [1024, 1536, 1 << 16])

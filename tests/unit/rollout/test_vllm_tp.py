@@ -140,8 +140,9 @@ def _streamed_apply(live, apply, m, chunks) -> str:
     (voted), then the ranges rebuilt together, then the check and commit."""
     import asyncio
 
-    from rollout.engines.vllm_stream import Streamed, decoding
-    from rollout.engines.vllm_tp import together
+    from rollout.engines.vllm.apply.stream import Streamed
+    from rollout.engines.vllm.worker.fetch import decoding
+    from rollout.engines.vllm.apply.ranks import together
 
     stream = together(live.group, lambda: Streamed(live, m), "refused")
     stream.agree()
@@ -160,12 +161,12 @@ def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, c
     import torch.distributed as dist
 
     if gather_words is not None:  # several collectives, each rebuilding several ranges
-        from rollout.engines import vllm_slices
+        from rollout.engines.vllm.apply import slices
 
-        vllm_slices._GATHER_WORDS = gather_words
+        slices._GATHER_WORDS = gather_words
 
-    from rollout.engines.vllm_tp import RankRefused, TorchGroup
-    from rollout.engines.vllm_weights import LiveWeights
+    from rollout.engines.vllm.apply.ranks import RankRefused, TorchGroup
+    from rollout.engines.vllm.apply.weights import LiveWeights
 
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp)
@@ -180,7 +181,7 @@ def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, c
             live.apply_delta = lambda m_, c_: _streamed_apply(live, real_apply, m_, c_)  # type: ignore[method-assign]
         res: dict = {"base": live.fingerprint == fps[0]}
         if sliced:  # only the chunks this rank's slice needs, the others None
-            from rollout.engines.vllm_slices import chunks_needed
+            from rollout.engines.vllm.apply.slices import chunks_needed
 
             need = chunks_needed(live, m)
             chunks = [c if i in need else None for i, c in enumerate(chunks)]
@@ -285,8 +286,8 @@ def test_ranks_apply_a_delta_bit_exact_and_refuse_together(sliced, streamed, gat
 
 
 def test_a_slice_without_a_rank_group_is_refused():
-    from rollout.engines.vllm_layout import LayoutError
-    from rollout.engines.vllm_weights import LiveWeights
+    from rollout.engines.vllm.placement.rules import LayoutError
+    from rollout.engines.vllm.apply.weights import LiveWeights
 
     old = _state(0)
     model = rank_model({n: old.tensor(n) for n in old}, 0, 2)
@@ -299,8 +300,8 @@ def test_a_slice_without_a_rank_group_is_refused():
 def test_a_range_rebuilt_holds_exactly_the_words_this_rank_owns(layout):
     """What one rank adds to a rebuilt range (a group of one: nothing else is added): its own words
     at their checkpoint positions, zeros elsewhere, for ranges that start and end inside rows."""
-    from rollout.engines.vllm_placement import compress
-    from rollout.engines.vllm_tp import Solo, gather_ranges
+    from rollout.engines.vllm.placement.boxes import compress
+    from rollout.engines.vllm.apply.ranks import Solo, gather_ranges
 
     rows, cols = 12, 40
     ck = np.arange(rows * cols, dtype=np.int64)

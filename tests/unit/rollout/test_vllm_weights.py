@@ -13,8 +13,8 @@ from p2psync.artifact import build_manifest
 from p2psync.codec.encode import CodecOptions, encode_delta
 from p2psync.errors import CodecError, FingerprintMismatch, TensorTableMismatch, WrongBase
 from p2psync.state import ModelState
-from rollout.engines.vllm_layout import place
-from rollout.engines.vllm_weights import LiveWeights, UnwritableParameter
+from rollout.engines.vllm.placement.rules import place
+from rollout.engines.vllm.apply.weights import LiveWeights, UnwritableParameter
 from rollout_helpers import live_snapshot
 
 SPECIAL = [0x7FC1, 0xFFA5, 0x8000, 0x0001, 0x807F, 0x7F80, 0xFF80, 0x7F81]

@@ -1,7 +1,7 @@
 """Hand-written placement rules (fused layouts, tied weights, TP shards), and :class:`LayoutError`.
 
 A vLLM model's placement is learnt from its own loaders
-(:mod:`rollout.engines.vllm_probe`); these rules serve modules without a
+(:mod:`rollout.engines.vllm.placement.probe`); these rules serve modules without a
 ``load_weights`` (test stand-ins shaped like vLLM's), and a test on real vLLM
 modules shows they agree with the derived placement where they apply.
 

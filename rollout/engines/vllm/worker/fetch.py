@@ -2,11 +2,12 @@
 
 Every function checks what it gets (manifest signatures against the trainer's
 key, chunk hashes against the signed manifest) and raises a typed
-:class:`~p2psync.errors.P2PSyncError`; :mod:`rollout.engines.vllm_backend` runs
+:class:`~p2psync.errors.P2PSyncError`; :mod:`rollout.engines.vllm.worker.backend` runs
 them on every tensor-parallel rank and votes. Each takes the client to use
 (``client``) or opens its own (mutual TLS with the folder given) for one call;
 the backend's updates go through a :class:`Fetcher`, which keeps one client and
-its connections between calls.
+its connections between calls. :func:`decoding` hands each verified chunk to a
+:class:`~rollout.engines.vllm.apply.stream.Streamed` decode while later chunks are on the wire.
 """
 
 from __future__ import annotations
@@ -15,12 +16,20 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from p2psync.errors import P2PSyncError, SignatureError, TruncatedError, WrongSize
-from rollout.engines.vllm_requests import TransferInfoError
+from p2psync import workers
+from p2psync.transport.fetch import Pipeline
+from rollout.engines.vllm.worker.infos import TransferInfoError
+
+if TYPE_CHECKING:
+    from p2psync.artifact import Manifest
+    from rollout.engines.vllm.apply.stream import Streamed
 
 T = TypeVar("T")
+OnChunk = Callable[[int, memoryview], Awaitable[None]]
+"""Called with each chunk (its index and bytes) as soon as its hash matched the signed manifest."""
 
 NOT_YET_RETRY_S = 0.2
 """Pause before asking again for a chunk the parent does not hold yet."""
@@ -159,7 +168,7 @@ async def fetch_artifact(url: str, token: str, node_id: str, aid: str, public_ke
     fetch (None: every chunk); the others are None in the list returned. A chunk the parent says
     is not there yet (HTTP 503: it is still receiving the artifact) is asked for again every
     :data:`NOT_YET_RETRY_S` until ``timeout`` seconds passed. ``on_chunk(i, data)``:
-    awaited with each chunk as soon as its hash matched (:mod:`rollout.engines.vllm_stream`); on
+    awaited with each chunk as soon as its hash matched (:mod:`rollout.engines.vllm.apply.stream`); on
     any failure the fetches still running are cancelled before it is raised."""
     from p2psync.artifact import verify_chunk
     from p2psync.codec.slabs import Arena
@@ -289,3 +298,38 @@ async def check_key(url: str, token: str, node_id: str, public_key: Any, timeout
     except SignatureError as exc:
         raise SignatureError(f"init_info.public_key does not verify {url}'s artifact {newest.id}: {exc}") from None
     return int(manifest.target_version)
+
+async def decoding(stream: Streamed, source: Callable[[OnChunk], Awaitable[T]], threads: int,
+                   cpus: set[int] | None = None) -> T:
+    """``await source(on_chunk)`` (a fetch that calls ``on_chunk(i, data)`` with each chunk once
+    its hash matched), each chunk decoded into ``stream`` on ``threads`` worker threads as it
+    arrives. Returns once every decode ended; raises the fetch's failure, else the first decode's
+    (with every decode in flight ended first)."""
+    with workers.pool(threads, cpus, "p2psync-decode") as pool:
+        pipe = Pipeline(stream.add, max(1, threads) + 2, pool)
+        try:
+            got = await source(pipe.submit)
+        except BaseException:
+            try:
+                await pipe.drain()
+            except BaseException:  # noqa: BLE001 - the fetch's failure is the one raised
+                pass
+            raise
+        await pipe.drain()
+    return got
+
+
+def fetch_decoding(fetching: Callable[..., Any], info: Any, public_key: Any, aid: str, manifest: Manifest,
+                   need: list[int] | None, stream: Streamed | None) -> list[Any]:
+    """The chunks of ``aid`` this rank needs (``need``; the others None), fetched from the parent of
+    ``info`` (the accepted init) through ``fetching(call)`` (the backend's kept client), each checked
+    against ``manifest``; with ``stream``, each decoded into it as it arrives."""
+    def fetch(client: Any, on_chunk: OnChunk | None = None) -> Any:
+        return fetch_artifact(info.url, info.token, info.node_id, aid, public_key, info.timeout,
+                              tls_dir=info.tls_dir, manifest=manifest, need=need, on_chunk=on_chunk, client=client)
+
+    if stream is None:
+        return list(fetching(fetch)[1])
+    live = stream.live
+    return list(fetching(lambda c: decoding(stream, lambda on_chunk: fetch(c, on_chunk), live.threads,
+                                            live.cpus))[1])

@@ -1,7 +1,7 @@
 """The ``p2psync`` vLLM weight-transfer backend: pull verified artifacts from a p2psync node, apply in place.
 
 Registered under the name ``p2psync`` by this package's ``vllm.general_plugins``
-entry point (:mod:`rollout.engines.vllm_plugin`); vLLM builds it in every worker
+entry point (:mod:`rollout.engines.vllm.plugin`); vLLM builds it in every worker
 process with the loaded model. Turned on with ``weight_transfer_config=
 {"backend": "p2psync"}`` (offline ``LLM``) or ``--weight-transfer-config
 '{"backend": "p2psync"}'`` (``vllm serve``), then:
@@ -12,7 +12,7 @@ process with the loaded model. Turned on with ``weight_transfer_config=
   to it over mutual TLS: the node's own), the trainer's Ed25519 public key (PEM
   text or a file path), and optionally the version of the weights vLLM loaded
   (e.g. from the trainer's checkpoint). Everything is checked before the init is
-  accepted: the fields (:mod:`rollout.engines.vllm_requests`), that the parent
+  accepted: the fields (:mod:`rollout.engines.vllm.worker.infos`), that the parent
   answers with this token, and that the key verifies the parent's signed
   manifests (with ``version``: that version's manifest, and every live word is
   hashed and must give its signed fingerprint; without: the manifest of the
@@ -27,12 +27,12 @@ process with the loaded model. Turned on with ``weight_transfer_config=
   manifest and checks its signature against the trainer's key, fetches the
   chunks this rank needs (every chunk, but with tensor parallelism only those
   holding its slice of a delta, from the manifest's signed segment index:
-  :mod:`rollout.engines.vllm_slices`) and checks each against the signed hash (a chunk whose connection is cut
+  :mod:`rollout.engines.vllm.apply.slices`) and checks each against the signed hash (a chunk whose connection is cut
   mid-body is ``PeerUnreachable``; a complete answer shorter than the signed
   chunk is ``TruncatedError``), then applies it to the live
-  parameters all-or-nothing (:class:`~rollout.engines.vllm_weights.LiveWeights`).
+  parameters all-or-nothing (:class:`~rollout.engines.vllm.apply.weights.LiveWeights`).
   A delta's chunks are decoded as they arrive, while later ones are still
-  being fetched (:mod:`rollout.engines.vllm_stream`; with tensor parallelism
+  being fetched (:mod:`rollout.engines.vllm.apply.stream`; with tensor parallelism
   the ranges ranks rebuild together after the fetch), and committed once all
   are decoded and the target fingerprint checked.
   Each artifact is one transaction: on any error the model keeps the last
@@ -40,7 +40,7 @@ process with the loaded model. Turned on with ``weight_transfer_config=
 - ``update_weights({"update_info": {"version": v, "stage": true}})``: stage
   ``v`` and return at once: the first artifact of the way to it fetched (at
   tensor parallel 1 also decoded) in a thread beside generation; the next update
-  that needs it commits it (:mod:`rollout.engines.vllm_stage`).
+  that needs it commits it (:mod:`rollout.engines.vllm.worker.stage`).
 
 Every refusal is a :class:`~p2psync.errors.P2PSyncError` raised with its class
 name at the front of its message (``TransferInfoError: update_info.version:
@@ -74,14 +74,16 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from p2psync.errors import P2PSyncError, PeerUnreachable, SignatureError, TruncatedError, WrongBase, WrongSize
-from rollout.engines import vllm_requests, vllm_warm
-from rollout.engines.vllm_cpus import own_cpus, update_cpus
-from rollout.engines.vllm_fetch import Fetcher, check_key, fetch_manifest, fetch_plan, fetch_version_manifest
-from rollout.engines.vllm_requests import NotInitialized, TransferInfoError, load_public_key
-from rollout.engines.vllm_stage import Staged, Stager, replay, stage
-from rollout.engines.vllm_stream import Streamed, decoding, fetch_decoding, streams
-from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, together, vllm_group
-from rollout.engines.vllm_weights import LiveWeights
+from rollout.engines.vllm.worker import infos
+from rollout.engines.vllm.worker import warm
+from rollout.engines.vllm.worker.cpus import own_cpus, update_cpus
+from rollout.engines.vllm.worker.fetch import (Fetcher, check_key, decoding, fetch_decoding, fetch_manifest, fetch_plan,
+                                               fetch_version_manifest)
+from rollout.engines.vllm.worker.infos import NotInitialized, TransferInfoError, load_public_key
+from rollout.engines.vllm.worker.stage import Staged, Stager, replay, stage
+from rollout.engines.vllm.apply.stream import Streamed, streams
+from rollout.engines.vllm.apply.ranks import RankGroup, RankRefused, Solo, together, vllm_group
+from rollout.engines.vllm.apply.weights import LiveWeights
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +91,8 @@ BACKEND = "p2psync"
 
 
 @dataclass
-class P2PSyncInitInfo(WeightTransferInitInfo, vllm_requests.InitFields):
-    """The checked ``init_info`` (fields: :class:`rollout.engines.vllm_requests.InitFields`)."""
+class P2PSyncInitInfo(WeightTransferInitInfo, infos.InitFields):
+    """The checked ``init_info`` (fields: :class:`rollout.engines.vllm.worker.infos.InitFields`)."""
 
     refusal: P2PSyncError | None = field(default=None, repr=False)
     """Set by :meth:`P2PSyncWeightTransfer.parse_init_info` instead of raising (not a client field)."""
@@ -101,7 +103,7 @@ class P2PSyncUpdateInfo(WeightTransferUpdateInfo):
     version: int
     """The version to reach."""
     stage: bool = False
-    """Only stage it: fetch (and decode) in the background, return at once (:mod:`rollout.engines.vllm_stage`)."""
+    """Only stage it: fetch (and decode) in the background, return at once (:mod:`rollout.engines.vllm.worker.stage`)."""
 
 
 def _init_error(exc: P2PSyncError, url: str, version: int | None) -> P2PSyncError:
@@ -144,9 +146,9 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         self.fetcher = Fetcher()
         """The client an update fetches through, kept between updates (its connections reused)."""
         self.stager = Stager()
-        """The update staged ahead of its commit, if any (:mod:`rollout.engines.vllm_stage`)."""
+        """The update staged ahead of its commit, if any (:mod:`rollout.engines.vllm.worker.stage`)."""
         self.overlap = True
-        """Decode a delta's chunks as they arrive (:mod:`rollout.engines.vllm_stream`). Off: fetch every
+        """Decode a delta's chunks as they arrive (:mod:`rollout.engines.vllm.apply.stream`). Off: fetch every
         chunk, then decode."""
         tp = int(getattr(self.parallel_config, "tensor_parallel_size", 1) or 1)
         pp = int(getattr(self.parallel_config, "pipeline_parallel_size", 1) or 1)
@@ -157,25 +159,25 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         self.cpus = update_cpus(vllm_config)
         """CPUs the update's threads run on."""
         # The codec's kernels and the apply path load now, beside the engine's start, not in the
-        # first update (rollout.engines.vllm_warm), on the update's cores other than this thread's
+        # first update (rollout.engines.vllm.worker.warm), on the update's cores other than this thread's
         # where there are any.
-        vllm_warm.start(model, (self.cpus - own_cpus()) or None)
+        warm.start(model, (self.cpus - own_cpus()) or None)
         logger.info("p2psync: updates run on CPUs %s", sorted(self.cpus))
 
     # --- vLLM's contract ---------------------------------------------------------------------
     def parse_init_info(self, init_dict: Any) -> P2PSyncInitInfo:
-        """The client's ``init_info``, checked (:func:`rollout.engines.vllm_requests.init_info`).
+        """The client's ``init_info``, checked (:func:`rollout.engines.vllm.worker.infos.init_info`).
 
         Never raises: a refusal travels in ``refusal`` to :meth:`init_transfer_engine`, which raises
         it from the last tensor-parallel rank only (see :meth:`_refuse`)."""
         try:
-            return P2PSyncInitInfo(**asdict(vllm_requests.init_info(init_dict)))
+            return P2PSyncInitInfo(**asdict(infos.init_info(init_dict)))
         except P2PSyncError as exc:
             return P2PSyncInitInfo("", "", "", refusal=exc)
 
     def parse_update_info(self, update_dict: Any) -> P2PSyncUpdateInfo:
         """The client's ``update_info``, checked; raises :class:`TransferInfoError` naming the field."""
-        got = vllm_requests.update_info(update_dict)
+        got = infos.update_info(update_dict)
         return P2PSyncUpdateInfo(got.version, got.stage)
 
     def update_weights(self, update_info: Any) -> None:
@@ -248,7 +250,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             if update_info.stage:
                 self.stage(int(update_info.version))
                 return
-            warming = vllm_warm.pending()
+            warming = warm.pending()
             with precompile.first_use() as loaded:
                 self.reach(int(update_info.version))
             self.timing.update(kernels_loaded=len(loaded), warming=warming)
@@ -289,7 +291,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         return fetching
 
     def stage(self, target: int) -> None:
-        """Start staging ``target`` in the background (:mod:`rollout.engines.vllm_stage`); returns at once."""
+        """Start staging ``target`` in the background (:mod:`rollout.engines.vllm.worker.stage`); returns at once."""
         info = self._checked(target)
         if target == self.version:
             return
@@ -337,7 +339,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             if stream is not None:
                 stream.agree()
 
-            # with a stream, each chunk decoded as it arrives (rollout.engines.vllm_stream)
+            # with a stream, each chunk decoded as it arrives (rollout.engines.vllm.apply.stream)
             chunks = self._together(lambda: fetch_decoding(fetching, info, self.public_key, aid, manifest, need,
                                                            stream))
             fetched = (t_bind - t) + (time.perf_counter() - t_need)
@@ -367,17 +369,17 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
 
     def _stream(self, manifest: Any) -> Streamed | None:
         """A decoder of ``manifest``'s chunks as they arrive, where it applies (a delta with a segment
-        index, :attr:`overlap` on; :mod:`rollout.engines.vllm_stream`); checks the base first."""
+        index, :attr:`overlap` on; :mod:`rollout.engines.vllm.apply.stream`); checks the base first."""
         if not self.overlap or self.live is None or not streams(self.live, manifest):
             return None
         return Streamed(self.live, manifest)
 
     def needed(self, manifest: Any) -> list[int] | None:
         """The chunks of ``manifest`` this rank fetches: for a delta with a segment index, those
-        holding segments it holds elements of (:mod:`rollout.engines.vllm_slices`); else all (None)."""
+        holding segments it holds elements of (:mod:`rollout.engines.vllm.apply.slices`); else all (None)."""
         if manifest.kind != "delta" or not manifest.segments:
             return None
-        from rollout.engines.vllm_slices import chunks_needed
+        from rollout.engines.vllm.apply.slices import chunks_needed
 
         return chunks_needed(self.bind(manifest), manifest)
 
@@ -438,7 +440,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
           ``fetched_bytes / artifact_bytes`` (1.0 at one rank, and for a snapshot or a manifest
           without a segment index); its apply time is ``fetch_s + decode_s + commit_s``.
           ``kernels_loaded``: compiled kernels the update had to load (0 once the warm-up of
-          :mod:`rollout.engines.vllm_warm` ran); ``warming``: whether that warm-up was still running
+          :mod:`rollout.engines.vllm.worker.warm` ran); ``warming``: whether that warm-up was still running
           when the update began. An artifact
           committed from a stage has ``staged`` true, ``staged_s`` (the stage's seconds, beside
           generation) and ``fetch_s`` 0;

@@ -1,7 +1,7 @@
 """Functions vLLM's workers run through ``collective_rpc``: the p2psync backend's status, audit and words.
 
 Module-level (``collective_rpc`` sends a function by reference and the worker
-imports it); each finds the worker's :class:`~rollout.engines.vllm_backend.P2PSyncWeightTransfer`.
+imports it); each finds the worker's :class:`~rollout.engines.vllm.worker.backend.P2PSyncWeightTransfer`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from p2psync.errors import P2PSyncError
-from rollout.engines.vllm_backend import P2PSyncWeightTransfer
+from rollout.engines.vllm.worker.backend import P2PSyncWeightTransfer
 
 
 def backend(worker: Any) -> P2PSyncWeightTransfer:

@@ -5,7 +5,7 @@ loaded machine; :mod:`p2psync.codec.precompile`) and imports the fetch path
 (HTTP client, signatures) inside its first update. :func:`start` does both in a
 daemon thread while the engine starts and serves: the codec's own warm-up for
 the model's word types, then :func:`exercise`, which applies a small delta
-through :class:`~rollout.engines.vllm_weights.LiveWeights` on parameters of its
+through :class:`~rollout.engines.vllm.apply.weights.LiveWeights` on parameters of its
 own, one stored as the checkpoint is and one transposed (the host-memory and
 the device-copy paths), so that every kernel of the apply, with the array types
 the apply passes, is ready, and compiles the placement probe's loops.
@@ -46,11 +46,11 @@ def exercise(codes: Iterable[str]) -> None:
     from p2psync.codec.encode import CodecOptions, encode_delta
     from p2psync.state import ModelState
     from p2psync.transport import client  # noqa: F401 - the fetch path's imports
-    from rollout.engines import vllm_probe_kernels
-    from rollout.engines.vllm_placement import compress
-    from rollout.engines.vllm_weights import LiveWeights
+    from rollout.engines.vllm.placement import kernels as probe_kernels
+    from rollout.engines.vllm.placement.boxes import compress
+    from rollout.engines.vllm.apply.weights import LiveWeights
 
-    vllm_probe_kernels.warm()  # the placement probe's loops (an engine derives its placement at bind)
+    probe_kernels.warm()  # the placement probe's loops (an engine derives its placement at bind)
     priv = keys.generate()
     opts = CodecOptions(chunk_size=64 << 10, threads=1, segment_elements=4096, zstd_level=1)
     for code in codes:

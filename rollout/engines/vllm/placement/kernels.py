@@ -1,14 +1,14 @@
 """Compiled passes of the placement probe: reading a probe back, factoring its runs into a block.
 
-Deriving a placement (:mod:`rollout.engines.vllm_probe`) reads back every
+Deriving a placement (:mod:`rollout.engines.vllm.placement.probe`) reads back every
 probe the loader wrote into (tens of millions of words for an embedding or a
 layer's experts): :func:`runs` as maximal runs contiguous on both sides, or
 :func:`scan` by scattering each id to where it landed where there are too many
-runs (:mod:`rollout.engines.vllm_probe_read`); :func:`factor` finds the strided
-block of a tensor's runs (:func:`rollout.engines.vllm_placement.compress_runs`).
+runs (:mod:`rollout.engines.vllm.placement.readback`); :func:`factor` finds the strided
+block of a tensor's runs (:func:`rollout.engines.vllm.placement.boxes.compress_runs`).
 These loops read each word once and allocate nothing the size of the input.
 
-:func:`rollout.engines.vllm_warm.exercise` calls :func:`warm`, so ``p2psync
+:func:`rollout.engines.vllm.worker.warm.exercise` calls :func:`warm`, so ``p2psync
 warm`` and an engine's warm-up compile them before the first placement is
 derived.
 """

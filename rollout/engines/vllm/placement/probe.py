@@ -19,8 +19,8 @@ slices (a rank's loader skips what it does not hold). :func:`derive` asks it:
 3. each probe is read back after each pass: where an id landed is where that
    checkpoint element lives; read as maximal runs (id and position both going
    up by one) in one compiled pass per probe
-   (:class:`rollout.engines.vllm_probe_read.Readback`), compressed into
-   strided blocks (:mod:`rollout.engines.vllm_placement`);
+   (:class:`rollout.engines.vllm.placement.readback.Readback`), compressed into
+   strided blocks (:mod:`rollout.engines.vllm.placement.boxes`);
 4. the original ``.data`` is put back (``finally``): the live weights are never
    written, only their tensors swapped out and back.
 
@@ -36,11 +36,11 @@ once per kind of expert tensor: the first two and the last are probed, the
 others predicted at the step between the first two, the last checking it.
 Post-load transforms that vLLM applies to the loaded weights are either
 replayed on probes or refused naming the layer
-(:mod:`rollout.engines.vllm_repack`); experts moved alike by a per-expert
+(:mod:`rollout.engines.vllm.placement.repack`); experts moved alike by a per-expert
 repacking are moved element by element once per kind and shifted by whole
 blocks. Vocabulary tensors that ``load_weights`` hands untouched to vLLM's stock
 embedding loader are placed by that loader's rule, not probed
-(:mod:`rollout.engines.vllm_vocab`).
+(:mod:`rollout.engines.vllm.placement.vocab`).
 """
 
 from __future__ import annotations
@@ -55,12 +55,12 @@ from typing import Any
 import numpy as np
 
 from p2psync.state import TensorSpec
-from rollout.engines import vllm_place_cache
-from rollout.engines.vllm_layout import LayoutError
-from rollout.engines.vllm_placement import Family, Placement, compress, compress_runs, expand_runs, same
-from rollout.engines.vllm_probe_read import PASS_IDS, Readback, Runs
-from rollout.engines.vllm_repack import expert_block, layer_of, moe_experts, post_load, repacked, transformed_reason
-from rollout.engines.vllm_vocab import guard, vocab_rows
+from rollout.engines.vllm.placement import cache
+from rollout.engines.vllm.placement.rules import LayoutError
+from rollout.engines.vllm.placement.boxes import Family, Placement, compress, compress_runs, expand_runs, same
+from rollout.engines.vllm.placement.readback import PASS_IDS, Readback, Runs
+from rollout.engines.vllm.placement.repack import expert_block, layer_of, moe_experts, post_load, repacked, transformed_reason
+from rollout.engines.vllm.placement.vocab import guard, vocab_rows
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def derive(model: Any, specs: Sequence[TensorSpec], rules: bool = True) -> dict[
     whole, every other one is predicted from it and checked by probing its smaller tensors (a
     mismatch probes that layer whole). With ``rules``, vocabulary tensors handed untouched to
     vLLM's own embedding loader are placed by its rule instead of probed
-    (:func:`rollout.engines.vllm_vocab.vocab_rows`). Tensors this rank holds nothing of are absent
+    (:func:`rollout.engines.vllm.placement.vocab.vocab_rows`). Tensors this rank holds nothing of are absent
     from the result. Raises :class:`LayoutError` naming the tensor when vLLM's loader refuses it or
     writes computed (not copied) values."""
     import torch
@@ -387,14 +387,14 @@ def placements(model: Any, specs: Sequence[TensorSpec], params: dict[str, Any], 
 
     A vLLM model: derived from its loaders (:func:`derive`; kept per model, rank, table and
     parameter storage in this process, and on disk across restarts by
-    :mod:`rollout.engines.vllm_place_cache`) and checked for transformed copies. Any other module
-    (tests' stand-ins): the hand rules of :func:`rollout.engines.vllm_layout.place`."""
+    :mod:`rollout.engines.vllm.placement.cache`) and checked for transformed copies. Any other module
+    (tests' stand-ins): the hand rules of :func:`rollout.engines.vllm.placement.rules.place`."""
     import hashlib
 
     from p2psync.errors import TensorTableMismatch
     from p2psync.state import table_hash
-    from rollout.engines.vllm_layout import check_piece, place
-    from rollout.engines.vllm_placement import from_piece
+    from rollout.engines.vllm.placement.rules import check_piece, place
+    from rollout.engines.vllm.placement.boxes import from_piece
 
     if not callable(getattr(model, "load_weights", None)):
         out: dict[str, Placement] = {}
@@ -414,11 +414,11 @@ def placements(model: Any, specs: Sequence[TensorSpec], params: dict[str, Any], 
     layout = hash(tuple((n, p.data_ptr(), tuple(p.shape)) for n, p in params.items()))
     key = (id(model), group.rank, table_hash(list(specs)), layout)
     if key not in _CACHE:
-        disk = vllm_place_cache.cache_key(model, key[2], params, group.rank, group.size)
-        derived = vllm_place_cache.load(disk, specs)
+        disk = cache.cache_key(model, key[2], params, group.rank, group.size)
+        derived = cache.load(disk, specs)
         if derived is None:
             derived = derive(model, specs)
-            vllm_place_cache.save(disk, derived)
+            cache.save(disk, derived)
         else:
             logger.info("p2psync: placement of %d tensors read from the placement cache (%s)", len(derived), disk)
         for pl in derived.values():

@@ -39,9 +39,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.engines.vllm_fetch import fetch_manifest, fetch_plan
-from rollout.engines.vllm_slices import chunks_needed
-from rollout.engines.vllm_stream import OnChunk, Streamed, fetch_decoding, streams
+from rollout.engines.vllm.worker.fetch import OnChunk, fetch_decoding, fetch_manifest, fetch_plan
+from rollout.engines.vllm.apply.slices import chunks_needed
+from rollout.engines.vllm.apply.stream import Streamed, streams
 
 Fetching = Callable[..., Any]
 """``fetching(call, retry=False)``: ``await call(client)`` through the backend's kept client."""
@@ -101,7 +101,7 @@ def stage(fetching: Fetching, info: Any, public_key: Any, live: Any, base: int |
 
 
 def replay(chunks: list[Any]) -> Callable[[OnChunk], Any]:
-    """A source for :func:`~rollout.engines.vllm_stream.decoding` that hands it staged chunks."""
+    """A source for :func:`~rollout.engines.vllm.apply.stream.decoding` that hands it staged chunks."""
     async def source(on_chunk: OnChunk) -> tuple[None, list[Any]]:
         for i, c in enumerate(chunks):
             if c is not None:

@@ -3,7 +3,7 @@
 The trainer cuts and orders a delta's segments so that a column-parallel or
 vocab-parallel rank's rows are whole segments, and signs an index of every
 chunk's segments (:mod:`p2psync.codec.slices`). From that index and its
-placements (:mod:`rollout.engines.vllm_placement`) a rank classifies every
+placements (:mod:`rollout.engines.vllm.placement.boxes`) a rank classifies every
 segment (:func:`plan`):
 
 - **not needed**: it holds none of the segment's elements (another rank's rows or
@@ -13,7 +13,7 @@ segment (:func:`plan`):
   the update's threads, with no collective;
 - **gathered**: it holds part of the range (a row of a row-parallel weight spans
   every rank's columns): the ranks rebuild the range together
-  (:func:`rollout.engines.vllm_tp.gather_ranges`), and one rank decodes it for the
+  (:func:`rollout.engines.vllm.apply.ranks.gather_ranges`), and one rank decodes it for the
   group: the rank whose row block (rows ``[r R/N, (r+1) R/N)`` of the tensor's ``R``
   rows at ``N`` ranks, the blocks the trainer cuts at) holds the segment. Only that
   rank fetches its chunk; after the decode the ranks swap the changes, so each rank
@@ -23,7 +23,7 @@ segment (:func:`plan`):
 
 Each rank counts towards the fingerprint the changes at the positions it owns (its
 placement is ``counted``), so the ranks' sums are the trainer's fingerprint, and
-the verify-then-commit of :class:`~rollout.engines.vllm_weights.LiveWeights` is
+the verify-then-commit of :class:`~rollout.engines.vllm.apply.weights.LiveWeights` is
 unchanged. A manifest with no index (written before the index existed) is
 fetched whole, and its index is read from the chunks themselves. A fetched chunk
 that does not hold exactly the segments the signed index gives it is refused
@@ -44,14 +44,14 @@ from p2psync.codec.decode import split_chunk
 from p2psync.codec.segindex import Index, index_of
 from p2psync.errors import CodecError, SegmentIndexError, WrongBase
 from p2psync.workers import run_ordered
-from rollout.engines.vllm_placement import Family, Placement
-from rollout.engines.vllm_tp import RankRefused, gather_ranges
+from rollout.engines.vllm.placement.boxes import Family, Placement
+from rollout.engines.vllm.apply.ranks import RankRefused, gather_ranges
 
 if TYPE_CHECKING:
     from p2psync.artifact import Manifest
 
 LiveWeights = Any
-"""A :class:`rollout.engines.vllm_weights.LiveWeights` (which imports this module)."""
+"""A :class:`rollout.engines.vllm.apply.weights.LiveWeights` (which imports this module)."""
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
 
@@ -160,7 +160,7 @@ def chunks_needed(live: LiveWeights, manifest: Manifest) -> list[int] | None:
 
 def decode(live: LiveWeights, manifest: Manifest, chunks: Sequence[bytes | memoryview | None]
            ) -> tuple[dict[int, list[tuple[np.ndarray, np.ndarray]]], list[tuple[int, int]]]:
-    """:meth:`LiveWeights.decode <rollout.engines.vllm_weights.LiveWeights.decode>` of this rank's slice:
+    """:meth:`LiveWeights.decode <rollout.engines.vllm.apply.weights.LiveWeights.decode>` of this rank's slice:
     ``chunks`` holds every chunk this rank needs (None for the others)."""
     live.check_manifest(manifest)
     if manifest.kind != "delta":

@@ -38,7 +38,7 @@ class NotInitialized(P2PSyncError):
 
 @dataclass
 class InitFields:
-    """The fields of ``init_info`` (the backend's :class:`rollout.engines.vllm_backend.P2PSyncInitInfo`)."""
+    """The fields of ``init_info`` (the backend's :class:`rollout.engines.vllm.worker.backend.P2PSyncInitInfo`)."""
 
     url: str
     """Address of the p2psync node to pull from (e.g. the rollout node's own server)."""
@@ -51,7 +51,7 @@ class InitFields:
     node_id: str = "vllm"
     threads: int = 0
     """Decode, write and hash threads; 0: one per CPU the update may use, the worker's own cores and
-    those vLLM's thread binding leaves free (:mod:`rollout.engines.vllm_cpus`)."""
+    those vLLM's thread binding leaves free (:mod:`rollout.engines.vllm.worker.cpus`)."""
     timeout: float = 30.0
     """Seconds a parent may stall before the fetch fails."""
     tls_dir: str = ""
@@ -65,7 +65,7 @@ class UpdateFields:
     version: int
     stage: bool = False
     """Fetch (and decode) ``version`` in the background and return at once; a later update to it
-    commits what was staged (:mod:`rollout.engines.vllm_stage`)."""
+    commits what was staged (:mod:`rollout.engines.vllm.worker.stage`)."""
 
 
 _INIT_REQUIRED = ("url", "token", "public_key")

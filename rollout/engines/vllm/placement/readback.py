@@ -1,6 +1,6 @@
 """Reading a placement probe back: where each checkpoint element id landed, per tensor, as runs.
 
-:func:`rollout.engines.vllm_probe.derive` feeds a layer's checkpoint tensors
+:func:`rollout.engines.vllm.placement.probe.derive` feeds a layer's checkpoint tensors
 through vLLM's loader as element ids into zeroed probes, in passes of at most
 :data:`PASS_IDS` ids (``float32`` holds every integer up to 2**24 exactly): in
 the pass starting at element ``lo``, the word ``w`` means element
@@ -18,9 +18,9 @@ from __future__ import annotations
 import numpy as np
 
 from p2psync.state import TensorSpec
-from rollout.engines.vllm_layout import LayoutError
-from rollout.engines.vllm_placement import maximal_runs
-from rollout.engines.vllm_probe_kernels import OK, runs, scan
+from rollout.engines.vllm.placement.rules import LayoutError
+from rollout.engines.vllm.placement.boxes import maximal_runs
+from rollout.engines.vllm.placement.kernels import OK, runs, scan
 
 Runs = tuple[np.ndarray, np.ndarray, np.ndarray]
 """Maximal runs contiguous on both sides: checkpoint starts (ascending), parameter starts, lengths."""

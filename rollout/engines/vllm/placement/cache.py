@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout.engines.vllm_placement import Family, Placement
+from rollout.engines.vllm.placement.boxes import Family, Placement
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def cache_key(model: Any, table: str, params: dict[str, Any], rank: int, size: i
     """The hex key of ``model``'s placements for tensor table ``table`` on rank ``rank`` of ``size``."""
     import vllm
 
-    from rollout.engines.vllm_repack import moe_experts
+    from rollout.engines.vllm.placement.repack import moe_experts
 
     h = hashlib.sha256()
 

@@ -1,7 +1,7 @@
 """Vocabulary tensors placed by the rule of vLLM's embedding loader, checked through the model's own
 ``load_weights`` at no memory (:func:`vocab_rows`).
 
-:func:`rollout.engines.vllm_probe.derive` learns placements by feeding element ids
+:func:`rollout.engines.vllm.placement.probe.derive` learns placements by feeding element ids
 through the loaders into probes of each parameter's size. For the vocabulary
 (embedding and untied head, the largest tensors of most models) that costs a
 vocabulary-sized probe and ids, on a GPU engine in device memory, for what the
@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from p2psync.state import TensorSpec
-from rollout.engines.vllm_placement import Placement, compress_runs
+from rollout.engines.vllm.placement.boxes import Placement, compress_runs
 
 logger = logging.getLogger(__name__)
 

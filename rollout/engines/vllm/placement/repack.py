@@ -2,7 +2,7 @@
 
 After ``load_weights`` vLLM may move or rewrite a layer's loaded weights
 (``process_weights_after_loading``). :func:`post_load` moves the positions a
-probe found (:mod:`rollout.engines.vllm_probe`) through such a move when it is a
+probe found (:mod:`rollout.engines.vllm.placement.probe`) through such a move when it is a
 permutation p2psync can replay: the CPU MoE experts' blocked repacking, replayed
 by vLLM's own code on a stand-in layer holding element ids. A layer whose live
 parameter holds anything else (quantized, repacked in a way that cannot be
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout.engines.vllm_layout import LayoutError
+from rollout.engines.vllm.placement.rules import LayoutError
 
 
 def layer_of(model: Any, param: str) -> tuple[str, Any]:

@@ -2,14 +2,14 @@
 
 A rank does not wait for its last chunk to start decoding: the fetch hands
 each chunk to the decode the moment its hash matched the signed manifest
-(:func:`rollout.engines.vllm_fetch.fetch_artifact`'s ``on_chunk``), and worker
+(:func:`rollout.engines.vllm.worker.fetch.decoding`), and worker
 threads decode its segments against the live words (reading only) while later
 chunks are still on the wire, through the node's own
 :class:`~p2psync.transport.fetch.Pipeline` (bounded: at most a few chunks
 queued or decoding, so a slow decode slows the fetch rather than piling up
 work). What a chunk decodes to is kept aside; :meth:`Streamed.finish` checks
 that every chunk the rank needs arrived and gives the changes and the sums
-they lead to, and :meth:`~rollout.engines.vllm_weights.LiveWeights.apply_delta`
+they lead to, and :meth:`~rollout.engines.vllm.apply.weights.LiveWeights.apply_delta`
 checks the target fingerprint and commits (with undo) exactly as after a
 sequential decode. A chunk is decoded only after its hash was checked; any
 failure (a hash mismatch, a truncated or cut answer, a segment that does not
@@ -19,7 +19,7 @@ With tensor or expert parallelism the ranks first agree, from the signed index
 alone and before any chunk is fetched, on the segments whose ranges some rank
 holds in part (:meth:`Streamed.agree`, a collective): those are rebuilt with the
 group and decoded in :meth:`Streamed.finish`, after the fetch, in one order on
-every rank (:func:`rollout.engines.vllm_slices.decode`'s collectives); every
+every rank (:func:`rollout.engines.vllm.apply.slices.decode`'s collectives); every
 other segment a rank needs is decoded as its chunk arrives. Each step that can
 fail on one rank is voted before the next collective, so the ranks stay in step
 and refuse together.
@@ -29,24 +29,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from p2psync import workers
 from p2psync.codec.decode import split_chunk
 from p2psync.errors import CodecError, WrongBase
-from p2psync.transport.fetch import Pipeline
-from rollout.engines.vllm_fetch import fetch_artifact
-from rollout.engines.vllm_slices import LiveWeights, assembled, chunk_heads, decode_gathered, outputs, plan
-from rollout.engines.vllm_tp import RankRefused
+from rollout.engines.vllm.apply.slices import LiveWeights, assembled, chunk_heads, decode_gathered, outputs, plan
+from rollout.engines.vllm.apply.ranks import RankRefused
 
 if TYPE_CHECKING:
     from p2psync.artifact import Manifest
-
-T = TypeVar("T")
-OnChunk = Callable[[int, memoryview], Awaitable[None]]
 
 
 def streams(live: LiveWeights, manifest: Manifest) -> bool:
@@ -126,39 +119,3 @@ class Streamed:
         results += [o for o, _ in g_out]
         counted += [(o[0], ab) for o, ab in g_out if ab is not None]
         return assembled(live, results, counted, received)
-
-
-async def decoding(stream: Streamed, source: Callable[[OnChunk], Awaitable[T]], threads: int,
-                   cpus: set[int] | None = None) -> T:
-    """``await source(on_chunk)`` (a fetch that calls ``on_chunk(i, data)`` with each chunk once
-    its hash matched), each chunk decoded into ``stream`` on ``threads`` worker threads as it
-    arrives. Returns once every decode ended; raises the fetch's failure, else the first decode's
-    (with every decode in flight ended first)."""
-    with workers.pool(threads, cpus, "p2psync-decode") as pool:
-        pipe = Pipeline(stream.add, max(1, threads) + 2, pool)
-        try:
-            got = await source(pipe.submit)
-        except BaseException:
-            try:
-                await pipe.drain()
-            except BaseException:  # noqa: BLE001 - the fetch's failure is the one raised
-                pass
-            raise
-        await pipe.drain()
-    return got
-
-
-def fetch_decoding(fetching: Callable[..., Any], info: Any, public_key: Any, aid: str, manifest: Manifest,
-                   need: list[int] | None, stream: Streamed | None) -> list[Any]:
-    """The chunks of ``aid`` this rank needs (``need``; the others None), fetched from the parent of
-    ``info`` (the accepted init) through ``fetching(call)`` (the backend's kept client), each checked
-    against ``manifest``; with ``stream``, each decoded into it as it arrives."""
-    def fetch(client: Any, on_chunk: OnChunk | None = None) -> Any:
-        return fetch_artifact(info.url, info.token, info.node_id, aid, public_key, info.timeout,
-                              tls_dir=info.tls_dir, manifest=manifest, need=need, on_chunk=on_chunk, client=client)
-
-    if stream is None:
-        return list(fetching(fetch)[1])
-    live = stream.live
-    return list(fetching(lambda c: decoding(stream, lambda on_chunk: fetch(c, on_chunk), live.threads,
-                                            live.cpus))[1])

@@ -13,7 +13,7 @@ Irregular layouts (per-head permutations) fall back to one family of 1-D runs.
 
 :func:`compress_runs` builds a placement from maximal runs contiguous on both
 sides (what probing vLLM's loaders reads back, see
-:mod:`rollout.engines.vllm_probe`), :func:`compress` from explicit
+:mod:`rollout.engines.vllm.placement.probe`), :func:`compress` from explicit
 ``(checkpoint position, parameter position)`` pairs; :meth:`Placement.local` maps a delta's
 changed positions to parameter positions in O(changes x dims).
 """
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rollout.engines.vllm_layout import LayoutError, Piece
-from rollout.engines.vllm_probe_kernels import factor
+from rollout.engines.vllm.placement.rules import LayoutError, Piece
+from rollout.engines.vllm.placement.kernels import factor
 
 _CHUNK = 1 << 22
 """Elements enumerated at a time by :meth:`Placement.chunks`."""
@@ -191,7 +191,7 @@ class Placement:
         ``mem`` (its parameter's flat words) whose C order is checkpoint order; None when it is not.
 
         A transposed weight is such a view too: its C order walks memory with a stride, so a range of
-        it is not a slice of ``mem`` (:func:`rollout.engines.vllm_kernels.gather_mapped` copies one)."""
+        it is not a slice of ``mem`` (:func:`rollout.engines.vllm.apply.kernels.gather_mapped` copies one)."""
         bm = self.block_map()
         if bm is None:
             return None
@@ -262,7 +262,7 @@ def compress_runs(name: str, param: str, shape: tuple[int, ...], ck: np.ndarray,
                   lengths: np.ndarray) -> Placement:
     """The placement holding, for each run ``r``, checkpoint positions ``ck[r] .. ck[r] + lengths[r]``
     at parameter positions ``dst[r] ..``: maximal runs contiguous on both sides, ``ck`` ascending
-    (how probing reads them back, see :mod:`rollout.engines.vllm_probe`).
+    (how probing reads them back, see :mod:`rollout.engines.vllm.placement.probe`).
 
     One nested strided block when the runs are one (:func:`_factor`); else one family of runs per
     run length."""
@@ -289,7 +289,7 @@ def _factor(ck: np.ndarray, dst: np.ndarray, lengths: np.ndarray) -> Family | No
     A block's rows of ``L`` elements contiguous on both sides read back as maximal runs of a multiple
     of ``L`` (rows that happen to abut merge): runs of one length are the rows; others are cut
     into pieces of their greatest common divisor, then of single elements, and
-    :func:`vllm_probe_kernels.factor` looks for the levels over the pieces' starts, with
+    :func:`~rollout.engines.vllm.placement.kernels.factor` looks for the levels over the pieces' starts, with
     ``(L, 1, 1)`` innermost. Single elements are the pairs themselves, so a block is always found
     where there is one; the cuts before only spare expanding a large tensor's runs."""
     if bool((lengths == lengths[0]).all()):

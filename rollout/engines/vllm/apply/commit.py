@@ -1,13 +1,13 @@
 """Writing a decoded delta into a vLLM model's live words: undo-logged, fingerprinted, all or nothing.
 
 :class:`Committer` is the writing half of
-:class:`~rollout.engines.vllm_weights.LiveWeights` (which binds the table,
+:class:`~rollout.engines.vllm.apply.weights.LiveWeights` (which binds the table,
 reads and decodes): it scatters only the changed words, keeps the old ones,
 folds the fingerprint from the words as read back from the live memory, and
 writes the old words back when the result is not the manifest's target or any
 rank failed. Host memory: one compiled pass per part (a tensor stored
 contiguously: :func:`p2psync.wordops.scatter_logged`; one held as a strided
-block: :func:`rollout.engines.vllm_kernels.scatter_mapped_logged`; others: the
+block: :func:`rollout.engines.vllm.apply.kernels.scatter_mapped_logged`; others: the
 placement's positions, then a gather and a hash). A device: torch's index ops.
 """
 
@@ -23,13 +23,13 @@ from p2psync.codec import slabs
 from p2psync.errors import FingerprintMismatch
 from p2psync.state import fold_root
 from p2psync.workers import run_ordered
-from rollout.engines import vllm_kernels
-from rollout.engines.vllm_tp import RankGroup, RankRefused
+from rollout.engines.vllm.apply import kernels
+from rollout.engines.vllm.apply.ranks import RankGroup, RankRefused
 
 if TYPE_CHECKING:
     import torch
 
-    from rollout.engines.vllm_placement import Placement
+    from rollout.engines.vllm.placement.boxes import Placement
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
 Item = tuple[int, "np.ndarray | None", np.ndarray, np.ndarray]
@@ -49,7 +49,7 @@ def to_host(t: Any) -> np.ndarray:
 
 
 class Committer:
-    """The write path of :class:`~rollout.engines.vllm_weights.LiveWeights` (module doc)."""
+    """The write path of :class:`~rollout.engines.vllm.apply.weights.LiveWeights` (module doc)."""
 
     group: RankGroup
     specs: list[Any]
@@ -124,7 +124,7 @@ class Committer:
                 if self.offset[t] is not None:
                     items.append((t, pos, pos, new))
                     continue
-                if mapped:  # mapped while written (:func:`vllm_kernels.scatter_mapped_logged`)
+                if mapped:  # mapped while written (:func:`kernels.scatter_mapped_logged`)
                     items.append((t, None, pos, new))
                     continue
                 which, local = place.local(pos)
@@ -146,7 +146,7 @@ class Committer:
             base, cstr, dstr = mp
             old = arena.array(new.shape[0], words.dtype)
             undo[j] = old
-            a, b = vllm_kernels.scatter_mapped_logged(words, glob, new, old, seed, base, cstr, dstr)
+            a, b = kernels.scatter_mapped_logged(words, glob, new, old, seed, base, cstr, dstr)
         elif local is glob:  # one pass: keep, write, hash
             old = arena.array(new.shape[0], words.dtype)
             undo[j] = old  # set before the write: a failure part-way is taken back whole
@@ -189,7 +189,7 @@ class Committer:
             if local is None:
                 mp = self._maps[t]
                 assert mp is not None
-                local = vllm_kernels.map_positions(glob, *mp)
+                local = kernels.map_positions(glob, *mp)
             if isinstance(entry, np.ndarray):
                 wordops.scatter(self._mem(t), local, entry)
             else:

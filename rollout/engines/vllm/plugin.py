@@ -1,8 +1,8 @@
-"""vLLM plugin entry point (``vllm.general_plugins`` = ``p2psync = rollout.engines.vllm_plugin:register``).
+"""vLLM plugin entry point (``vllm.general_plugins`` = ``p2psync = rollout.engines.vllm.plugin:register``).
 
 vLLM runs :func:`register` in each of its processes (front end, engine core,
 workers) before a model loads. It registers the ``p2psync`` weight-transfer
-backend (:mod:`rollout.engines.vllm_backend`, imported only when chosen) and, on
+backend (:mod:`rollout.engines.vllm.worker.backend`, imported only when chosen) and, on
 the CPU platform, turns off vLLM's oneDNN repacking of linear weights: repacked
 layers keep a size-0 ``weight`` and compute with a private copy, so an in-place
 update could not reach them. Plain weights cost some CPU throughput (measured
@@ -56,7 +56,7 @@ def register() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     if "p2psync" not in WeightTransferEngineFactory._registry:
-        WeightTransferEngineFactory.register_engine("p2psync", "rollout.engines.vllm_backend",
+        WeightTransferEngineFactory.register_engine("p2psync", "rollout.engines.vllm.worker.backend",
                                                     "P2PSyncWeightTransfer")
     from vllm.platforms import current_platform
 

@@ -1,15 +1,15 @@
 """A vLLM model's live parameters seen as the trainer's checkpoint tensors, and artifacts applied to them.
 
 :class:`LiveWeights` binds every tensor of the trainer's table to where this
-rank holds it (a :class:`~rollout.engines.vllm_placement.Placement` learnt from
-vLLM's own loaders, :mod:`rollout.engines.vllm_probe`), as integer views of the
+rank holds it (a :class:`~rollout.engines.vllm.placement.boxes.Placement` learnt from
+vLLM's own loaders, :mod:`rollout.engines.vllm.placement.probe`), as integer views of the
 raw bits: same memory, on the parameter's own device. A tensor held whole and
 contiguous is bound to its slice (the fast path: decoded against in place);
 any other is bound to its whole parameter: one held whole as a strided block
 (an expert inside a repacked ``w13_weight``, a transposed weight) is read by a
 compiled gather of a segment's range (a vector transpose of vLLM's CPU MoE
 16-row blocks) and written by a compiled pass that maps each position
-(:mod:`rollout.engines.vllm_kernels`); others (sharded, permuted per head)
+(:mod:`rollout.engines.vllm.apply.kernels`); others (sharded, permuted per head)
 through the placement's positions. Then:
 
 - **Fingerprint.** The per-tensor sums of element hashes of
@@ -22,7 +22,7 @@ through the placement's positions. Then:
   strided block, copied to the host elsewhere: one segment at a time, never a
   whole tensor) and checks that the
   changes lead to the manifest's target before anything is written. It then
-  (:mod:`rollout.engines.vllm_commit`) keeps an undo log (the old words at the changed positions), scatters only the
+  (:mod:`rollout.engines.vllm.apply.commit`) keeps an undo log (the old words at the changed positions), scatters only the
   changed words as integers (bit-exact for every pattern: NaN payloads, -0.0,
   subnormals, inf) and folds the fingerprint from the words as read from the
   live memory (host memory: one compiled pass per segment that keeps, writes
@@ -34,8 +34,8 @@ through the placement's positions. Then:
   host staging state (verified against its target), copies it into the live
   views and audits them.
 - **Tensor and expert parallelism.** Given a rank group
-  (:mod:`rollout.engines.vllm_tp`), each rank decodes only its slice of a delta
-  (:mod:`rollout.engines.vllm_slices`): the segments inside what it holds, alone,
+  (:mod:`rollout.engines.vllm.apply.ranks`), each rank decodes only its slice of a delta
+  (:mod:`rollout.engines.vllm.apply.slices`): the segments inside what it holds, alone,
   and the ranges it holds in part (a row-parallel weight's rows), rebuilt with the
   group first; a tensor some ranks hold whole and others not at all (an expert)
   is decoded by its holders only. Each rank writes the changes it holds, counts
@@ -64,18 +64,18 @@ from p2psync.codec.segment import KIND_DELTA, parse_head
 from p2psync.workers import run_ordered
 from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, TensorTableMismatch, WrongBase
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
-from rollout.engines import vllm_kernels
-from rollout.engines.vllm_commit import Committer, np_signed, sum_add, to_host
-from rollout.engines.vllm_layout import LayoutError
-from rollout.engines.vllm_placement import Placement
-from rollout.engines.vllm_probe import placements
-from rollout.engines.vllm_tp import RankGroup, RankRefused, Solo, together
+from rollout.engines.vllm.apply import kernels
+from rollout.engines.vllm.apply.commit import Committer, np_signed, sum_add, to_host
+from rollout.engines.vllm.placement.rules import LayoutError
+from rollout.engines.vllm.placement.boxes import Placement
+from rollout.engines.vllm.placement.probe import placements
+from rollout.engines.vllm.apply.ranks import RankGroup, RankRefused, Solo, together
 
 if TYPE_CHECKING:
     import torch
 
     from p2psync.artifact import Manifest
-    from rollout.engines.vllm_stream import Streamed
+    from rollout.engines.vllm.apply.stream import Streamed
 
 logger = logging.getLogger(__name__)
 
@@ -108,12 +108,12 @@ class LiveWeights(Committer):
         import torch
 
         self.group: RankGroup = group or Solo()
-        """The tensor-parallel / expert-parallel ranks sharing the model (:mod:`rollout.engines.vllm_tp`)."""
+        """The tensor-parallel / expert-parallel ranks sharing the model (:mod:`rollout.engines.vllm.apply.ranks`)."""
         self.specs = list(specs)
         self.table_hash = table_hash(self.specs)
         self.threads = max(1, threads)
         self.cpus: set[int] | None = None
-        """CPUs the helper threads run on (None: the caller's; see :mod:`rollout.engines.vllm_cpus`)."""
+        """CPUs the helper threads run on (None: the caller's; see :mod:`rollout.engines.vllm.worker.cpus`)."""
         params = dict(model.named_parameters())
         if places is None:
             places = placements(model, self.specs, params, self.group)
@@ -152,10 +152,10 @@ class LiveWeights(Committer):
         """Segments this rank decoded in the last delta (its slice)."""
         self.slice_plan: tuple[Any, list[Any]] | None = None
         """The last artifact's segment index and this rank's segments of it
-        (:func:`rollout.engines.vllm_slices.plan` keeps it: the fetch and the decode ask for the same)."""
+        (:func:`rollout.engines.vllm.apply.slices.plan` keeps it: the fetch and the decode ask for the same)."""
         self.peer_places: list[dict[int, Placement | None]] | None = None
         """Every rank's placements of the sharded tensors, by tensor (rank order; fetched with the group
-        at the first update that swaps changes: :mod:`rollout.engines.vllm_slices`)."""
+        at the first update that swaps changes: :mod:`rollout.engines.vllm.apply.slices`)."""
         self.host_memory = self.device.type == "cpu"
         """The live words are in host memory: decode against them in place and write them with
         compiled loops. Else (a device) decode against a host copy of one segment's range at a time
@@ -166,7 +166,7 @@ class LiveWeights(Committer):
         """Tensors held whole as one strided block (an expert in a repacked ``w13_weight``, a transposed
         weight) in host memory: ``(base, checkpoint strides, parameter strides)``. A range is copied out
         by a compiled gather, changes are written by one compiled pass that maps, keeps, writes and
-        hashes (:mod:`rollout.engines.vllm_kernels`)."""
+        hashes (:mod:`rollout.engines.vllm.apply.kernels`)."""
         for i, pl in enumerate(self.places):
             bm = pl.block_map() if self.host_memory and pl is not None and self.offset[i] is None else None
             if bm is not None and pl is not None and pl.strided(self._mem(i)) is None:
@@ -217,7 +217,7 @@ class LiveWeights(Committer):
         if self.offset[i] is None:
             mp = self._maps[i] if self.host_memory else None
             if mp is not None:
-                return vllm_kernels.gather_mapped(self._mem(i), start, stop, *mp,
+                return kernels.gather_mapped(self._mem(i), start, stop, *mp,
                                                   np.empty(stop - start, dtype=self.word_types[i]))
             place = self.places[i]
             assert place is not None
@@ -293,16 +293,16 @@ class LiveWeights(Committer):
     def decode(self, manifest: Manifest, chunks: Sequence[bytes | memoryview | None]
                ) -> tuple[dict[int, list[tuple[np.ndarray, np.ndarray]]], list[tuple[int, int]]]:
         """Decode a delta against the live words, reading only: this rank's slice of it
-        (:func:`rollout.engines.vllm_slices.decode`; ``chunks``: None for a chunk it does not need).
+        (:func:`rollout.engines.vllm.apply.slices.decode`; ``chunks``: None for a chunk it does not need).
 
         Returns ``(changes, sums)``: tensor index -> [(positions, new words)] (one part per
         segment, in range order; positions distinct), and the per-tensor
         fingerprint sums the changes lead to (computed from the old and new words at the changed
         positions, each counted by the rank that owns it)."""
-        from rollout.engines import vllm_slices
+        from rollout.engines.vllm.apply import slices
 
         try:
-            return vllm_slices.decode(self, manifest, chunks)
+            return slices.decode(self, manifest, chunks)
         finally:
             self._scratch = threading.local()  # the threads' scratch ranges are not kept between updates
 
@@ -325,7 +325,7 @@ class LiveWeights(Committer):
         the live words in place (host memory, whole tensor), ``base`` (the range rebuilt from every
         rank) or a copy of the segment's range (the decoder told its origin: positions and sums'
         change are the tensor's); positions and new words cut from ``out`` (the update's
-        :func:`~rollout.engines.vllm_slices.outputs`) when given."""
+        :func:`~rollout.engines.vllm.apply.slices.outputs`) when given."""
         spec = self.specs[p.tensor]
         d, seed = dtypes.from_code(spec.dtype), np.uint64(self.seeds[p.tensor])
         if base is None and self.host_memory and self.offset[p.tensor] is not None:
@@ -335,7 +335,7 @@ class LiveWeights(Committer):
             return p.tensor, (p.start, p.stop), pos, new, ab
         mp = self._maps[p.tensor] if base is None and self.host_memory else None
         if mp is not None:  # a strided block: its range copied into this thread's scratch words
-            base = vllm_kernels.gather_mapped(self._mem(p.tensor), p.start, p.stop, *mp,
+            base = kernels.gather_mapped(self._mem(p.tensor), p.start, p.stop, *mp,
                                               self._scratch_words(p.stop - p.start, self.word_types[p.tensor]))
         old = self.host_words(p.tensor, p.start, p.stop) if base is None else base
         pos, new, ab = segdecode.decode(p.raw, p.body_at, p.start, p.stop, d, old, seed, out, origin=p.start)
@@ -354,7 +354,7 @@ class LiveWeights(Committer):
         """Decode, check, write, check again; all or nothing, on every rank (see module doc).
 
         ``streamed``: the chunks were already decoded as they arrived
-        (:mod:`rollout.engines.vllm_stream`); its changes are checked and committed the same way."""
+        (:mod:`rollout.engines.vllm.apply.stream`); its changes are checked and committed the same way."""
         t0 = time.perf_counter()
 
         def planned() -> dict[int, list[tuple[np.ndarray, np.ndarray]]]:

@@ -2,13 +2,13 @@
 
 With ``tensor_parallel_size > 1`` every vLLM worker holds a slice of most
 tensors, and with expert parallelism some experts only
-(:mod:`rollout.engines.vllm_probe`). A delta segment's positions are
+(:mod:`rollout.engines.vllm.placement.probe`). A delta segment's positions are
 coded against every base word of its range, so each rank rebuilds that range
 before decoding it: every rank writes the words it owns (its placement is
 ``counted``) into a zeroed block and the group sums the blocks. The owned
 bits of different ranks never overlap, so the sum is their union, exact in any
 integer view. One rank then decodes the range for the group (the rank whose row
-block holds it, :mod:`rollout.engines.vllm_slices`) and sends each other rank
+block holds it, :mod:`rollout.engines.vllm.apply.slices`) and sends each other rank
 the changes it holds (:meth:`RankGroup.exchange`); every rank writes those of
 its own piece and hashes the words it owns at their global positions; the group
 sums those lanes, so the fingerprint is the trainer's whole-model fingerprint.
@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from rollout.engines.vllm_placement import Placement
+from rollout.engines.vllm.placement.boxes import Placement
 
 from p2psync.errors import P2PSyncError
 

