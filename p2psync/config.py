@@ -29,7 +29,7 @@ Layout of the TOML file (every key optional except where a role needs it)::
     [control]
     lease_ttl = 30.0
 
-    [probe]                        # probe endpoints (p2psync.probe) and probe-run defaults
+    [probe]                        # probe endpoints (p2psync.probe.service) and probe-run defaults
     max_blob_bytes = 268435456
     bytes = 8388608                # what one measurement downloads
     intra_peers = 3
@@ -236,8 +236,8 @@ class ControlSettings:
 
 @dataclass
 class ProbeSettings:
-    """Probe endpoints of a node (:mod:`p2psync.probe`) and the defaults of a probe run
-    (:mod:`topology.prober`, ``p2psync plan --probe``)."""
+    """Probe endpoints of a node (:mod:`p2psync.probe.service`) and the defaults of a probe run
+    (:mod:`p2psync.probe.run`, ``p2psync plan --probe``)."""
 
     max_blob_bytes: int = 256 << 20
     """Largest probe download a request may ask this node for; also the most a measurement here pulls per target."""

@@ -73,7 +73,7 @@ def build_services(host: Host) -> Services:
         work = WorkClient(host, out.gossip)
         out.work = work
         out.started.append(work)
-    from p2psync.probe import ProbeService
+    from p2psync.probe.service import ProbeService
 
     out.started.append(ProbeService(host))
     if cfg.role == "trainer":

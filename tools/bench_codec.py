@@ -43,7 +43,8 @@ from p2psync import artifact  # noqa: E402
 from p2psync.codec.decode import Applier  # noqa: E402
 from p2psync.codec.encode import CodecOptions, encode_delta, release_buffers  # noqa: E402
 from p2psync.state import ModelState  # noqa: E402
-from trainer.workload import Workload, build_model  # noqa: E402
+from p2psync.presets import build_model  # noqa: E402
+from trainer.workload import Workload  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> float:

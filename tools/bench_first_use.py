@@ -72,7 +72,8 @@ def child(args: argparse.Namespace) -> dict:
         from p2psync.codec import precompile
         from trainer.bench import _node
         from trainer.publisher import Publisher
-        from trainer.workload import Workload, build_model
+        from p2psync.presets import build_model
+        from trainer.workload import Workload
 
         with tempfile.TemporaryDirectory() as d:
             node = await _node(Path(d))

@@ -7,7 +7,7 @@ One command (root; builds the testbed, runs every mode, removes the testbed, als
 
 What runs, per mode, on the same testbed (fresh processes and data folders each time):
 
-- the trainer machine: ``p2psync node --role trainer --job p2psync.demo.jobs:trainer`` (the GRPO job
+- the trainer machine: ``p2psync node --role trainer --job demo.jobs:trainer`` (the GRPO job
   of ``trainer/grpo.py``, kept serving after its last step as in the demo), the coordinator of the
   gossip control plane (leases, the live dissemination plan);
 - every other machine: ``p2psync node --role rollout --job rollout.worker:run`` (transformers engine),
@@ -122,7 +122,7 @@ def start_mode(tb, mode: str, args: argparse.Namespace, d: Path, keydir: Path, p
     env = {"OMP_NUM_THREADS": "1", "NUMBA_CACHE_DIR": os.environ.get("NUMBA_CACHE_DIR", str(REPO / ".numba_cache"))}
     argv = _node_args("trainer", t, port, d, keydir,
                       [f"--trainer_private_key={keydir / 'trainer.key'}", f"--control.max_staleness={args.max_staleness}",
-                       "--job", "p2psync.demo.jobs:trainer", "--job-config", str(jobs / "trainer.json")])
+                       "--job", "demo.jobs:trainer", "--job-config", str(jobs / "trainer.json")])
     with open(d / "logs" / "trainer.log", "ab") as log:
         procs["trainer"] = tb.spawn("trainer", argv, env=env, stdout=subprocess.PIPE, stderr=log, text=True)
     for i, m in enumerate(tb.rollout_machines()):

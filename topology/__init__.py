@@ -9,9 +9,10 @@
 - :mod:`topology.viz`, :mod:`topology.report`: the picture and the text views.
 
 - :mod:`topology.probeplan`: which node pairs a probe run measures, in rounds that do not disturb each other.
-- :mod:`topology.prober`: the one module with I/O: has live nodes measure each other (``p2psync plan --probe``).
+- :mod:`topology.errors`: :class:`~topology.errors.ModelError`, naming the field of a bad input.
 
-Everything else here is pure (no sockets, no clocks); a probe run produces a
-list of :class:`~topology.model.Measurement` and
-:func:`~topology.model.model_from_measurements` turns it into a model.
+Pure and self-contained: no sockets, no clocks, no import of p2psync. A probe run
+(:mod:`p2psync.probe.run`, ``p2psync plan --probe``) produces a list of
+:class:`~topology.model.Measurement` and :func:`~topology.model.model_from_measurements`
+turns it into a model.
 """

@@ -14,7 +14,7 @@ Contract:
   the region-level figures capped by ``a``'s uplink and ``b``'s downlink.
 - Exactly one node has role ``trainer``; it is the root of every plan.
 - Loading a file that does not follow the schema raises ``ValueError``
-  (a :class:`p2psync.errors.ConfigError`) whose message starts with the field,
+  (a :class:`topology.errors.ModelError`) whose message starts with the field,
   e.g. ``nodes[3].uplink_bps: must be a positive number``.
 
 Probing (which needs live nodes) produces a list of :class:`Measurement`; the
@@ -35,7 +35,7 @@ from typing import Any
 
 import networkx as nx
 
-from p2psync.errors import ConfigError
+from topology.errors import ModelError
 
 FORMAT_VERSION = 1
 ROLES = ("trainer", "relay", "rollout")
@@ -122,11 +122,11 @@ class NetworkModel:
         for i, n in enumerate(nodes):
             _check_node(n, f"nodes[{i}]")
             if n.id in self._spec:
-                raise ConfigError(f"nodes[{i}].id", f"duplicate node id {n.id!r}")
+                raise ModelError(f"nodes[{i}].id", f"duplicate node id {n.id!r}")
             self._spec[n.id] = n
         trainers = [n.id for n in self._spec.values() if n.role == "trainer"]
         if len(trainers) != 1:
-            raise ConfigError("nodes", f"exactly one node must have role 'trainer', found {len(trainers)}")
+            raise ModelError("nodes", f"exactly one node must have role 'trainer', found {len(trainers)}")
         self.trainer: str = trainers[0]
         self.regions: dict[str, Region] = {}
         for i, r in enumerate(regions):
@@ -136,7 +136,7 @@ class NetworkModel:
         self.region_links: dict[tuple[str, str], RegionLink] = {}
         for i, rl in enumerate(region_links):
             if rl.src == rl.dst:
-                raise ConfigError(f"region_links[{i}].dst", "must differ from src (use regions[] for intra-region figures)")
+                raise ModelError(f"region_links[{i}].dst", "must differ from src (use regions[] for intra-region figures)")
             _positive(rl.bandwidth_bps, f"region_links[{i}].bandwidth_bps")
             _non_negative(rl.rtt_s, f"region_links[{i}].rtt_s")
             if rl.capacity_bps is not None:
@@ -152,9 +152,9 @@ class NetworkModel:
         for i, m in enumerate(links):
             for end in ("src", "dst"):
                 if getattr(m, end) not in self._spec:
-                    raise ConfigError(f"links[{i}].{end}", f"unknown node {getattr(m, end)!r}")
+                    raise ModelError(f"links[{i}].{end}", f"unknown node {getattr(m, end)!r}")
             if m.src == m.dst:
-                raise ConfigError(f"links[{i}].dst", "a link needs two distinct nodes")
+                raise ModelError(f"links[{i}].dst", "a link needs two distinct nodes")
             _positive(m.bandwidth_bps, f"links[{i}].bandwidth_bps")
             _non_negative(m.rtt_s, f"links[{i}].rtt_s")
             self._measured.setdefault(m.src, {})[m.dst] = (m.bandwidth_bps, m.rtt_s)
@@ -287,13 +287,13 @@ class NetworkModel:
     def from_json(cls, data: Any) -> NetworkModel:
         """Parse the dict :meth:`to_json` writes; ``ValueError`` names the first bad field."""
         if not isinstance(data, dict):
-            raise ConfigError("<root>", "a network model must be a JSON object")
+            raise ModelError("<root>", "a network model must be a JSON object")
         version = data.get("format_version")
         if version != FORMAT_VERSION:
-            raise ConfigError("format_version", f"unsupported model format version {version!r} (this build reads {FORMAT_VERSION})")
+            raise ModelError("format_version", f"unsupported model format version {version!r} (this build reads {FORMAT_VERSION})")
         d = data.get("defaults", {})
         if not isinstance(d, dict):
-            raise ConfigError("defaults", "must be an object")
+            raise ModelError("defaults", "must be an object")
         defaults = Defaults(**{
             k: _num(d, k, "defaults", default=getattr(Defaults, k)) for k in Defaults.__dataclass_fields__
         })
@@ -303,10 +303,10 @@ class NetworkModel:
             _obj(o, where)
             role = _str(o, "role", where)
             if role not in ROLES:
-                raise ConfigError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
+                raise ModelError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
             cls_ = o.get("node_class")
             if cls_ is not None and not isinstance(cls_, str):
-                raise ConfigError(f"{where}.node_class", "must be a string or absent")
+                raise ModelError(f"{where}.node_class", "must be a string or absent")
             nodes.append(NodeSpec(
                 _str(o, "id", where), _str(o, "region", where), role,
                 _num(o, "uplink_bps", where), _num(o, "downlink_bps", where), cls_,
@@ -340,7 +340,7 @@ class NetworkModel:
         try:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as exc:
-            raise ConfigError(str(path), f"not valid JSON ({exc})") from exc
+            raise ModelError(str(path), f"not valid JSON ({exc})") from exc
         return cls.from_json(data)
 
 
@@ -366,7 +366,7 @@ def model_from_measurements(
     for i, m in enumerate(measurements):
         for end in ("src", "dst"):
             if getattr(m, end) not in region:
-                raise ConfigError(f"measurements[{i}].{end}", f"unknown node {getattr(m, end)!r}")
+                raise ModelError(f"measurements[{i}].{end}", f"unknown node {getattr(m, end)!r}")
         key = (region[m.src], region[m.dst])
         bw.setdefault(key, []).append(m.bandwidth_bps)
         rtt.setdefault(key, []).append(m.rtt_s)
@@ -380,52 +380,52 @@ def model_from_measurements(
 
 def _check_node(n: NodeSpec, where: str) -> None:
     if not isinstance(n.id, str) or not n.id:
-        raise ConfigError(f"{where}.id", "must be a non-empty string")
+        raise ModelError(f"{where}.id", "must be a non-empty string")
     if n.role not in ROLES:
-        raise ConfigError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {n.role!r}")
+        raise ModelError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {n.role!r}")
     _positive(n.uplink_bps, f"{where}.uplink_bps")
     _positive(n.downlink_bps, f"{where}.downlink_bps")
 
 
 def _positive(x: Any, where: str) -> None:
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-        raise ConfigError(where, f"must be a positive finite number, got {x!r}")
+        raise ModelError(where, f"must be a positive finite number, got {x!r}")
 
 
 def _non_negative(x: Any, where: str) -> None:
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
-        raise ConfigError(where, f"must be a non-negative finite number, got {x!r}")
+        raise ModelError(where, f"must be a non-negative finite number, got {x!r}")
 
 
 def _obj(o: Any, where: str) -> None:
     if not isinstance(o, dict):
-        raise ConfigError(where, "must be an object")
+        raise ModelError(where, "must be an object")
 
 
 def _list(data: Mapping[str, Any], key: str, required: bool = False) -> list[Any]:
     if key not in data:
         if required:
-            raise ConfigError(key, "missing")
+            raise ModelError(key, "missing")
         return []
     v = data[key]
     if not isinstance(v, list):
-        raise ConfigError(key, "must be a list")
+        raise ModelError(key, "must be a list")
     return v
 
 
 def _str(o: Mapping[str, Any], key: str, where: str) -> str:
     v = o.get(key)
     if not isinstance(v, str) or not v:
-        raise ConfigError(f"{where}.{key}", "missing" if v is None else f"must be a non-empty string, got {v!r}")
+        raise ModelError(f"{where}.{key}", "missing" if v is None else f"must be a non-empty string, got {v!r}")
     return v
 
 
 def _num(o: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
     v = o.get(key, default)
     if v is None:
-        raise ConfigError(f"{where}.{key}", "missing")
+        raise ModelError(f"{where}.{key}", "missing")
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ConfigError(f"{where}.{key}", f"must be a non-negative finite number, got {v!r}")
+        raise ModelError(f"{where}.{key}", f"must be a non-negative finite number, got {v!r}")
     return float(v)
 
 

@@ -43,7 +43,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from p2psync.errors import ConfigError
+from topology.errors import ModelError
 from topology.model import NetworkModel
 from topology.refine import refine
 from topology.tree import Plan, bfs_order, children_of, depths_of, edge_share, estimate
@@ -79,11 +79,11 @@ class PlannerConfig:
         for name in ("payload_bytes", "chunk_bytes", "max_degree", "gateways_per_region"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(name, f"must be a positive integer, got {v!r}")
+                raise ModelError(name, f"must be a positive integer, got {v!r}")
         for name in ("fallbacks", "refine_budget"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(name, f"must be a non-negative integer, got {v!r}")
+                raise ModelError(name, f"must be a non-negative integer, got {v!r}")
 
 
 class _Builder:

@@ -1,6 +1,6 @@
 """Which node pairs a probe run measures, in which rounds, and the node capacities the figures imply.
 
-Pure: no sockets, no clocks (the I/O is :mod:`topology.prober`).
+Pure: no sockets, no clocks (the I/O is :mod:`p2psync.probe.run`).
 
 Pairs. Measuring all ordered pairs costs ``n (n - 1)`` downloads; the planner
 needs far fewer, because :func:`topology.model.model_from_measurements`
@@ -39,7 +39,7 @@ import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from p2psync.errors import ConfigError
+from topology.errors import ModelError
 from topology.model import ROLES, Measurement, NodeSpec
 
 Pair = tuple[str, str]
@@ -58,15 +58,15 @@ def _check(members: Sequence[Member]) -> None:
     seen: set[str] = set()
     for i, m in enumerate(members):
         if not m.id:
-            raise ConfigError(f"nodes[{i}].id", "must be non-empty")
+            raise ModelError(f"nodes[{i}].id", "must be non-empty")
         if m.id in seen:
-            raise ConfigError(f"nodes[{i}].id", f"duplicate node id {m.id!r}")
+            raise ModelError(f"nodes[{i}].id", f"duplicate node id {m.id!r}")
         if m.role not in ROLES:
-            raise ConfigError(f"nodes[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.role!r}")
+            raise ModelError(f"nodes[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.role!r}")
         seen.add(m.id)
     trainers = [m.id for m in members if m.role == "trainer"]
     if len(trainers) != 1:
-        raise ConfigError("nodes", f"exactly one node must have role 'trainer', found {len(trainers)}")
+        raise ModelError("nodes", f"exactly one node must have role 'trainer', found {len(trainers)}")
 
 
 def representatives(members: Sequence[Member], count: int, seed: int = 0) -> dict[str, list[str]]:
@@ -89,9 +89,9 @@ def choose_pairs(members: Sequence[Member], *, intra_peers: int = 3, representat
                  seed: int = 0) -> list[Pair]:
     """The ordered pairs ``(src, dst)`` a probe run measures (see the module doc); no duplicates."""
     if intra_peers < 1:
-        raise ConfigError("intra_peers", "must be at least 1")
+        raise ModelError("intra_peers", "must be at least 1")
     if representatives_per_region < 1:
-        raise ConfigError("representatives", "must be at least 1")
+        raise ModelError("representatives", "must be at least 1")
     _check(members)
     rng = random.Random(f"pairs:{seed}")
     trainer = next(m.id for m in members if m.role == "trainer")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from p2psync.errors import ConfigError
+from topology.errors import ModelError
 from topology.model import NetworkModel
 
 PLAN_FORMAT_VERSION = 1
@@ -90,15 +90,15 @@ class Plan:
     def from_json(cls, data: Any) -> Plan:
         """Parse what :meth:`to_json` writes; ``ValueError`` names the first bad field."""
         if not isinstance(data, dict):
-            raise ConfigError("<root>", "a plan must be a JSON object")
+            raise ModelError("<root>", "a plan must be a JSON object")
         if data.get("format_version") != PLAN_FORMAT_VERSION:
-            raise ConfigError("format_version", f"unsupported plan format version {data.get('format_version')!r} (this build reads {PLAN_FORMAT_VERSION})")
+            raise ModelError("format_version", f"unsupported plan format version {data.get('format_version')!r} (this build reads {PLAN_FORMAT_VERSION})")
         root = data.get("root")
         nodes = data.get("nodes")
         if not isinstance(nodes, dict) or not nodes:
-            raise ConfigError("nodes", "must be a non-empty object")
+            raise ModelError("nodes", "must be a non-empty object")
         if not isinstance(root, str) or root not in nodes:
-            raise ConfigError("root", f"must name a node of the plan, got {root!r}")
+            raise ModelError("root", f"must name a node of the plan, got {root!r}")
         parents: dict[str, str] = {}
         edge_bps: dict[str, float] = {}
         eta: dict[str, float] = {}
@@ -108,36 +108,36 @@ class Plan:
         for n, o in nodes.items():
             where = f"nodes.{n}"
             if not isinstance(o, dict):
-                raise ConfigError(where, "must be an object")
+                raise ModelError(where, "must be an object")
             p = o.get("parent")
             if n == root:
                 if p is not None:
-                    raise ConfigError(f"{where}.parent", "the root has no parent")
+                    raise ModelError(f"{where}.parent", "the root has no parent")
             else:
                 if not isinstance(p, str) or p not in nodes:
-                    raise ConfigError(f"{where}.parent", f"must name a node of the plan, got {p!r}")
+                    raise ModelError(f"{where}.parent", f"must name a node of the plan, got {p!r}")
                 parents[n] = p
                 edge_bps[n] = _num(o.get("edge_bps"), f"{where}.edge_bps")
             eta[n] = _num(o.get("eta_s", 0.0), f"{where}.eta_s")
             fb = o.get("fallbacks", [])
             if not isinstance(fb, list) or any(f not in nodes for f in fb):
-                raise ConfigError(f"{where}.fallbacks", "must be a list of node ids of the plan")
+                raise ModelError(f"{where}.fallbacks", "must be a list of node ids of the plan")
             if n != root:
                 fallbacks[n] = list(fb)
             for key, out in (("region", regions), ("role", roles)):
                 v = o.get(key, "")
                 if not isinstance(v, str):
-                    raise ConfigError(f"{where}.{key}", "must be a string")
+                    raise ModelError(f"{where}.{key}", "must be a string")
                 out[n] = v
         try:
             depths_of(parents, root)
         except ValueError as exc:
-            raise ConfigError("nodes", str(exc)) from exc
+            raise ModelError("nodes", str(exc)) from exc
         ints = {}
         for key in ("epoch", "payload_bytes", "chunk_bytes"):
             v = data.get(key, 0)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ConfigError(key, f"must be a non-negative integer, got {v!r}")
+                raise ModelError(key, f"must be a non-negative integer, got {v!r}")
             ints[key] = v
         return cls(
             root, parents, edge_bps, eta, _num(data.get("est_completion_s"), "est_completion_s"),
@@ -152,13 +152,13 @@ class Plan:
         try:
             data = json.loads(Path(path).read_text())
         except json.JSONDecodeError as exc:
-            raise ConfigError(str(path), f"not valid JSON ({exc})") from exc
+            raise ModelError(str(path), f"not valid JSON ({exc})") from exc
         return cls.from_json(data)
 
 
 def _num(v: Any, where: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ConfigError(where, "missing" if v is None else f"must be a non-negative finite number, got {v!r}")
+        raise ModelError(where, "missing" if v is None else f"must be a non-negative finite number, got {v!r}")
     return float(v)
 
 

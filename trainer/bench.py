@@ -39,7 +39,8 @@ async def _node(root: Path):
 
 async def bench_publish(args: argparse.Namespace) -> dict:
     from trainer.publisher import Publisher
-    from trainer.workload import Workload, build_model
+    from p2psync.presets import build_model
+    from trainer.workload import Workload
 
     with tempfile.TemporaryDirectory() as d:
         node = await _node(Path(d))

@@ -58,7 +58,7 @@ class GRPOOptions:
     """The job config (``--job-config``), validated; unknown keys are an error."""
 
     preset: str = "tiny"
-    """Model preset of :data:`trainer.workload.PRESETS` (random init); the rollout nodes must use the same.
+    """Model preset of :data:`p2psync.presets.PRESETS` (random init); the rollout nodes must use the same.
     ``tiny`` learns ``add_small`` visibly within a minute on 2 CPU cores; ``small`` does not within minutes."""
     model_path: str | None = None
     """A local Hugging Face folder to load instead of a preset."""
@@ -333,7 +333,7 @@ class GRPORun:
     @classmethod
     async def create(cls, node: Any, opts: GRPOOptions) -> GRPORun:
         from trainer.publisher import Publisher
-        from trainer.workload import build_model
+        from p2psync.presets import build_model
 
         self = cls(node, opts)
         if opts.threads:

@@ -5,7 +5,7 @@
 from ``--token-file`` or ``--token``), learns each one's id, region and role
 from ``GET /v1/status``, has them measure each other (samples inside a region,
 representatives across regions, in rounds of pairs that share no node and no
-region pipe: :mod:`topology.prober`), and writes the measured model
+region pipe: :mod:`p2psync.probe.run`), and writes the measured model
 (``--save-measurements``, default ``measurements.json``; ``plan --from`` reads
 it back) beside the plan.
 
@@ -91,7 +91,7 @@ def _probe(args: argparse.Namespace):
     from dataclasses import replace
 
     from p2psync.config import ProbeSettings, load_probe_settings
-    from topology.prober import ProbeOptions, probe, read_cluster_file
+    from p2psync.probe.run import ProbeOptions, probe, read_cluster_file
 
     settings = load_probe_settings(args.config) if args.config else ProbeSettings()
     flags = {"bytes": args.probe_bytes, "rtt_samples": args.rtt_samples, "intra_peers": args.intra_peers,

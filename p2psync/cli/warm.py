@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 
-ENGINE_PATHS = "rollout.engines.vllm.worker.warm:exercise"
-"""The in-place apply of the vLLM backend: its kernels are built too (same distribution, imported by name)."""
+WARM_GROUP = "p2psync.warm"
+"""Entry point group of the kernels other packages compile at ``p2psync warm`` (value: a function
+``exercise(codes)``; the vLLM backend's in-place apply registers one)."""
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,13 +20,10 @@ def run(args: argparse.Namespace) -> int:
 
     codes = [c.strip() for c in args.codes.split(",") if c.strip()]
     took = precompile.warm(codes)
-    mod, _, fn = ENGINE_PATHS.partition(":")
-    try:
-        exercise = getattr(importlib.import_module(mod), fn)
-    except ImportError:
-        exercise = None  # installed without the rollout package
-    if exercise is not None:
-        exercise(codes)
+    from importlib.metadata import entry_points
+
+    for ep in sorted(entry_points(group=WARM_GROUP), key=lambda e: e.name):
+        ep.load()(codes)
     hits, misses = precompile.cache_stats()
     print(f"codec kernels ready in {took:.1f} s: {misses} compiled, {hits} loaded from the cache "
           f"({precompile.cache_location()})")

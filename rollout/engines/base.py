@@ -310,7 +310,7 @@ class EngineConfig:
     engine: str = "hf"
     """A name of the registry :data:`rollout.engines.ENGINES` (``"hf"``: transformers, ``"vllm"``)."""
     preset: str = "small"
-    """A preset of :data:`trainer.workload.PRESETS` (used when neither ``model_path`` nor ``model_config``)."""
+    """A preset of :data:`p2psync.presets.PRESETS` (used when neither ``model_path`` nor ``model_config``)."""
     model_path: str | None = None
     """A local Hugging Face folder: its config builds the model (weights come from the node)."""
     model_config: dict[str, Any] | None = None
@@ -342,10 +342,6 @@ class EngineConfig:
         if self.model_config is not None:
             kw = dict(self.model_config)
             return AutoConfig.for_model(kw.pop("model_type"), **kw)
-        from trainer.workload import PRESETS
-        from transformers import Qwen3Config
+        from p2psync.presets import preset_config
 
-        if self.preset not in PRESETS:
-            raise ConfigError("preset", f"unknown {self.preset!r} (choose from {', '.join(PRESETS)})")
-        # Same construction as trainer.workload.build_model, so the tensor tables agree.
-        return Qwen3Config(**PRESETS[self.preset], max_position_embeddings=512, tie_word_embeddings=True)
+        return preset_config(self.preset)

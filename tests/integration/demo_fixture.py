@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from p2psync.demo.monitor import Mismatch, NodeView
-from p2psync.demo.timeline import Timeline
+from demo.monitor import Mismatch, NodeView
+from demo.timeline import Timeline
 
 ROLES = {"trainer": "trainer", "r0-relay1": "relay", "r0-rollout1": "rollout", "r0-rollout2": "rollout",
          "r1-relay1": "relay", "r1-rollout1": "rollout", "r1-rollout2": "rollout"}

@@ -13,8 +13,8 @@ import pytest
 from demo_fixture import fake_run
 from ui_browser import Browser, find_chromium
 
-from p2psync.demo import report
-from p2psync.demo.summary import summarize
+from demo import report
+from demo.summary import summarize
 
 pytestmark = pytest.mark.integration
 

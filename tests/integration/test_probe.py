@@ -11,7 +11,7 @@ import pytest
 from nodeproc import CLI, TOKEN, Cluster, request, wait_for
 from tlsutil import authority
 
-from p2psync.probe import MAX_BLOB_BYTES, MAX_TARGETS
+from p2psync.probe.service import MAX_BLOB_BYTES, MAX_TARGETS
 from topology.model import NetworkModel
 from topology.tree import Plan
 

@@ -20,7 +20,8 @@ def _publish_versions(cluster, steps: int) -> dict[int, str]:
     from p2psync.artifact import build_manifest, write_file
     from p2psync.codec.encode import CodecOptions, encode_delta, encode_snapshot
     from p2psync.state import ModelState
-    from trainer.workload import Workload, build_model
+    from p2psync.presets import build_model
+    from trainer.workload import Workload
 
     model = build_model("tiny", seed=1)
     w = Workload(model, lr=1e-3, seed=1)

@@ -1,4 +1,9 @@
-"""No import circle in the packages: the import graph of their source files has no cycle.
+"""No import circle in the packages, and every import points down the layers.
+
+The layers, lowest first: ``topology`` (pure planning), ``p2psync`` (the core), ``trainer`` and
+``rollout`` (the two sides, peers: neither imports the other), ``demo`` (an application on all
+of them). Inside the vLLM backend (``rollout.engines.vllm``) the same holds for its parts:
+``placement`` < ``apply`` < ``worker`` < ``plugin`` < ``engine``.
 
 Built with :mod:`ast` from the source (nothing is imported). An edge ``a -> b`` is any import
 of ``b`` in ``a``, at module level or inside a function, including imports under
@@ -15,10 +20,16 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-GRAPHED = ("p2psync", "topology", "trainer", "rollout")
+GRAPHED = ("p2psync", "topology", "trainer", "rollout", "demo")
 """Packages whose modules make up the graph."""
-CHECKED = ("p2psync", "topology", "trainer", "rollout")
+CHECKED = ("p2psync", "topology", "trainer", "rollout", "demo")
 """Packages in which a circle fails the test."""
+LAYERS: dict[str, int] = {"topology": 0, "p2psync": 1, "trainer": 2, "rollout": 2, "demo": 3}
+"""Top-level package -> layer. A module may import its own package and lower layers only (so
+two packages of one layer are peers that never import each other)."""
+VLLM = "rollout.engines.vllm"
+VLLM_LAYERS: dict[str, int] = {"placement": 0, "apply": 1, "worker": 2, "plugin": 3, "engine": 4}
+"""Parts of the vLLM backend -> layer, by the same rule (the package's ``__init__`` is no part)."""
 
 
 def modules(root: Path = ROOT, packages: tuple[str, ...] = GRAPHED) -> dict[str, Path]:
@@ -116,6 +127,55 @@ def _circle(comp: list[str], graph: dict[str, set[str]]) -> list[str]:
             continue
         back = [n for n in nxt if n in path]
         return path[path.index(back[0]):] + [back[0]] if back else path
+
+
+def _unit(mod: str) -> tuple[str, int] | None:
+    """The package (or vLLM backend part) a module belongs to and that unit's layer."""
+    top = mod.split(".")[0]
+    if top not in LAYERS:
+        return None
+    return top, LAYERS[top]
+
+
+def _vllm_part(mod: str) -> tuple[str, int] | None:
+    if not mod.startswith(VLLM + "."):
+        return None
+    part = mod[len(VLLM) + 1:].split(".")[0]
+    return (part, VLLM_LAYERS[part]) if part in VLLM_LAYERS else None
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that does not point down: ``a -> b`` where ``b``'s package is of a higher
+    layer, or of the same layer but another package; the same inside the vLLM backend."""
+    bad = []
+    for a in sorted(graph):
+        for b in sorted(graph[a]):
+            for unit in (_unit, _vllm_part):
+                ua, ub = unit(a), unit(b)
+                if ua and ub and ua[0] != ub[0] and ub[1] >= ua[1]:
+                    bad.append(f"{a} -> {b} ({ua[0]} may not import {ub[0]})")
+    return bad
+
+
+def test_imports_point_down_the_layers():
+    bad = upward(import_graph(modules()))
+    assert not bad, "imports up (or across) the layers:\n" + "\n".join(bad)
+
+
+def test_the_layer_check_finds_an_import_up(tmp_path: Path):
+    """An import from a lower layer to a higher one, and between the two peers, is found; one
+    down the layers is not."""
+    for pkg, body in {"topology": "import p2psync.x\n", "p2psync": "", "trainer": "", "rollout": "",
+                      "demo": "import trainer\nimport rollout\nimport p2psync\n"}.items():
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text(body)
+    (tmp_path / "p2psync" / "x.py").write_text("import topology\n")
+    (tmp_path / "rollout" / "y.py").write_text("def f():\n    from trainer import z\n")
+    (tmp_path / "trainer" / "z.py").write_text("from p2psync import x\n")
+    bad = upward(import_graph(modules(tmp_path, tuple(LAYERS))))
+    assert bad == ["rollout.y -> trainer (rollout may not import trainer)",
+                   "rollout.y -> trainer.z (rollout may not import trainer)",
+                   "topology -> p2psync.x (topology may not import p2psync)"]
 
 
 def test_no_import_circle():

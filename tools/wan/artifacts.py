@@ -29,7 +29,8 @@ def make(work: Path, preset: str = "bench", lr: float = 1e-6, warmup: int = 3, d
     from p2psync.artifact import build_manifest, write_file
     from p2psync.codec.encode import CodecOptions, encode_delta, encode_snapshot
     from p2psync.state import ModelState
-    from trainer.workload import Workload, build_model
+    from p2psync.presets import build_model
+    from trainer.workload import Workload
 
     priv = keys.generate()
     keys.write_pair(priv, d / "keys")

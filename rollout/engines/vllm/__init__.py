@@ -10,6 +10,6 @@
 - :mod:`.apply`: decoding a verified delta against the live words and committing it, all or
   nothing across tensor- and expert-parallel ranks.
 
-Layers point down: engine -> worker -> apply -> placement. Nothing here imports vLLM at
+Layers point down: engine -> plugin -> worker -> apply -> placement. Nothing here imports vLLM at
 module level except the backend (:mod:`.worker.backend`), which vLLM imports when chosen.
 """

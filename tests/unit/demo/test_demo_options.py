@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 
 from p2psync.cli import build_parser
-from p2psync.demo.run import _trainer_options
+from demo.run import _trainer_options
 from trainer.grpo import GRPOOptions
 
 
 def _opts(tmp_path: Path, *argv: str) -> GRPOOptions:
     args = build_parser().parse_args(["demo", *argv])
     opts = _trainer_options(args, tmp_path)
-    assert opts.pop("done_path")  # the demo's job wrapper takes this one (p2psync.demo.jobs)
+    assert opts.pop("done_path")  # the demo's job wrapper takes this one (demo.jobs)
     return GRPOOptions.from_dict(opts)
 
 
@@ -43,7 +43,7 @@ def test_the_default_is_the_showcase_and_quick_is_small(tmp_path: Path) -> None:
 
 
 def test_the_demo_model_suits_vllm_cpu_attention() -> None:
-    from trainer.workload import PRESETS
+    from p2psync.presets import PRESETS
 
     for name in ("demo", "mini"):
         assert PRESETS[name]["head_dim"] in (32, 64, 80, 96, 112, 128, 160, 192, 224, 256)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from p2psync.demo.monitor import Monitor
+from demo.monitor import Monitor
 
 
 class _NoCluster:

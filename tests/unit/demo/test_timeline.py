@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from p2psync.demo.summary import summarize, tree
-from p2psync.demo.timeline import Timeline
+from demo.summary import summarize, tree
+from demo.timeline import Timeline
 
 ROLES = {"trainer": "trainer", "relay": "relay", "a1": "rollout", "a2": "rollout"}
 REGIONS = {"trainer": "r0", "relay": "r1", "a1": "r1", "a2": "r1"}
@@ -102,9 +102,9 @@ def test_summary_keeps_the_keys_other_programs_read() -> None:
 def test_the_dashboard_shows_the_reports_headline() -> None:
     from rich.console import Console
 
-    from p2psync.demo import dashboard
-    from p2psync.demo.monitor import NodeView
-    from p2psync.demo.summary import headline
+    from demo import dashboard
+    from demo.monitor import NodeView
+    from demo.summary import headline
 
     tl = _tl()
     aid = "delta-0-1-00112233aabbccdd"

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from p2psync.checkpoint_names import View, _check_cover, checkpoint_tensors, checkpoint_views, unique_tensors
 from p2psync.errors import CheckpointLayoutError
-from trainer.workload import MOE_FAMILIES, build_model, build_moe
+from p2psync.presets import MOE_FAMILIES, build_model, build_moe
 
 pytestmark = pytest.mark.timeout(300)
 

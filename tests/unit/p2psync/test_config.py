@@ -127,7 +127,7 @@ def test_bad_control_settings_name_the_field(tmp_path, override, field):
 
 
 def test_probe_section_is_loaded_and_feeds_the_probe_run(tmp_path):
-    from topology.prober import ProbeOptions
+    from p2psync.probe.run import ProbeOptions
 
     text = BASE + """
 [probe]

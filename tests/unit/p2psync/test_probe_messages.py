@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from p2psync.errors import CodecError
-from p2psync.probe import (
+from p2psync.probe.service import (
     MAX_BLOB_BYTES,
     MAX_RTT_SAMPLES,
     MAX_TARGETS,

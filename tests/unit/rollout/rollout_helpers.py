@@ -37,7 +37,8 @@ def trained_versions(steps: int = 3, preset: str = "tiny", lr: float = 1e-3, war
     The (tied) embedding is scaled up at init so that the next-token distributions are
     peaked, not near-uniform: log-prob and sampling checks then have something to miss.
     """
-    from trainer.workload import Workload, build_model
+    from p2psync.presets import build_model
+    from trainer.workload import Workload
 
     model = build_model(preset, seed=seed)
     with torch.no_grad():

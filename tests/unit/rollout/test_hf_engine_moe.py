@@ -13,7 +13,8 @@ from p2psync import config, keys
 from rollout.engines import build_engine
 from rollout.engines.base import EngineConfig
 from trainer.background import BackgroundNode
-from trainer.workload import Workload, build_moe
+from p2psync.presets import build_moe
+from trainer.workload import Workload
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from p2psync.errors import ConfigError
+from topology.errors import ModelError
 from tests.unit.topology.helpers import G, model, node, trainer
 from topology.model import Measurement, NetworkModel, NodeSpec, model_from_measurements
 from topology.synthetic import synthetic_model
@@ -74,7 +74,7 @@ def test_bad_model_json_names_the_field(mutate, field):
     with pytest.raises(ValueError) as err:
         NetworkModel.from_json(data)
     assert str(err.value).startswith(field + ":"), str(err.value)
-    assert isinstance(err.value, ConfigError) and err.value.field == field
+    assert isinstance(err.value, ModelError) and err.value.field == field
 
 
 def test_a_file_that_is_not_json_is_a_value_error(tmp_path):

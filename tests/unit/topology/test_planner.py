@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from p2psync.errors import ConfigError
+from topology.errors import ModelError
 from tests.unit.topology.helpers import G, MiB, model, node, trainer
 from topology.baselines import random_tree, tree_lower_bound
 from topology.planner import PlannerConfig, plan
@@ -145,7 +145,7 @@ def test_a_cyclic_plan_is_rejected():
 
 
 def test_bad_config_names_the_field():
-    with pytest.raises(ConfigError, match="^max_degree:"):
+    with pytest.raises(ModelError, match="^max_degree:"):
         PlannerConfig(max_degree=0)
     with pytest.raises(ValueError, match="^chunk_bytes:"):
         PlannerConfig(chunk_bytes=-4)

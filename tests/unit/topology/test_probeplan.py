@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from p2psync.errors import ConfigError
+from topology.errors import ModelError
 from topology.model import Measurement, model_from_measurements
 from topology.probeplan import Member, choose_pairs, node_specs, rounds_lower_bound, schedule_rounds
 
@@ -83,11 +83,11 @@ def test_rounds_share_no_node_and_no_region_pipe(regions, per):
 
 
 def test_bad_fleets_are_config_errors():
-    with pytest.raises(ConfigError, match="exactly one node must have role 'trainer'"):
+    with pytest.raises(ModelError, match="exactly one node must have role 'trainer'"):
         choose_pairs([Member("a", "r", "rollout"), Member("b", "r", "rollout")])
-    with pytest.raises(ConfigError, match="duplicate node id"):
+    with pytest.raises(ModelError, match="duplicate node id"):
         choose_pairs([Member("T", "r", "trainer"), Member("T", "r", "rollout")])
-    with pytest.raises(ConfigError, match="intra_peers"):
+    with pytest.raises(ModelError, match="intra_peers"):
         choose_pairs(fleet(1, 2), intra_peers=0)
 
 

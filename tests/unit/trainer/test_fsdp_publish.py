@@ -19,7 +19,7 @@ def _model(seed: int, family: str) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if family != "qwen3":
-        from trainer.workload import build_moe
+        from p2psync.presets import build_moe
 
         # Three experts: the fused expert parameters split 2 + 1 over the two ranks.
         return build_moe(family, seed=seed, vocab_size=515, num_experts=3)

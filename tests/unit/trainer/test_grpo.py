@@ -70,7 +70,7 @@ def test_token_vs_sequence_aggregation_and_kl_by_hand():
 
 
 def test_response_logprobs_are_the_tempered_next_token_logprobs():
-    from trainer.workload import build_model
+    from p2psync.presets import build_model
 
     model = build_model("tiny", seed=1).eval()
     prompts, responses = [[1, 5, 6], [1, 7]], [[9, 10], [11, 12, 13]]

@@ -14,7 +14,8 @@ from p2psync.node import Node
 from p2psync.state import ModelState
 from trainer.publish_record import PublishError
 from trainer.publisher import Publisher
-from trainer.workload import Workload, build_model
+from p2psync.presets import build_model
+from trainer.workload import Workload
 
 pytestmark = pytest.mark.timeout(120)
 TOKEN = "publisher-test-token"

@@ -14,7 +14,8 @@ import torch
 from p2psync import checkpoint, config, keys
 from p2psync.state import ModelState, TensorSpec
 from trainer.background import BackgroundNode
-from trainer.workload import Workload, build_model, build_moe
+from p2psync.presets import build_model, build_moe
+from trainer.workload import Workload
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -31,7 +31,7 @@ def test_trl_grpo_trainer_publishes_every_step(tmp_path):
     from p2psync.node import Node
     from p2psync.state import ModelState
     from trainer.trl_callback import P2PSyncCallback
-    from trainer.workload import build_model
+    from p2psync.presets import build_model
 
     keys.write_pair(keys.generate(), tmp_path / "keys")
     common = {"cluster_token": "trl-test-token", "trainer_public_key": str(tmp_path / "keys" / "trainer.pub"),

@@ -1,4 +1,4 @@
-"""Job wrappers the demo runs inside its node processes (``p2psync node --job p2psync.demo.jobs:trainer``).
+"""Job wrappers the demo runs inside its node processes (``p2psync node --job demo.jobs:trainer``).
 
 The training job ends after its last step; the trainer *node* must keep
 serving until every follower holds the last version, so the wrapper keeps the

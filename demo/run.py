@@ -1,4 +1,4 @@
-"""The orchestration behind ``p2psync demo`` (see :mod:`p2psync.cli.demo` for what it shows)."""
+"""The orchestration behind ``p2psync demo`` (see :mod:`demo.cli` for what it shows)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from p2psync.demo.cluster import ClusterSpec, LocalCluster
-from p2psync.demo.monitor import Monitor
-from p2psync.demo.summary import headline, median, summarize
+from demo.cluster import ClusterSpec, LocalCluster
+from demo.monitor import Monitor
+from demo.summary import headline, median, summarize
 
 
 SHOWCASE: dict[str, Any] = {
@@ -99,7 +99,7 @@ def start_cluster(args: argparse.Namespace, out: Path) -> tuple[LocalCluster, di
     cluster = LocalCluster(out / "cluster", spec)
     (out / "events").mkdir(parents=True, exist_ok=True)
     env = {"OMP_NUM_THREADS": "1"}
-    trainer = cluster.start("trainer", "trainer", spec.region_name(0), job="p2psync.demo.jobs:trainer",
+    trainer = cluster.start("trainer", "trainer", spec.region_name(0), job="demo.jobs:trainer",
                             job_config=_trainer_options(args, out))
     seeds = [trainer.url]
     events: dict[str, Path] = {}
@@ -119,7 +119,7 @@ def start_cluster(args: argparse.Namespace, out: Path) -> tuple[LocalCluster, di
             opts = _rollout_options(args, out, name, idx)
             events[name] = Path(opts["events_path"])
             cluster.start(name, "rollout", region, parents=[*parents, trainer.url], seeds=seeds,
-                          job="p2psync.demo.jobs:rollout", job_config=opts, env=env)
+                          job="demo.jobs:rollout", job_config=opts, env=env)
     return cluster, events
 
 
@@ -127,16 +127,10 @@ def run_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.live import Live
 
-    from p2psync.demo import dashboard, report
+    from demo import dashboard, report
 
     apply_profile(args)
     con = Console()
-    import importlib.util
-
-    missing = [m for m in ("trainer.grpo", "rollout.worker") if importlib.util.find_spec(m) is None]
-    if missing:
-        con.print(f"[red]cannot run the end-to-end demo: {', '.join(missing)} not installed[/]")
-        return 2
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)

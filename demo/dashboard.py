@@ -1,6 +1,6 @@
 """The live terminal view of ``p2psync demo`` (rich), and a plain-text fallback for logs and CI.
 
-The header is the report's headline table (:func:`p2psync.demo.summary.headline`) on the
+The header is the report's headline table (:func:`demo.summary.headline`) on the
 run so far; below it, one row per node.
 """
 
@@ -12,7 +12,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from p2psync.demo.summary import headline
+from demo.summary import headline
 
 
 def _mb(n: float) -> str:

@@ -1,8 +1,8 @@
-"""Watch a running :class:`~p2psync.demo.cluster.LocalCluster`: versions, fingerprints, timings, rewards, plan.
+"""Watch a running :class:`~demo.cluster.LocalCluster`: versions, fingerprints, timings, rewards, plan.
 
 Sources:
 
-- every node's JSON log file (:class:`~p2psync.demo.timeline.Timeline`): when
+- every node's JSON log file (:class:`~demo.timeline.Timeline`): when
   the trainer announced each version and when each node held it, applied it and
   its engine served it, stamped by the nodes themselves; the parents they
   pulled from; the fingerprint of every version every node applied;
@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from p2psync.demo.cluster import LocalCluster, Proc
-from p2psync.demo.timeline import Timeline
+from demo.cluster import LocalCluster, Proc
+from demo.timeline import Timeline
 
 
 @dataclass
@@ -252,7 +252,7 @@ class Monitor:
             }
 
     def _timings(self) -> dict[str, Any]:
-        """What the nodes' logs say so far (see :func:`p2psync.demo.timeline.Timeline`), as plain data."""
+        """What the nodes' logs say so far (see :func:`demo.timeline.Timeline`), as plain data."""
         tl = self.timeline
         return {
             "deltas": tl.deltas(),

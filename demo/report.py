@@ -15,8 +15,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from p2psync.demo import figures
-from p2psync.demo.summary import headline
+from demo import figures
+from demo.summary import headline
 
 _CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:1.5em auto;color:#222;padding:0 1em}
 h1{margin-bottom:.2em}.sub{color:#555;margin-top:0}

@@ -1,6 +1,6 @@
 """The demo's figures: ``summary.json`` and the headline a person reads (terminal and report alike).
 
-Pure functions of the monitor's snapshot (:meth:`p2psync.demo.monitor.Monitor.snapshot`)
+Pure functions of the monitor's snapshot (:meth:`demo.monitor.Monitor.snapshot`)
 and the run's outcome; the live dashboard calls them on the run so far.
 """
 

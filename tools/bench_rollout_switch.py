@@ -1,6 +1,6 @@
 """Benchmark: weight switch on a rollout engine vs. the time of a rollout batch.
 
-    .venv/bin/python -m rollout.bench --preset small --lr 1e-5 --steps 3 --batch 8 --tokens 64
+    .venv/bin/python tools/bench_rollout_switch.py --preset small --lr 1e-5 --steps 3 --batch 8 --tokens 64
 
 Trains the preset with AdamW (fp32 master weights, bf16 published) for
 ``--steps`` steps, encodes each step as a real delta, and on the transformers
@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     from p2psync.state import ModelState
     from rollout.engines import build_engine
     from rollout.engines.base import EngineConfig, SeqRequest
-    from trainer.workload import Workload, build_model
+    from p2psync.presets import build_model
+    from trainer.workload import Workload
 
     torch.set_num_threads(args.threads)
     model = build_model(args.preset)

@@ -24,7 +24,8 @@ def run_codec(args: argparse.Namespace) -> int:
     from p2psync.cli.delta import parse_size
     from p2psync.codec.encode import CodecOptions, encode_delta, encode_snapshot
     from p2psync.state import ModelState
-    from trainer.workload import Workload, build_model
+    from p2psync.presets import build_model
+    from trainer.workload import Workload
 
     con = Console()
     out = Path(args.out)

@@ -7,7 +7,7 @@ The one module of :mod:`topology` that does I/O. Steps:
    representatives across them; pairs of one round share no node and no
    region pipe).
 3. Per round, every pair at once: ``POST dst/v1/probe/measure {targets: [src]}``
-   (see :mod:`p2psync.probe`); the next round starts when this one is done.
+   (see :mod:`p2psync.probe.service`); the next round starts when this one is done.
 4. :func:`topology.model.model_from_measurements` over the figures.
 
 Contract: a node that does not answer step 1 is left out (and listed in
@@ -29,7 +29,7 @@ from typing import Any
 
 from p2psync.config import ProbeSettings
 from p2psync.errors import ConfigError, PeerUnreachable
-from p2psync.probe import MeasureRequest, ProbeClient, TargetResult
+from p2psync.probe.service import MeasureRequest, ProbeClient, TargetResult
 from p2psync.transport.tls import Tls
 from topology.model import Defaults, Measurement, NetworkModel, model_from_measurements
 from topology.probeplan import Member, Pair, choose_pairs, node_specs, schedule_rounds
@@ -73,7 +73,7 @@ class ProbeOptions:
         return cls(**{**base, **overrides})
 
     def client_settings(self) -> ProbeSettings:
-        """The settings the prober's :class:`~p2psync.probe.ProbeClient` runs with."""
+        """The settings the prober's :class:`~p2psync.probe.service.ProbeClient` runs with."""
         return ProbeSettings(connect_timeout=self.connect_timeout, stall_timeout=self.stall_timeout,
                              min_rate_bps=self.min_rate_bps, bytes=self.bytes, rtt_samples=self.rtt_samples)
 

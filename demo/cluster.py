@@ -72,9 +72,9 @@ class ClusterSpec:
     host: str = "127.0.0.1"
     """Loopback address every node listens on."""
     capture: str = ""
-    """Folder: put a recording relay in front of every node (:mod:`p2psync.demo.capture`)."""
+    """Folder: put a recording relay in front of every node (:mod:`demo.capture`)."""
     log_json: bool = True
-    """Nodes log JSON lines with their own timestamps (:mod:`p2psync.demo.timeline` reads them)."""
+    """Nodes log JSON lines with their own timestamps (:mod:`demo.timeline` reads them)."""
 
     def region_name(self, r: int) -> str:
         return f"r{r}"
@@ -102,7 +102,7 @@ class LocalCluster:
         self.procs: list[Proc] = []
         self.recorder = None
         if spec.capture:
-            from p2psync.demo.capture import Recorder
+            from demo.capture import Recorder
 
             self.recorder = Recorder(Path(spec.capture))
 
@@ -139,7 +139,7 @@ class LocalCluster:
         args = self._args(name, role, region, list(parents), list(seeds))
         self.authority.node(name, region, self.root / "nodes" / name / "tls")
         if self.recorder is not None:
-            from p2psync.demo.capture import free_port
+            from demo.capture import free_port
 
             port = free_port(self.spec.host)
             front = self.recorder.front(name, self.spec.host, port)

@@ -80,13 +80,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.codec:
-        from p2psync.demo.codec import run_codec
+        from demo.codec import run_codec
 
         if args.lr is None:
             args.lr = 1e-6
         if args.steps is None:
             args.steps = 30
         return run_codec(args)
-    from p2psync.demo.run import run_demo
+    from demo.run import run_demo
 
     return run_demo(args)
