@@ -43,9 +43,10 @@ from typing import Any
 
 from p2psync.control.api import Grant, ProgressReport, ResponseResult, RolloutRequest
 from p2psync.errors import LeaseExpired, P2PSyncError, UnknownWork
+from p2psync.transport.leaf import Parent
 from rollout.engine_sync import EngineDiverged, EngineSync
 from rollout.engines import build_engine
-from rollout.engines.base import ParentInfo, RolloutEngine, SeqRequest, SeqState, stream_seed
+from rollout.engines.base import RolloutEngine, SeqRequest, SeqState, stream_seed
 from rollout.options import WorkerOptions
 
 logger = logging.getLogger(__name__)
@@ -111,9 +112,9 @@ class RolloutWorker(EngineSync):
                 # presents the node's own certificate (mutual TLS).
                 cfg = node.config
                 tls_dir = node.tls.directory
-                await asyncio.to_thread(engine.attach, ParentInfo(
-                    node.address, cfg.token(), str(Path(cfg.trainer_public_key).resolve()), f"{cfg.id}/engine",
-                    str(tls_dir.resolve()) if tls_dir else ""))
+                parent = Parent.create(node.address, cfg.token(), str(Path(cfg.trainer_public_key).resolve()),
+                                       f"{cfg.id}/engine", tls_dir.resolve() if tls_dir else "")
+                await asyncio.to_thread(engine.attach, parent)
             await self._load_from_node()
             release = getattr(node, "release_weights", None)
             if release is not None:

@@ -34,23 +34,21 @@ def _fresh(coro: Any) -> Any:
         return pool.submit(asyncio.run, coro).result()
 
 
-def update(url: str, tls: str, pub: Any, fetcher: Any) -> dict[str, float]:
+def update(parent: Any, fetcher: Any) -> dict[str, float]:
     """One update's three fetches, each timed (seconds)."""
-    from rollout.engines.vllm.worker.fetch import fetch_artifact, fetch_manifest, fetch_plan
-
-    tok, who = vllm_workload.TOKEN, "bench"
+    from p2psync.transport.leaf import fetch_artifact, fetch_manifest, fetch_plan
 
     def run(make: Any, retry: bool = False) -> Any:
         if fetcher is None:
             return _fresh(make(None))
-        return fetcher.run(tok, who, 30.0, tls, make, retry=retry)
+        return fetcher.run(parent, make, retry=retry)
 
     t0 = time.perf_counter()
-    plan = run(lambda c: fetch_plan(url, tok, who, 0, 1, 30.0, tls, client=c), True)
+    plan = run(lambda c: fetch_plan(parent, 0, 1, c), True)
     t1 = time.perf_counter()
-    m = run(lambda c: fetch_manifest(url, tok, who, plan[0].id, pub, 30.0, tls, client=c), True)
+    m = run(lambda c: fetch_manifest(parent, plan[0].id, c), True)
     t2 = time.perf_counter()
-    _, chunks = run(lambda c: fetch_artifact(url, tok, who, plan[0].id, pub, 30.0, tls_dir=tls, manifest=m, client=c))
+    _, chunks = run(lambda c: fetch_artifact(parent, plan[0].id, manifest=m, client=c))
     t3 = time.perf_counter()
     assert all(c is not None for c in chunks)
     return {"plan": t1 - t0, "manifest": t2 - t1, "artifact": t3 - t2, "update": t3 - t0}
@@ -62,8 +60,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--json", default=None, help="append the result line to this file")
     args = ap.parse_args()
-    from p2psync import keys
-    from rollout.engines.vllm.worker.fetch import Fetcher
+    from p2psync.transport.leaf import Fetcher, Parent
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -73,15 +70,16 @@ def main() -> int:
         ns = argparse.Namespace(**QUICK, lr=1e-6, model="dense", experts=0, moe_mlp=0, link_mbit=0, repeats=1,
                                 json=None, tp=1, chunk_mib=1 / 16)
         ctx = vllm_workload.build_workload(ns, out)
-    pub = keys.load_public(Path(ctx["keydir"]) / "trainer.pub")
     times: dict[str, dict[str, list[float]]] = {"fresh": {}, "kept": {}}
     with vllm_workload.serving(ctx) as url:
         vllm_workload.wait_head(ctx, url)
+        parent = Parent.create(url, vllm_workload.TOKEN, str(Path(ctx["keydir"]) / "trainer.pub"), "bench",
+                               ctx["tls_dir"])
         fetcher = Fetcher()
         try:
             for rep in range(args.reps + 2):
                 for way in ("fresh", "kept"):
-                    got = update(url, ctx["tls_dir"], pub, fetcher if way == "kept" else None)
+                    got = update(parent, fetcher if way == "kept" else None)
                     if rep >= 2:
                         for k, v in got.items():
                             times[way].setdefault(k, []).append(v)

@@ -9,7 +9,7 @@ about 4 M changed elements) with ``--chunk-mib`` chunks, starts a trainer node o
 its version-0 snapshot and version-1 delta, and measures on this machine:
 
 - ``fetch``: a rank's fetch of a whole artifact from the node, as the vLLM backend does it
-  (:func:`rollout.engines.vllm.worker.fetch.fetch_artifact`: mutual TLS, 4 streams, every chunk's hash
+  (:func:`p2psync.transport.leaf.fetch_artifact`: mutual TLS, 4 streams, every chunk's hash
   checked against the signed manifest), for the snapshot (hundreds of MB, many chunks) and the
   delta (a few MB): two sizes, so that the fit separates the fixed cost from the rate;
 - ``decode``: the delta's segments decoded against the base words on 1 and 2 threads, all of them
@@ -49,15 +49,14 @@ def machine() -> str:
 
 def fetch_points(ctx: dict, url: str, reps: int) -> list[dict]:
     """Each artifact the node holds, fetched whole by the vLLM backend's client ``reps`` times."""
-    from p2psync import keys
-    from rollout.engines.vllm.worker.fetch import fetch_artifact, fetch_plan
+    from p2psync.transport.leaf import Parent, fetch_artifact, fetch_plan
 
-    pub = keys.load_public(Path(ctx["keydir"]) / "trainer.pub")
-    tls = ctx["tls_dir"]
+    parent = Parent.create(url, vllm_workload.TOKEN, str(Path(ctx["keydir"]) / "trainer.pub"), "bench",
+                           ctx["tls_dir"], 60.0)
     plan: list = []
     for _ in range(600):  # the node ingests its publish folder after it starts
         try:
-            plan = asyncio.run(fetch_plan(url, vllm_workload.TOKEN, "bench", None, 1, 30.0, tls))
+            plan = asyncio.run(fetch_plan(parent, None, 1))
             break
         except Exception:  # noqa: BLE001 - not there yet
             time.sleep(0.5)
@@ -68,7 +67,7 @@ def fetch_points(ctx: dict, url: str, reps: int) -> list[dict]:
         times, nbytes, chunks = [], 0, 0
         for _ in range(reps):
             t = time.perf_counter()
-            m, got = asyncio.run(fetch_artifact(url, vllm_workload.TOKEN, "bench", art.id, pub, 60.0, tls_dir=tls))
+            m, got = asyncio.run(fetch_artifact(parent, art.id))
             times.append(time.perf_counter() - t)
             nbytes, chunks = sum(len(c) for c in got), len(got)
             del got

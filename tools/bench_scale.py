@@ -97,11 +97,12 @@ def _ranks(eng) -> list[dict]:
 def engine(ctx: dict, url: str, tp: int) -> Iterator[tuple[Any, Any]]:
     """A fresh vLLM engine of the workload's checkpoint at tensor parallel ``tp`` (one core per
     worker), attached to ``url`` at version 0 and audited once: ``(engine, parent)``."""
-    from rollout.engines.base import EngineConfig, ParentInfo
+    from p2psync.transport.leaf import Parent
+    from rollout.engines.base import EngineConfig
     from rollout.engines.vllm.engine import VLLMEngine, llm_kwargs, start_llm
 
     ck, keydir = ctx["ck"], Path(ctx["keydir"])
-    parent = ParentInfo(url, vllm_workload.TOKEN, (keydir / "trainer.pub").read_text(), "bench", ctx["tls_dir"])
+    parent = Parent.create(url, vllm_workload.TOKEN, (keydir / "trainer.pub").read_text(), "bench", ctx["tls_dir"])
     cpus = sorted(os.sched_getaffinity(0))
     old = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
     if tp > 1 and len(cpus) >= tp:  # one core per worker ('auto' keeps one back for the front end)

@@ -140,17 +140,15 @@ def rpc_dense_fetched(worker, url: str, pub: str, tls_dir: str) -> dict:
     snapshot of version 0 over the same link with the same client (4 streams, every chunk's hash
     checked), decoded into tensors, then ``load_weights``."""
     from p2psync.codec.decode import decode_state
-    from rollout.engines.vllm.worker.backend import load_public_key
-    from rollout.engines.vllm.worker.fetch import Fetcher, fetch_artifact, fetch_plan
+    from p2psync.transport.leaf import Fetcher, Parent, fetch_artifact, fetch_plan
 
     model = worker.model_runner.model
     t0 = time.perf_counter()
     f = Fetcher()
+    parent = Parent.create(url, TOKEN, pub, "bench/dense", tls_dir, 600.0)
     try:
-        run = lambda call: f.run(TOKEN, "bench/dense", 600.0, tls_dir, call)  # noqa: E731
-        (snap,) = run(lambda c: fetch_plan(url, TOKEN, "bench/dense", None, 0, 600.0, tls_dir=tls_dir, client=c))
-        manifest, chunks = run(lambda c: fetch_artifact(url, TOKEN, "bench/dense", snap.id, load_public_key(pub),
-                                                        600.0, tls_dir=tls_dir, client=c))
+        (snap,) = f.run(parent, lambda c: fetch_plan(parent, None, 0, c))
+        manifest, chunks = f.run(parent, lambda c: fetch_artifact(parent, snap.id, client=c))
     finally:
         f.close()
     t1 = time.perf_counter()
@@ -283,7 +281,8 @@ def run_linked(ctx: dict, node_argv: list[str], mbit: float) -> int:
 def run_engine(ctx: dict, url: str, dense: str) -> dict:
     from vllm import LLM
 
-    from rollout.engines.base import EngineConfig, ParentInfo
+    from p2psync.transport.leaf import Parent
+    from rollout.engines.base import EngineConfig
     from rollout.engines.vllm.engine import VLLMEngine, llm_kwargs
 
     ck, keydir, out, tls_dir = Path(ctx["ck"]), Path(ctx["keydir"]), Path(ctx["out"]), ctx["tls_dir"]
@@ -301,7 +300,7 @@ def run_engine(ctx: dict, url: str, dense: str) -> dict:
     ctx["vllm_build_s"] = time.perf_counter() - t
     print(f"vLLM built in {ctx['vllm_build_s']:.0f} s", flush=True)
     try:
-        eng.attach(ParentInfo(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench", tls_dir), version=0)
+        eng.attach(Parent.create(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench", tls_dir), version=0)
         rpc = eng.llm.collective_rpc
         eng.audit()  # bind and hash once (the engine does this when it is attached in a node)
         res = {}
@@ -330,7 +329,7 @@ def run_engine(ctx: dict, url: str, dense: str) -> dict:
             print("vLLM's dense reload did not restore version 0; the paths after it are skipped", flush=True)
             return _report(ctx, res)
         # p2psync again from version 0 (told so: init checks it), then the dense reload fetched as the delta is
-        eng.attach(ParentInfo(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench", tls_dir), version=0)
+        eng.attach(Parent.create(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench", tls_dir), version=0)
         f0, c0 = rpc(rpc_rusage)[0]
         t = time.perf_counter()
         assert eng.reach(1) == ctx["target"]
@@ -347,7 +346,7 @@ def run_engine(ctx: dict, url: str, dense: str) -> dict:
             if ctx.get("alternate"):
                 rpc(rpc_overlap, args=(k % 2 == 1,))  # the update above was overlapped: sequential first
             dense_s.append(rpc(rpc_dense, args=(dense,))[0]["s"])
-            eng.attach(ParentInfo(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench", tls_dir), version=0)
+            eng.attach(Parent.create(url, TOKEN, (keydir / "trainer.pub").read_text(), "bench", tls_dir), version=0)
             f0, c0 = rpc(rpc_rusage)[0]
             t = time.perf_counter()
             assert eng.reach(1) == ctx["target"]

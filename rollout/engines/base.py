@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
     from p2psync.artifact import Manifest
     from p2psync.state import ModelState
+    from p2psync.transport.leaf import Parent
 
 _MASK63 = (1 << 63) - 1
 
@@ -154,20 +155,6 @@ class Prepared:
     """The engine version it was decoded against."""
 
 
-@dataclass(frozen=True)
-class ParentInfo:
-    """A p2psync node's HTTP server, for engines that pull verified artifacts themselves (vLLM)."""
-
-    url: str
-    token: str
-    public_key: str
-    """The trainer's Ed25519 public key: PEM text or a file path."""
-    node_id: str = "engine"
-    """Named in the child header; ``<node id>/engine`` for a node's own engine (its certificate is the node's)."""
-    tls_dir: str = ""
-    """Certificate folder to present over mutual TLS (the node's ``tls.dir``); empty: plain HTTP."""
-
-
 class RolloutEngine(ABC):
     """Weights bit-equal to a published version, and generation from them (see module doc)."""
 
@@ -237,7 +224,7 @@ class RolloutEngine(ABC):
             gen.step()
         return gen.seqs
 
-    def attach(self, parent: ParentInfo, version: int | None = None) -> None:
+    def attach(self, parent: Parent, version: int | None = None) -> None:
         """Tell an engine that pulls artifacts where from (default: nothing to do)."""  # noqa: B027 - optional hook
 
     def close(self) -> None:

@@ -18,7 +18,8 @@ from nodeproc import TOKEN, Cluster, at_version, wait_for  # noqa: E402
 from vllm_helpers import PROMPTS, SPECIAL_BITS, Lineage, build, greedy, serving  # noqa: E402
 
 from p2psync import keys  # noqa: E402
-from rollout.engines.base import ParentInfo, SeqRequest  # noqa: E402
+from p2psync.transport.leaf import Parent  # noqa: E402
+from rollout.engines.base import SeqRequest  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -28,8 +29,8 @@ N = 3
 
 def parent_of(cluster: Cluster, proc: object, name: str = "engine") -> object:
     """``proc``'s address; the backend presents a node certificate for ``name`` (mutual TLS)."""
-    return ParentInfo(proc.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), name,
-                      str(tlsutil.node_tls(name).directory))
+    return Parent.create(proc.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), name,
+                         str(tlsutil.node_tls(name).directory))
 
 
 def assert_bits(engine: object, state: object) -> None:

@@ -21,7 +21,7 @@ from nodeproc import TOKEN  # noqa: E402
 from vllm_families import CheckpointLineage  # noqa: E402
 from vllm_helpers import build, greedy, serving  # noqa: E402
 
-from rollout.engines.base import ParentInfo  # noqa: E402
+from p2psync.transport.leaf import Parent  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -41,7 +41,7 @@ def test_two_ranks_hold_and_update_only_their_share_of_the_experts(tmp_path, mon
                        enable_expert_parallel=ep)
         try:
             ref = greedy(engine, 6)
-            engine.attach(ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine",
+            engine.attach(Parent.create(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine",
                                      str(tlsutil.node_tls("engine").directory)))
             assert engine.reach(0) == lin.states[0].fingerprint
             assert [lp for _, lp in greedy(engine, 6)] != [lp for _, lp in ref]

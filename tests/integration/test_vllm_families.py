@@ -29,7 +29,7 @@ from nodeproc import TOKEN  # noqa: E402
 from vllm_families import CheckpointLineage  # noqa: E402
 from vllm_helpers import build, greedy, serving  # noqa: E402
 
-from rollout.engines.base import ParentInfo  # noqa: E402
+from p2psync.transport.leaf import Parent  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -44,7 +44,7 @@ def test_family_reaches_the_last_version_equal_to_a_fresh_vllm(family, tmp_path)
         engine = build(lin.checkpoint(tmp_path, N), N)
         try:
             ref = greedy(engine)
-            engine.attach(ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine",
+            engine.attach(Parent.create(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine",
                                      str(tlsutil.node_tls("engine").directory)))
             assert engine.reach(0) == lin.states[0].fingerprint
             assert [lp for _, lp in greedy(engine)] != [lp for _, lp in ref]  # computes with version 0

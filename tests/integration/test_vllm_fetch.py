@@ -1,6 +1,6 @@
-"""The vLLM backend's fetches from a real node through one kept client (no vLLM needed): later calls
-reuse its connections, a node restarted at the same address is reached again by the next call, and a
-refused fetch leaves the fetcher usable."""
+"""The leaf fetch the vLLM backend uses (:mod:`p2psync.transport.leaf`), from a real node through one
+kept client (no vLLM needed): later calls reuse its connections, a node restarted at the same address
+is reached again by the next call, and a refused fetch leaves the fetcher usable."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import pytest
 import tlsutil
 from nodeproc import TOKEN, Cluster, Workload, at_version, wait_for
 
+from cryptography.hazmat.primitives import serialization
+
 from p2psync import keys
 from p2psync.errors import SignatureError
-from rollout.engines.vllm.worker.fetch import Fetcher, fetch_artifact, fetch_manifest, fetch_plan
+from p2psync.transport.leaf import Fetcher, Parent, fetch_artifact, fetch_manifest, fetch_plan
 
 pytestmark = pytest.mark.integration
 
@@ -32,27 +34,28 @@ def test_a_kept_client_fetches_again_after_the_node_restarts_at_the_same_address
     tr = cluster.start("trainer", "trainer", publish=True, extra=[f"--listen.port={port}"])
     wait_for(lambda: at_version(tr, 1), 60, "trainer published")
     tls = str(tlsutil.node_tls("engine").directory)
-    pub = keys.load_public(cluster.keydir / "trainer.pub")
+    parent = Parent.create(tr.url, TOKEN, str(cluster.keydir / "trainer.pub"), "engine", tls, 10.0)
+    other_key = keys.generate().public_key().public_bytes(serialization.Encoding.PEM,
+                                                          serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+    forged = Parent.create(tr.url, TOKEN, other_key, "engine", tls, 10.0)
     f = Fetcher()
 
-    def fetch(call, retry=False):
-        return f.run(TOKEN, "engine", 10.0, tls, call, retry=retry)
+    def fetch(call, retry=False, at=parent):
+        return f.run(at, call, retry=retry)
 
     try:
-        plan = fetch(lambda c: fetch_plan(tr.url, TOKEN, "engine", 0, 1, 10.0, tls, client=c), retry=True)
+        plan = fetch(lambda c: fetch_plan(parent, 0, 1, c), retry=True)
         assert [a.target for a in plan] == [1]
         kept = f._client
-        m = fetch(lambda c: fetch_manifest(tr.url, TOKEN, "engine", plan[0].id, pub, 10.0, tls, client=c))
-        _, chunks = fetch(lambda c: fetch_artifact(tr.url, TOKEN, "engine", plan[0].id, pub, 10.0, tls_dir=tls,
-                                                   manifest=m, client=c))
+        m = fetch(lambda c: fetch_manifest(parent, plan[0].id, c))
+        _, chunks = fetch(lambda c: fetch_artifact(parent, plan[0].id, manifest=m, client=c))
         assert f._client is kept and all(c is not None for c in chunks)
 
-        # A manifest that does not verify is refused; the next call opens a new client and works.
+        # A manifest that does not verify against the key is refused; the next call works.
         with pytest.raises(SignatureError):
-            fetch(lambda c: fetch_manifest(tr.url, TOKEN, "engine", plan[0].id, keys.generate().public_key(),
-                                           10.0, tls, client=c))
-        assert fetch(lambda c: fetch_manifest(tr.url, TOKEN, "engine", plan[0].id, pub, 10.0, tls,
-                                              client=c)).artifact_id == plan[0].id
+            fetch(lambda c: fetch_manifest(forged, plan[0].id, c), at=forged)
+        assert f._client is None  # the failed call's client was dropped
+        assert fetch(lambda c: fetch_manifest(parent, plan[0].id, c)).artifact_id == plan[0].id
 
         # The node restarts at the same address: the kept connections are dead, the plan is asked again.
         tr.stop()
@@ -60,7 +63,7 @@ def test_a_kept_client_fetches_again_after_the_node_restarts_at_the_same_address
         tr2 = cluster.start("trainer", "trainer", publish=True, extra=[f"--listen.port={port}"], data_dir=tr.data_dir)
         assert tr2.url == tr.url
         wait_for(lambda: at_version(tr2, 1), 60, "trainer restarted")
-        plan2 = fetch(lambda c: fetch_plan(tr.url, TOKEN, "engine", 0, 1, 10.0, tls, client=c), retry=True)
+        plan2 = fetch(lambda c: fetch_plan(parent, 0, 1, c), retry=True)
         assert [a.id for a in plan2] == [a.id for a in plan]
     finally:
         f.close()

@@ -22,7 +22,7 @@ import tlsutil  # noqa: E402
 from nodeproc import TOKEN, at_version, wait_for  # noqa: E402
 from vllm_helpers import Lineage, build, greedy, serving  # noqa: E402
 
-from rollout.engines.base import ParentInfo  # noqa: E402
+from p2psync.transport.leaf import Parent  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -43,7 +43,7 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
         try:
             engine = build(lin.checkpoint(tmp_path / "v0", 0), max_model_len=128, tensor_parallel_size=2)
             tls_dir = str(tlsutil.node_tls("engine").directory)
-            parent = ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine", tls_dir)
+            parent = Parent.create(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine", tls_dir)
             engine.attach(parent, version=0)
             before = greedy(engine, 6)
             for v in range(1, N + 1):
@@ -70,7 +70,7 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
                                   extra=["--testing.corrupt_served_chunks=true"])
             try:
                 wait_for(lambda: at_version(relay, N + 1), 60, "relay caught up")
-                engine.attach(ParentInfo(relay.url, TOKEN, parent.public_key, "engine", tls_dir))
+                engine.attach(Parent.create(relay.url, TOKEN, parent.key_text, "engine", tls_dir))
                 engine.stage(N + 1)  # each rank's stage meets the bad chunks; the update fetches again
                 wait_for(lambda: all((s["staging"] or {}).get("done") for s in engine.rank_status()), 120,
                          "both ranks' stages ended")

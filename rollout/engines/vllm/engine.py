@@ -57,7 +57,6 @@ from p2psync.errors import FingerprintMismatch, P2PSyncError
 from rollout.engines.base import (
     EngineConfig,
     Generation,
-    ParentInfo,
     Prepared,
     RolloutEngine,
     SeqRequest,
@@ -68,6 +67,7 @@ from rollout.engines.base import (
 if TYPE_CHECKING:
     from p2psync.artifact import Manifest
     from p2psync.state import ModelState
+    from p2psync.transport.leaf import Parent
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class VLLMEngine(RolloutEngine):
         """``version``: the version the weights vLLM loaded hold (e.g. a trainer checkpoint), if known."""
         self.llm = llm
         self.version = version
-        self.parent: ParentInfo | None = None
+        self.parent: Parent | None = None
         self._fingerprint: str | None = None
         self._stale_cache = False
         self._busy = threading.RLock()
@@ -181,10 +181,9 @@ class VLLMEngine(RolloutEngine):
         return cls(start_llm(kw))
 
     # --- the backend ----------------------------------------------------------------------
-    def attach(self, parent: ParentInfo, version: int | None = None) -> None:
+    def attach(self, parent: Parent, version: int | None = None) -> None:
         """Point the backend at ``parent``; ``version``: what the loaded weights are (None: unknown)."""
-        info: dict[str, Any] = {"url": parent.url, "token": parent.token, "public_key": parent.public_key,
-                "node_id": parent.node_id, "tls_dir": parent.tls_dir}
+        info = parent.wire()
         if version is not None:
             info["version"] = version
         try:

@@ -17,6 +17,7 @@ GOOD = {"url": "http://127.0.0.1:7001", "token": "t0k", "public_key": "keys/trai
     ({"token": "t", "public_key": "k"}, "init_info.url"),
     ({"url": "http://h:1", "public_key": "k"}, "init_info.token"),
     ({**GOOD, "public_key": ""}, "init_info.public_key"),
+    (GOOD, "init_info.public_key"),  # keys/trainer.pub: no such file here
     ({**GOOD, "versoin": 0}, "init_info.versoin"),
     ({**GOOD, "url": 7001}, "init_info.url"),
     ({**GOOD, "url": "127.0.0.1:7001"}, "init_info.url"),
@@ -61,11 +62,17 @@ def test_malformed_update_info_names_the_field(given, field):
     assert err.value.field == field
 
 
-def test_well_formed_requests_parse():
-    got = init_info({**GOOD, "url": "http://127.0.0.1:7001/", "version": 0, "threads": 1, "timeout": 5})
-    assert (got.url, got.version, got.threads, got.timeout, got.node_id) == ("http://127.0.0.1:7001", 0, 1, 5.0, "vllm")
-    assert init_info({**GOOD, "threads": 0}).threads == 0  # the default: as many as the update's CPUs
-    assert init_info({**GOOD, "version": None}).version is None
+def test_well_formed_requests_parse(tmp_path):
+    keys.write_pair(keys.generate(), tmp_path / "keys")
+    good = {**GOOD, "public_key": str(tmp_path / "keys" / "trainer.pub")}
+    got = init_info({**good, "url": "http://127.0.0.1:7001/", "version": 0, "threads": 1, "timeout": 5})
+    p = got.parent
+    assert (p.url, got.version, got.threads, p.timeout, p.node_id) == ("http://127.0.0.1:7001", 0, 1, 5.0, "vllm")
+    assert keys.key_id(p.public_key) == keys.key_id(keys.load_public(good["public_key"]))  # read once, here
+    assert p.tls is None and "tls_dir" not in p.wire()  # plain HTTP: no certificate folder
+    assert init_info(p.wire()).parent.wire() == p.wire()  # what an engine sends on is what it was given
+    assert init_info({**good, "threads": 0}).threads == 0  # the default: as many as the update's CPUs
+    assert init_info({**good, "version": None}).version is None
     assert update_info({"version": 0}).version == 0
     assert update_info({"version": 0}).stage is False
     assert update_info({"version": 3, "stage": True}) == update_info({"version": 3, "stage": True})

@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.weight_transfer.base import (
@@ -77,9 +77,9 @@ from p2psync.errors import P2PSyncError, PeerUnreachable, SignatureError, Trunca
 from rollout.engines.vllm.worker import infos
 from rollout.engines.vllm.worker import warm
 from rollout.engines.vllm.worker.cpus import own_cpus, update_cpus
-from rollout.engines.vllm.worker.fetch import (Fetcher, check_key, decoding, fetch_decoding, fetch_manifest, fetch_plan,
-                                               fetch_version_manifest)
-from rollout.engines.vllm.worker.infos import NotInitialized, TransferInfoError, load_public_key
+from p2psync.transport.leaf import Fetcher, Parent, fetch_manifest, fetch_version_manifest
+from rollout.engines.vllm.worker.fetch import decoding, fetch_decoding, key_checked, plan_to
+from rollout.engines.vllm.worker.infos import NotInitialized, TransferInfoError
 from rollout.engines.vllm.worker.stage import Staged, Stager, replay, stage
 from rollout.engines.vllm.apply.stream import Streamed, streams
 from rollout.engines.vllm.apply.ranks import RankGroup, RankRefused, Solo, together, vllm_group
@@ -91,9 +91,11 @@ BACKEND = "p2psync"
 
 
 @dataclass
-class P2PSyncInitInfo(WeightTransferInitInfo, infos.InitFields):
-    """The checked ``init_info`` (fields: :class:`rollout.engines.vllm.worker.infos.InitFields`)."""
+class P2PSyncInitInfo(WeightTransferInitInfo):
+    """The checked ``init_info`` (fields: :class:`rollout.engines.vllm.worker.infos.InitFields`), or
+    the refusal of one."""
 
+    fields: infos.InitFields | None = None
     refusal: P2PSyncError | None = field(default=None, repr=False)
     """Set by :meth:`P2PSyncWeightTransfer.parse_init_info` instead of raising (not a client field)."""
 
@@ -137,8 +139,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
 
     def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
         super().__init__(config, vllm_config, device, model)
-        self.info: P2PSyncInitInfo | None = None
-        self.public_key: Any = None
+        self.info: infos.InitFields | None = None
         self.version: int | None = None
         self.live: LiveWeights | None = None
         self.timing: dict[str, Any] = {}
@@ -171,9 +172,9 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         Never raises: a refusal travels in ``refusal`` to :meth:`init_transfer_engine`, which raises
         it from the last tensor-parallel rank only (see :meth:`_refuse`)."""
         try:
-            return P2PSyncInitInfo(**asdict(infos.init_info(init_dict)))
+            return P2PSyncInitInfo(fields=infos.init_info(init_dict))
         except P2PSyncError as exc:
-            return P2PSyncInitInfo("", "", "", refusal=exc)
+            return P2PSyncInitInfo(refusal=exc)
 
     def parse_update_info(self, update_dict: Any) -> P2PSyncUpdateInfo:
         """The client's ``update_info``, checked; raises :class:`TransferInfoError` naming the field."""
@@ -198,38 +199,36 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         The check with ``version`` binds the trainer's tensor table to the model and hashes every
         live word (the one full pass; later updates change the fingerprint from the changed words
         alone). Nothing is adopted unless every check passed."""
-        if init_info.refusal is not None:
-            self._refuse(init_info.refusal, "p2psync init")
+        if init_info.refusal is not None or init_info.fields is None:
+            self._refuse(init_info.refusal or P2PSyncError("empty init_info"), "p2psync init")
             return
         self.stager.take()  # staged from the previous parent: dropped
-        info = init_info
+        info = init_info.fields
+        parent = info.parent
         version, live = self.version, self.live
         try:
-            public_key = self._together(lambda: load_public_key(info.public_key))
             if info.version is not None:
-                manifest = self._together(lambda: self._at_init(lambda c: fetch_version_manifest(
-                    info.url, info.token, info.node_id, info.version, public_key, info.timeout,
-                    info.tls_dir, client=c), info))
+                at = info.version
+                manifest = self._together(lambda: self._at_init(lambda c: fetch_version_manifest(parent, at, c), info))
                 live = self.bound(manifest, info.threads)
                 if live.audit() != manifest.target_fingerprint:
                     raise WrongBase(manifest.target_fingerprint, live.fingerprint, info.version)
                 version = info.version
             else:
-                self._together(lambda: self._at_init(lambda c: check_key(
-                    info.url, info.token, info.node_id, public_key, info.timeout, info.tls_dir, client=c), info))
+                self._together(lambda: self._at_init(lambda c: key_checked(parent, c), info))
         except P2PSyncError as exc:
             self._refuse(exc, f"p2psync init{'' if info.version is None else f' at version {info.version}'}")
             return
-        self.public_key, self.info, self.version, self.live = public_key, info, version, live
-        self.fetcher.connect(info.token, info.node_id, info.timeout, info.tls_dir, info.url)
+        self.info, self.version, self.live = info, version, live
+        self.fetcher.connect(parent)
 
-    def _at_init(self, call: Any, info: P2PSyncInitInfo) -> Any:
+    def _at_init(self, call: Any, info: infos.InitFields) -> Any:
         """``call(client)`` through the fetcher (its connections then serve the first update), with
         a refusal named by the field of ``init_info`` it comes from."""
         try:
-            return self.fetcher.run(info.token, info.node_id, info.timeout, info.tls_dir, call, retry=True)
+            return self.fetcher.run(info.parent, call, retry=True)
         except P2PSyncError as exc:
-            raise _init_error(exc, info.url, info.version) from None
+            raise _init_error(exc, info.parent.url, info.version) from None
 
     def start_weight_update(self) -> None:
         """Nothing to prepare: artifacts are applied in place, each all-or-nothing."""
@@ -276,7 +275,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
             raise _Tagged(exc, text) from exc
 
     # --- p2psync ---------------------------------------------------------------------------------
-    def _checked(self, target: int) -> P2PSyncInitInfo:
+    def _checked(self, target: int) -> infos.InitFields:
         info = self.info
         if info is None:
             raise NotInitialized()
@@ -285,9 +284,9 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
                                     "updates only move forward")
         return info
 
-    def _fetching(self, info: P2PSyncInitInfo) -> Any:
+    def _fetching(self, parent: Parent) -> Any:
         def fetching(call: Any, retry: bool = False) -> Any:  # through the client kept between updates
-            return self.fetcher.run(info.token, info.node_id, info.timeout, info.tls_dir, call, retry=retry)
+            return self.fetcher.run(parent, call, retry=retry)
         return fetching
 
     def stage(self, target: int) -> None:
@@ -295,8 +294,8 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         info = self._checked(target)
         if target == self.version:
             return
-        base, live, key, overlap = self.version, self.live, self.public_key, self.overlap
-        self.stager.start(target, lambda: stage(self._fetching(info), info, key, live, base, target, overlap))
+        base, live, overlap, parent = self.version, self.live, self.overlap, info.parent
+        self.stager.start(target, lambda: stage(self._fetching(parent), parent, live, base, target, overlap))
 
     def _staged(self, target: int) -> tuple[Staged | None, list[str] | None]:
         """What was staged (after waiting for a stage in progress), and its plan if that alone reaches
@@ -312,16 +311,15 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
 
     def reach(self, target: int) -> None:
         """Apply the artifacts from the current version to ``target`` (see module doc)."""
-        info = self._checked(target)
-        fetching = self._fetching(info)
+        parent = self._checked(target).parent
+        fetching = self._fetching(parent)
         staged, plan = self._staged(target)
         # Tensor-parallel ranks apply rank 0's plan together; each fetches and checks it itself.
         if plan is None:
             # the chunk streams' connections open while the plan and the manifest are fetched
-            self.fetcher.connect(info.token, info.node_id, info.timeout, info.tls_dir, info.url)
-            plan = self._together(lambda: [a.id for a in fetching(lambda c: fetch_plan(
-                info.url, info.token, info.node_id, self.version, target, info.timeout, info.tls_dir, client=c),
-                retry=True)], share=True)
+            self.fetcher.connect(parent)
+            plan = self._together(lambda: [a.id for a in fetching(lambda c: plan_to(parent, self.version, target, c),
+                                                                  retry=True)], share=True)
         for aid in plan:
             if self.group.all_true(staged is not None and staged.usable(aid, self.version)):
                 assert staged is not None
@@ -329,9 +327,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
                 staged = None
                 continue
             t = time.perf_counter()
-            manifest = self._together(lambda: fetching(lambda c: fetch_manifest(
-                info.url, info.token, info.node_id, aid, self.public_key, info.timeout, info.tls_dir, client=c),
-                retry=True))
+            manifest = self._together(lambda: fetching(lambda c: fetch_manifest(parent, aid, c), retry=True))
             t_bind = time.perf_counter()
             need = self.needed(manifest)  # binds the table first (its collectives are not fetch time)
             t_need = time.perf_counter()
@@ -340,8 +336,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
                 stream.agree()
 
             # with a stream, each chunk decoded as it arrives (rollout.engines.vllm.apply.stream)
-            chunks = self._together(lambda: fetch_decoding(fetching, info, self.public_key, aid, manifest, need,
-                                                           stream))
+            chunks = self._together(lambda: fetch_decoding(fetching, parent, aid, manifest, need, stream))
             fetched = (t_bind - t) + (time.perf_counter() - t_need)
             self.apply(manifest, chunks, stream)
             self.timing = {"fetch_s": round(fetched, 4), **(self.live.timing if self.live else {}),

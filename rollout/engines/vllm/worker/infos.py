@@ -9,16 +9,17 @@ backend as they came over HTTP (or from ``LLM``). :func:`init_info` and
 versions, a ``stage`` that is not ``true`` or ``false``. JSON has no integer type of its own, so a version must be a JSON
 integer (``5``), not ``"5"`` or ``5.0``.
 
-No vLLM import here: the rules are plain Python, testable without an engine.
+No vLLM import here: the rules are plain Python, testable without an engine. The parent's
+fields become one :class:`~p2psync.transport.leaf.Parent`, built here once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from p2psync.errors import ConfigError, P2PSyncError
+from p2psync.transport.leaf import Parent, public_key_from
 
 
 class TransferInfoError(ConfigError):
@@ -38,24 +39,19 @@ class NotInitialized(P2PSyncError):
 
 @dataclass
 class InitFields:
-    """The fields of ``init_info`` (the backend's :class:`rollout.engines.vllm.worker.backend.P2PSyncInitInfo`)."""
+    """The fields of ``init_info`` (the backend's :class:`rollout.engines.vllm.worker.backend.P2PSyncInitInfo`).
 
-    url: str
-    """Address of the p2psync node to pull from (e.g. the rollout node's own server)."""
-    token: str
-    """The cluster token (``Authorization: Bearer``)."""
-    public_key: str
-    """The trainer's Ed25519 public key: PEM text, or the path of a PEM file."""
+    The parent's own fields (``url``, ``token``, ``public_key``, ``node_id``, ``timeout``,
+    ``tls_dir``: see :class:`~p2psync.transport.leaf.Parent`) build :attr:`parent` once, its
+    certificate folder loaded and its key read; ``node_id`` defaults to ``"vllm"``."""
+
+    parent: Parent
+    """The p2psync node to pull from (e.g. the rollout node's own server)."""
     version: int | None = None
     """Version of the weights the model holds now (None: unknown, the first update loads a snapshot)."""
-    node_id: str = "vllm"
     threads: int = 0
     """Decode, write and hash threads; 0: one per CPU the update may use, the worker's own cores and
     those vLLM's thread binding leaves free (:mod:`rollout.engines.vllm.worker.cpus`)."""
-    timeout: float = 30.0
-    """Seconds a parent may stall before the fetch fails."""
-    tls_dir: str = ""
-    """Certificate folder presented to an ``https://`` parent (the node's own ``tls.dir``; mutual TLS)."""
 
 
 @dataclass
@@ -111,30 +107,20 @@ def init_info(value: Any) -> InitFields:
     where = "init_info"
     d = _table(value, where, _INIT_REQUIRED + _INIT_OPTIONAL, _INIT_REQUIRED)
     url = _text(d["url"], f"{where}.url")
-    if not url.startswith(("http://", "https://")):
-        raise TransferInfoError(f"{where}.url", f"must be an http:// or https:// address, got {url!r}")
-    out = InitFields(url=url.rstrip("/"), token=_text(d["token"], f"{where}.token"),
-                     public_key=_text(d["public_key"], f"{where}.public_key"))
-    if d.get("version") is not None:
-        out.version = _integer(d["version"], f"{where}.version", 0)
-    if "node_id" in d:
-        out.node_id = _text(d["node_id"], f"{where}.node_id")
-    if "threads" in d:
-        out.threads = _integer(d["threads"], f"{where}.threads", 0)
-    if "timeout" in d:
-        t = d["timeout"]
-        if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
-            raise TransferInfoError(f"{where}.timeout", f"must be a number of seconds > 0, got {_shown(t)}")
-        out.timeout = float(t)
-    if "tls_dir" in d:
-        out.tls_dir = _text(d["tls_dir"], f"{where}.tls_dir")
-        if not Path(out.tls_dir).is_dir():
-            raise TransferInfoError(f"{where}.tls_dir", f"no such folder: {out.tls_dir!r} (the certificate folder "
-                                    "of the node, e.g. its data_dir/tls)")
-    if url.startswith("https://") and not out.tls_dir:
-        raise TransferInfoError(f"{where}.tls_dir", "missing: an https:// parent takes only mutual TLS; give the "
-                                "folder with a certificate of the cluster CA (the node's data_dir/tls)")
-    return out
+    token = _text(d["token"], f"{where}.token")
+    key = _text(d["public_key"], f"{where}.public_key")
+    node_id = _text(d["node_id"], f"{where}.node_id") if "node_id" in d else "vllm"
+    version = None if d.get("version") is None else _integer(d["version"], f"{where}.version", 0)
+    threads = _integer(d["threads"], f"{where}.threads", 0) if "threads" in d else 0
+    tls_dir = _text(d["tls_dir"], f"{where}.tls_dir") if "tls_dir" in d else ""
+    timeout = d.get("timeout", 30.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise TransferInfoError(f"{where}.timeout", f"must be a number of seconds > 0, got {_shown(timeout)}")
+    try:
+        parent = Parent.create(url, token, key, node_id, tls_dir, float(timeout), prefix=f"{where}.")
+    except ConfigError as exc:
+        raise TransferInfoError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
+    return InitFields(parent, version, threads)
 
 
 def update_info(value: Any) -> UpdateFields:
@@ -149,20 +135,7 @@ def update_info(value: Any) -> UpdateFields:
 def load_public_key(text: str, field: str = "init_info.public_key") -> Any:
     """The trainer's Ed25519 public key from PEM text or the path of a PEM file; :class:`TransferInfoError`
     naming ``field`` if it cannot be read or is not an Ed25519 key."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
-    from p2psync import keys
-
-    if "BEGIN PUBLIC KEY" not in text:
-        try:
-            return keys.load_public(text)
-        except ConfigError as exc:
-            raise TransferInfoError(field, str(exc).removeprefix(f"{exc.field}: ")) from None
     try:
-        key = serialization.load_pem_public_key(text.encode())
-    except (ValueError, TypeError) as exc:
-        raise TransferInfoError(field, f"PEM text that is not a public key: {exc}") from None
-    if not isinstance(key, Ed25519PublicKey):
-        raise TransferInfoError(field, f"not an Ed25519 public key ({type(key).__name__})")
-    return key
+        return public_key_from(text, field)
+    except ConfigError as exc:
+        raise TransferInfoError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None

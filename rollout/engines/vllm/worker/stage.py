@@ -39,7 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.engines.vllm.worker.fetch import OnChunk, fetch_decoding, fetch_manifest, fetch_plan
+from p2psync.transport.leaf import OnChunk, Parent, fetch_manifest
+from rollout.engines.vllm.worker.fetch import fetch_decoding, plan_to
 from rollout.engines.vllm.apply.slices import chunks_needed
 from rollout.engines.vllm.apply.stream import Streamed, streams
 
@@ -70,28 +71,25 @@ class Staged:
         return self.error is None and self.chunks is not None and self.plan[:1] == [aid] and self.base == version
 
 
-def stage(fetching: Fetching, info: Any, public_key: Any, live: Any, base: int | None, target: int,
+def stage(fetching: Fetching, parent: Parent, live: Any, base: int | None, target: int,
           overlap: bool = True) -> Staged:
     """Fetch (with one rank: and decode) the first artifact of the way from ``base`` to ``target``
-    (``info``: the accepted init; ``live``: the bound weights). Never raises: a failure is kept in
+    from ``parent`` (``live``: the bound weights). Never raises: a failure is kept in
     :attr:`Staged.error`."""
     t = time.perf_counter()
     out = Staged(target, base)
     try:
-        out.plan = [a.id for a in fetching(lambda c: fetch_plan(
-            info.url, info.token, info.node_id, base, target, info.timeout, info.tls_dir, client=c, in_flight=True),
-            retry=True)]
+        out.plan = [a.id for a in fetching(lambda c: plan_to(parent, base, target, c, in_flight=True), retry=True)]
         if not out.plan:
             return out
         aid = out.plan[0]
-        manifest = out.manifest = fetching(lambda c: fetch_manifest(
-            info.url, info.token, info.node_id, aid, public_key, info.timeout, info.tls_dir, client=c), retry=True)
+        manifest = out.manifest = fetching(lambda c: fetch_manifest(parent, aid, c), retry=True)
         if manifest.kind != "delta" or live is None or live.specs != list(manifest.tensors):
             return out  # a snapshot, or a table the weights are not bound to (bound at the commit)
         # one rank decodes as chunks arrive (Streamed checks the base fingerprint first); several ranks
         # decode at the commit, where their collectives run
         stream = Streamed(live, manifest) if overlap and live.group.size == 1 and streams(live, manifest) else None
-        out.chunks = fetch_decoding(fetching, info, public_key, aid, manifest, chunks_needed(live, manifest), stream)
+        out.chunks = fetch_decoding(fetching, parent, aid, manifest, chunks_needed(live, manifest), stream)
         out.stream = stream
     except BaseException as exc:  # noqa: BLE001 - kept for the commit, which decides
         out.error = exc
