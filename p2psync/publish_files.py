@@ -4,7 +4,8 @@ Contract:
 
 - The version the trainer holds is learnt from the directory itself: the trainer node
   publishes every artifact file there in version order, so the newest version among the
-  files signed by the trainer's key is the version the trainer holds once it has read them.
+  files signed by the trainer's key that continue one another (from a snapshot, each delta's base
+  the version before) is the version the trainer holds once it has read them.
   ``.p2psync-published.json`` beside them (the watcher never looks at names starting with
   ``.``) records which checkpoint made that version and its fingerprint.
 - Nothing held (no artifact file in the directory): the checkpoint becomes version 0, a
@@ -97,16 +98,31 @@ def artifacts_in(directory: Path, public_key: Ed25519PublicKey) -> list[tuple[Ma
     return out
 
 
+def chain(arts: list[tuple[Manifest, Path]]) -> list[tuple[Manifest, Path]]:
+    """The files the trainer goes through, as its watcher takes them: from the newest snapshot that
+    restarts the chain, each delta whose base (version and fingerprint) is the version before.
+    Files off the chain (refused, stale) are left out."""
+    out: list[tuple[Manifest, Path]] = []
+    for m, path in arts:
+        if m.kind == "snapshot":
+            if not out or m.target_version > out[-1][0].target_version:
+                out = [(m, path)]
+        elif out and m.base_version == out[-1][0].target_version \
+                and m.base_fingerprint == out[-1][0].target_fingerprint:
+            out.append((m, path))
+    return out
+
+
 def held(directory: Path, public_key: Ed25519PublicKey) -> tuple[Published | None, list[tuple[Manifest, Path]]]:
-    """The newest version in the directory (None: nothing held yet) and the artifacts there."""
-    arts = artifacts_in(directory, public_key)
-    if not arts:
-        return None, arts
-    m, path = arts[-1]
+    """The newest version in the directory's chain (None: nothing held yet) and that chain."""
+    files = chain(artifacts_in(directory, public_key))
+    if not files:
+        return None, files
+    m, path = files[-1]
     rec = read_record(directory)
     ckpt = rec.checkpoint if rec is not None and rec.version == m.target_version \
         and rec.fingerprint == m.target_fingerprint else None
-    return Published(m.target_version, m.target_fingerprint, m.model_id, path.name, ckpt), arts
+    return Published(m.target_version, m.target_fingerprint, m.model_id, path.name, ckpt), files
 
 
 @contextmanager
@@ -128,35 +144,26 @@ def _in_table(state: ModelState, table: list) -> ModelState:
     return in_table(state, table)
 
 
-def chain_state(arts: list[tuple[Manifest, Path]], version: int, threads: int) -> ModelState:
-    """The weights of ``version`` decoded from the directory: its newest snapshot at or below
-    ``version``, then the deltas that continue it."""
+def chain_state(files: list[tuple[Manifest, Path]], threads: int) -> ModelState:
+    """The weights at the end of ``files`` (a :func:`chain`), decoded."""
     from p2psync.codec.decode import Applier
 
-    snaps = [i for i, (m, _) in enumerate(arts) if m.kind == "snapshot" and m.target_version <= version]
-    if not snaps:
-        raise ConfigError("base", f"no snapshot at or below version {version} in the publish directory to "
-                                  "rebuild it from; give its checkpoint with --base")
     state: ModelState | None = None
-    fp = None
-    for m, path in arts[snaps[-1]:]:
-        if m.target_version > version:
-            break
-        if m.kind == "delta" and m.base_fingerprint != fp:
-            continue  # not a continuation of the chain (a refused or stale file)
+    for _, path in files:
         with ArtifactFile(path, None, allow_unsigned=True) as art:  # signatures checked when listed
             ap = Applier.onto(state, art.manifest)
             ap.add_chunks(art.chunks(), threads)
-            fp = ap.commit()
+            ap.commit()
             state = ap.state
-    if state is None or fp is None:
-        raise ConfigError("base", f"cannot rebuild version {version} from the publish directory")
+    if state is None:
+        raise ConfigError("base", "the publish directory holds no snapshot to rebuild the weights from")
     return state
 
 
 def base_state(top: Published, arts: list[tuple[Manifest, Path]], base: str | None,
                threads: int) -> tuple[ModelState, str]:
-    """The weights of ``top`` (see the module doc) in its tensor table's order, and where they came from."""
+    """The weights of ``top``, the end of the chain ``arts`` (see the module doc), in its tensor table's
+    order, and where they came from."""
     from p2psync import checkpoint
 
     table = list(next(m for m, p in arts if p.name == top.file).tensors)
@@ -174,7 +181,7 @@ def base_state(top: Published, arts: list[tuple[Manifest, Path]], base: str | No
         if source == base:
             raise ConfigError("base", f"{base} is not version {top.version} (fingerprint {top.fingerprint}): "
                                       f"{tried[-1]}")
-    state = chain_state(arts, top.version, threads)
+    state = chain_state(arts, threads)
     if state.fingerprint != top.fingerprint:
         raise ConfigError("base", f"the publish directory's files decode to fingerprint {state.fingerprint}, "
                                   f"not version {top.version}'s {top.fingerprint}")
