@@ -92,13 +92,62 @@ def in_table(state: ModelState, specs: Sequence[TensorSpec]) -> ModelState:
     return ordered
 
 
+def _rewrite_like(src: Path, dst: Path, state: ModelState) -> bool:
+    """``dst`` = the safetensors file ``src`` byte for byte (its header: ``__metadata__``, tensor
+    order, offsets, padding), each tensor's data replaced by ``state``'s bits. Returns False (and
+    writes nothing) when ``src``'s tensors are not exactly ``state``'s names, dtypes and sizes."""
+    with open(src, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            return False
+        n = int.from_bytes(head, "little")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            return False
+    start = 8 + n
+    spans: list[tuple[str, int, int]] = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if name not in state.index:
+            return False
+        t = state.tensor(name)
+        begin, end = info["data_offsets"]
+        if end - begin != t.numel() * t.element_size() or list(info["shape"]) != list(t.shape):
+            return False
+        spans.append((name, begin, end))
+    if len(spans) != len(state):
+        return False
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copyfile(src, tmp)
+    try:
+        with open(tmp, "r+b") as f:
+            for name, begin, _ in spans:
+                f.seek(start + begin)
+                f.write(state.tensor(name).contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+        tmp.replace(dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return True
+
+
 def save(state: ModelState, out: str | Path, like: Checkpoint | None = None) -> None:
     """Write ``state`` as one ``.safetensors`` file (``out`` ends in .safetensors) or as a folder
-    with the shard layout of ``like`` (plus its non-weight files, e.g. config.json)."""
+    with the shard layout of ``like`` (plus its non-weight files, e.g. config.json).
+
+    With ``like`` of the same kind (a file for a file, a folder for a folder) and the same tensor
+    table, every file is ``like``'s byte for byte except the tensors' data: the safetensors header
+    (``__metadata__``, tensor order, padding), the index and the other files are copied, so the
+    output is byte-identical to any checkpoint with those bits whose files have ``like``'s headers
+    (e.g. NEW of a delta when BASE and NEW were written the same way)."""
     out = Path(out)
     if out.suffix == ".safetensors":
-        meta = next(iter(like.metadata.values()), {}) if like else {}
-        save_file(state.tensors(), str(out), metadata=meta or {"format": "pt"})
+        if like is not None and not like.source.is_dir() and _rewrite_like(like.source, out, state):
+            return
+        meta = next(iter(like.metadata.values()), {}) if like else {"format": "pt"}
+        save_file(state.tensors(), str(out), metadata=meta or None)
         return
     out.mkdir(parents=True, exist_ok=True)
     if like is None or not like.source.is_dir():
@@ -106,12 +155,11 @@ def save(state: ModelState, out: str | Path, like: Checkpoint | None = None) -> 
         return
     known = set(state)
     for shard, names in like.shards.items():
-        save_file({n: state.tensor(n) for n in names if n in known}, str(out / shard),
-                  metadata=like.metadata.get(shard) or {"format": "pt"})
+        part = ModelState((n, state.tensor(n)) for n in names if n in known)
+        if not _rewrite_like(like.source / shard, out / shard, part):
+            save_file(part.tensors(), str(out / shard), metadata=like.metadata.get(shard) or None)
     if (like.source / INDEX).exists():
-        index = json.loads((like.source / INDEX).read_text())
-        index.setdefault("metadata", {})["total_size"] = state.nbytes
-        (out / INDEX).write_text(json.dumps(index, indent=2))
+        shutil.copyfile(like.source / INDEX, out / INDEX)  # a delta keeps every tensor's size
     for p in like.source.iterdir():
         if p.is_file() and p.suffix != ".safetensors" and p.name != INDEX:
             shutil.copy2(p, out / p.name)

@@ -18,7 +18,7 @@ import logging
 import sys
 
 # Subcommand modules under p2psync.cli, in help order.
-COMMANDS = ["cert", "delta", "keygen", "node", "plan", "testbed", "ui", "viz", "warm"]
+COMMANDS = ["cert", "delta", "keygen", "node", "plan", "publish", "snapshot", "testbed", "ui", "viz", "warm"]
 COMMAND_GROUP = "p2psync.commands"
 """Entry point group of the commands other packages add (value: a module with ``add_parser``)."""
 
@@ -73,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         rc = args.run(args)
     except (P2PSyncError, TopologyError) as exc:
         print(f"p2psync: error: {exc}", file=sys.stderr)
+        return 1
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+        # A path given on the command line (or in a file it names) that cannot be opened: one
+        # line naming it; --log-level DEBUG shows where it was opened.
+        logging.getLogger("p2psync.cli").debug("%s failed", args.command, exc_info=True)
+        what = f"cannot open {exc.filename}: {exc.strerror}" if exc.filename else str(exc)
+        print(f"p2psync: error: {what}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -65,7 +65,37 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def _token(args: argparse.Namespace) -> str:
+def speaks_tls(url: str, timeout: float = 2.0) -> bool:
+    """Whether the server at ``url`` (host and port) completes a TLS handshake: a p2psync node
+    serves only mutual TLS, and a plain HTTP request to it is dropped without an answer."""
+    import socket
+    import ssl
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    if not u.hostname or not u.port:
+        return False
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE  # only asks whether it speaks TLS; nothing is sent over it
+    try:
+        with socket.create_connection((u.hostname, u.port), timeout=timeout) as raw, \
+                ctx.wrap_socket(raw, server_hostname=u.hostname):
+            return True
+    except (OSError, ssl.SSLError):
+        return False
+
+
+def _tls_hint(urls: list[str]) -> str | None:
+    """For http:// addresses whose node speaks TLS: what to do instead."""
+    wrong = [u for u in urls if u.startswith("http://") and speaks_tls(u)]
+    if not wrong:
+        return None
+    return f"{wrong[0]}: node speaks TLS; use https://" + (f" (also {len(wrong) - 1} more)" if len(wrong) > 1 else "")
+
+
+def read_token(args: argparse.Namespace) -> str:
+    """The cluster token from ``--token-file`` or ``--token`` (also ``p2psync ui``'s)."""
     from pathlib import Path
 
     from p2psync.errors import ConfigError
@@ -78,7 +108,7 @@ def _token(args: argparse.Namespace) -> str:
     elif args.token:
         token = args.token
     else:
-        raise ConfigError("token", "probing needs the cluster token: --token-file FILE (or --token)")
+        raise ConfigError("token", "needs the cluster token: --token-file FILE (or --token)")
     if not token:
         raise ConfigError("token", "is empty")
     return token
@@ -113,8 +143,16 @@ def _probe(args: argparse.Namespace):
         print(f"probe round {i + 1}/{n}: {pairs} pairs in {seconds:.2f} s", file=sys.stderr, flush=True)
 
     print(f"probing {len(urls)} nodes ...", file=sys.stderr, flush=True)
-    run_ = asyncio.run(probe(urls, _token(args), options, on_round=progress, tls=tls))
+    try:
+        run_ = asyncio.run(probe(urls, read_token(args), options, on_round=progress, tls=tls))
+    except ConfigError:
+        hint = _tls_hint([u for u in urls if u.startswith("http://")])
+        if hint:
+            raise ConfigError("probe", hint) from None
+        raise
     for url, err in run_.unreachable:
+        if url.startswith("http://") and speaks_tls(url):
+            err = "node speaks TLS; use https://"
         print(f"unreachable, left out: {url}: {err}", file=sys.stderr)
     for s, d, err in run_.failed:
         print(f"no figure for {s} -> {d} (estimated instead): {err}", file=sys.stderr)

@@ -10,12 +10,12 @@ which relays rebuild from their own weights (:mod:`p2psync.node.follower`).
 from __future__ import annotations
 
 import asyncio
-import stat
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from p2psync.artifact import ArtifactFile, Manifest
+from p2psync.artifact import Manifest
 from p2psync.errors import CodecError, P2PSyncError, WrongBase
+from p2psync.node.publish_dir import PublishDir
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -64,8 +64,8 @@ class Origin:
         artifact is withdrawn (removed and the head announced again) and the error raised, so a
         publisher learns about it at once.
 
-        A delta must have the current version as its base; a snapshot may start or restart the
-        chain. Raises (and stores nothing new) if the signature, a chunk or the result is wrong.
+        A delta must have the current version and fingerprint as its base (checked before the
+        announcement); a snapshot may start or restart the chain. Raises (and stores nothing new) if the signature, a chunk or the result is wrong.
         Returns once the trainer's copy is at the new version.
         """
         if self.config.role != "trainer":
@@ -73,7 +73,10 @@ class Origin:
         await self.replica.loaded.wait()
         async with self._publish_lock:
             manifest.verify(self.public_key)
-            if manifest.kind == "delta" and manifest.base_version != self.replica.version:
+            # Checked against the trainer's own copy before anything is announced: a wrong base
+            # is refused here, never listed to a child and withdrawn afterwards.
+            if manifest.kind == "delta" and (manifest.base_version != self.replica.version
+                                             or manifest.base_fingerprint != self.replica.fingerprint):
                 raise WrongBase(str(manifest.base_fingerprint), str(self.replica.fingerprint), manifest.base_version)
             if self.replica.version is not None and manifest.target_version <= self.replica.version:
                 raise CodecError(f"version {manifest.target_version} is not newer than {self.replica.version}")
@@ -145,58 +148,9 @@ class Origin:
         return m
 
     async def publish_dir(self, directory: Path) -> None:
-        """Publish every artifact file appearing in ``directory``, in version order.
-
-        Each file's manifest is parsed and its signature checked once (again only if the file
-        changes: inode, size or mtime); a file is read whole, off the event loop, when its turn
-        comes. Files at or below the node's version are left alone."""
+        """Publish every artifact file appearing in ``directory``, in version order (:class:`PublishDir`)."""
         await self.replica.loaded.wait()
-        bad: set[Path] = set()
-        headers: dict[Path, tuple[tuple[int, int, int], int, str, int | None]] = {}
-
-        def read(path: Path) -> tuple[Manifest, list[bytes]]:
-            with ArtifactFile(path, self.public_key) as art:
-                return art.manifest, [c for _, c in art.chunks()]
-
+        watcher = PublishDir(directory, self)
         while True:
-            ready = []
-            present: set[Path] = set()
-            for path in sorted(directory.glob("*")):
-                if path in bad or path.name.endswith(".tmp"):
-                    continue
-                try:
-                    st = path.stat()
-                except OSError:  # removed meanwhile
-                    continue
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                present.add(path)
-                key = (st.st_ino, st.st_size, st.st_mtime_ns)
-                head = headers.get(path)
-                if head is None or head[0] != key:
-                    try:
-                        with ArtifactFile(path, self.public_key) as art:
-                            m = art.manifest
-                            head = headers[path] = (key, m.target_version, m.kind, m.base_version)
-                    except P2PSyncError as exc:
-                        self.log.error("publish-dir: skipping %s: %s", path.name, exc)
-                        bad.add(path)
-                        continue
-                ready.append((head[1], head[2] != "snapshot", path))
-            for gone in headers.keys() - present:
-                del headers[gone]
-            for target, is_delta, path in sorted(ready):
-                if self.replica.version is not None and target <= self.replica.version:
-                    continue
-                if is_delta and headers[path][3] != self.replica.version:
-                    break  # wait for the file that fills the gap
-                try:
-                    m, chunks = await asyncio.to_thread(read, path)
-                    await self.publish(m, chunks)
-                except FileNotFoundError:
-                    break  # taken away meanwhile: look again
-                except P2PSyncError as exc:
-                    self.log.error("publish-dir: %s not published: %s", path.name, exc)
-                    bad.add(path)
-                    break
+            await watcher.step()
             await asyncio.sleep(0.2)

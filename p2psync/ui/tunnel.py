@@ -4,7 +4,8 @@ Every node serves only mutual TLS, and a browser holds no certificate of the
 cluster CA. ``p2psync ui --node URL --tls-dir DIR`` listens on the operator's
 own loopback (``127.0.0.1`` only: nothing else on the network reaches it) and
 forwards the live page's requests (``/ui``, ``/ui/state``, ``/ui/assets/...``,
-with their query, cookie and answer headers) to the node, presenting the
+with their query, cookie and answer headers, the page's Content-Security-Policy,
+X-Content-Type-Options and Referrer-Policy included) to the node, presenting the
 operator's client certificate and checking the node's against the cluster CA.
 The page's own token check is unchanged (``?token=`` once, then its cookie).
 Nothing but ``GET /ui...`` is forwarded.
@@ -20,7 +21,9 @@ from aiohttp import web
 from p2psync.transport.tls import Tls
 
 _PASS_UP = ("Cookie", "Authorization", "Accept", "If-None-Match")
-_PASS_DOWN = ("Content-Type", "Set-Cookie", "Cache-Control", "ETag", "Location")
+_PASS_DOWN = ("Content-Type", "Set-Cookie", "Cache-Control", "ETag", "Location",
+              # The page's own protections (p2psync.ui.service): the browser must see them too.
+              "Content-Security-Policy", "X-Content-Type-Options", "Referrer-Policy")
 
 
 class Tunnel:

@@ -74,15 +74,17 @@ def test_live_page_shows_the_tree_and_follows_a_new_version(cluster: Cluster, tm
     shot = tmp_path / "ui.png"
     # The browser holds no certificate of the cluster: it reaches the page through `p2psync ui`, a
     # loopback tunnel that presents a client certificate to the trainer over mutual TLS.
-    tunnel = subprocess.Popen(CLI + ["ui", "--node", tr.url, "--tls-dir", str(tlsutil.authority().client())],
-                              stdout=subprocess.PIPE, text=True)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    tunnel = subprocess.Popen(CLI + ["ui", "--node", tr.url, "--tls-dir", str(tlsutil.authority().client()),
+                                     "--token-file", str(token_file)], stdout=subprocess.PIPE, text=True)
     page_url = tunnel.stdout.readline().strip()
-    assert page_url.startswith("http://127.0.0.1:") and page_url.endswith("/ui"), page_url
+    assert page_url.startswith("http://127.0.0.1:") and page_url.endswith(f"/ui?token={TOKEN}"), page_url
 
     async def drive() -> None:
         async with Browser.launch(tmp_path / "chromium", chromium) as browser:
             page = await browser.new_page(1280, 760)
-            await page.goto(f"{page_url}?token={TOKEN}")
+            await page.goto(page_url)  # the address `p2psync ui` printed
             # The token went into an HttpOnly cookie and out of the address bar.
             assert await page.evaluate("location.pathname + location.search") == "/ui"
             assert await page.evaluate("document.cookie") == ""

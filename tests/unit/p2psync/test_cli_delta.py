@@ -126,3 +126,47 @@ def test_help_answers_without_importing_torch():
     code = "import sys; from p2psync.cli import build_parser; build_parser(); print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def split_safetensors(data: bytes) -> tuple[dict, bytes]:
+    n = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + n]), data[8 + n:]
+
+
+@pytest.mark.parametrize("metadata", [None, {"format": "pt"}, {"format": "pt", "step": "7", "zz": "last"}])
+def test_apply_writes_a_file_byte_identical_to_new(tmp_path, keypair, metadata):
+    """Files written by safetensors, with and without header metadata: the output is NEW byte for byte.
+
+    safetensors writes a ``__metadata__`` of two or more entries in an order that changes from one
+    write to the next (a Rust HashMap), so there the header can differ from NEW's in that order only."""
+    key, pub = keypair
+    base, new, out, d = (tmp_path / n for n in ("base.safetensors", "new.safetensors", "out.safetensors", "d.p2s"))
+    save_file(weights(0, False), base, metadata=metadata)
+    save_file(weights(1, True), new, metadata=metadata)
+    assert main(["delta", "encode", str(base), str(new), "-o", str(d), "--key", str(key)]) == 0
+    assert main(["delta", "apply", str(base), str(d), "-o", str(out), "--pubkey", str(pub)]) == 0
+    if metadata is None or len(metadata) < 2:
+        assert out.read_bytes() == new.read_bytes()
+    else:
+        assert split_safetensors(out.read_bytes()) == split_safetensors(new.read_bytes())
+        head = 8 + int.from_bytes(base.read_bytes()[:8], "little")
+        assert out.read_bytes()[:head] == base.read_bytes()[:head]  # BASE's header, byte for byte
+
+
+def test_apply_keeps_a_sharded_folder_byte_identical(tmp_path, keypair):
+    key, pub = keypair
+    for name, change in (("base", False), ("new", True)):
+        folder = tmp_path / name
+        folder.mkdir()
+        w = weights(3, change)
+        shards = {"model-00001-of-00002.safetensors": {k: v for k, v in w.items() if "embed" in k},
+                  "model-00002-of-00002.safetensors": {k: v for k, v in w.items() if "embed" not in k}}
+        for shard, part in shards.items():
+            save_file(part, folder / shard, metadata={"format": "pt"})
+        index = {"metadata": {"total_size": 1}, "weight_map": {k: s for s, p in shards.items() for k in p}}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    d, out = tmp_path / "d.p2s", tmp_path / "out"
+    assert main(["delta", "encode", str(tmp_path / "base"), str(tmp_path / "new"), "-o", str(d), "--key", str(key)]) == 0
+    assert main(["delta", "apply", str(tmp_path / "base"), str(d), "-o", str(out), "--pubkey", str(pub)]) == 0
+    for f in (tmp_path / "new").iterdir():
+        assert (out / f.name).read_bytes() == f.read_bytes(), f.name

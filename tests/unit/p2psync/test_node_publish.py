@@ -304,3 +304,36 @@ def test_checkpoints_never_write_at_once_and_the_saved_state_loads(tmp_path):
             await tr.close()
 
     asyncio.run(go())
+
+
+def test_a_delta_from_another_base_is_refused_before_it_is_announced(tmp_path):
+    """Right base version, wrong base fingerprint: refused against the trainer's own copy, so no child is
+    ever told about it (it was announced, then withdrawn), and the right delta goes through afterwards."""
+    from p2psync.errors import WrongBase
+
+    priv, tr_cfg, _ = _configs(tmp_path)
+    states = _states()
+    arts = _artifacts(priv, states)
+    other = states[0].clone()
+    other.words("b")[0] ^= 1
+    other.invalidate()
+    enc = encode_delta(other, states[1], CodecOptions(chunk_size=CHUNK, segment_elements=8192))
+    wrong = build_manifest(enc, model_id="m", target_version=1, base_version=0, chunk_size=CHUNK, private_key=priv)
+
+    async def go():
+        tr = await Node.create(tr_cfg)
+        try:
+            await tr.publish(*arts[0])
+            announced = []
+            real_begin = tr.origin.board.begin
+            tr.origin.board.begin = lambda aid, n: (announced.append(aid), real_begin(aid, n))[1]
+            with pytest.raises(WrongBase):
+                await tr.publish(wrong, enc.chunks)
+            assert announced == [] and wrong.artifact_id not in tr.store.artifacts
+            assert tr.version == 0 and _same(tr.state, states[0])
+            await tr.publish(*arts[1])
+            assert announced == [arts[1][0].artifact_id] and tr.version == 1
+        finally:
+            await tr.close()
+
+    asyncio.run(go())
