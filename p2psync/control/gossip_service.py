@@ -48,7 +48,7 @@ from aiohttp import web
 
 from p2psync.control import saved_state
 from p2psync.control.saved_state import SavedControl
-from p2psync.errors import CodecError, NotCoordinator
+from p2psync.errors import CodecError, NotCoordinator, PeerRefused
 from p2psync.gossip import DetectorConfig, GossipConfig, GossipNode, MemberEntry
 from p2psync.gossip.membership import restart_incarnation
 from p2psync.gossip.messages import Delta, Message, dumps, loads
@@ -56,6 +56,7 @@ from p2psync.gossip.signing import signer, verifier
 from p2psync.transport.client import cancel_quietly
 from p2psync.transport.messages import API
 from p2psync.transport.peers import claim_refused
+from p2psync.transport import refusals
 from p2psync.transport.revocation import RevocationFile, read_list
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class GossipService:
         self._bw = (0.0, 0.0)  # (time, bytes_in) at the last bandwidth sample
         self.bandwidth = 0.0
         self.dropped = 0
+        self._refusals = refusals.RefusalLog()
         self._revocations: RevocationFile | None = None
         self._revoked_seen = 0  # version of the last ``revoked`` entry enforced here
         self._saved_path = saved_state.path_in(host.config.data_dir)
@@ -201,10 +203,15 @@ class GossipService:
         assert self._session is not None
         try:
             async with self._session.post(addr + f"{API}/gossip", data=dumps(msg)) as resp:
+                refused = await refusals.from_response(addr, "gossip", resp) if resp.status >= 300 else None
                 await resp.read()
-                return resp.status < 300
+        except aiohttp.ClientConnectorCertificateError as exc:
+            refused = refusals.from_exception(addr, "gossip", exc)  # type: ignore[assignment]
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False  # fire and forget: the next round heals it
+        if isinstance(refused, PeerRefused) and self._refusals.due(refused, time.time()) is not None:
+            self.host.log.error("gossip: %s", refused)
+        return refused is None and resp.status < 300
 
     async def rpc_gossip(self, request: web.Request) -> web.Response:
         sender = request.headers.get(FROM_HEADER, "")

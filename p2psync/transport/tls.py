@@ -69,6 +69,7 @@ class Tls:
                                              "`p2psync cert issue --id ID --region REGION --ca CA_DIR -o DIR` "
                                              "(or set tls.enabled = false for plain HTTP on a trusted host)")
         self.identity = certs.identity_of(cert)
+        certs.check_issued_by(cert, ca)
         try:
             self.client_context = self._context(ssl.PROTOCOL_TLS_CLIENT, ca, cert, key)
             if not self.identity.client_only:

@@ -101,6 +101,9 @@ def test_a_revocation_after_a_trainer_restart_holds_at_every_node_and_across_the
     w.step(cluster.publish_dir)
     wait_for(lambda: at_version(good, 1), 120, "good at version 1")
     assert bad.status()["version"] == 0
+    # The revoked node says so, naming the setting, instead of retrying 'unreachable' lines.
+    wait_for(lambda: "this node is revoked" in bad.log.read_text(), BOUND, "the revoked node saying so")
+    assert "tls.revoked" in bad.log.read_text()
 
     # The relay restarts from its data dir: it refuses the revoked node from its first request on,
     # before any gossip could have told it again.
