@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -199,6 +200,23 @@ def identity_of(cert_path: Path) -> Identity:
     ou = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
     unit = str(ou[0].value) if ou else ""
     return Identity(str(cn[0].value) if cn else "", unit, cert.serial_number, unit == CLIENT_UNIT)
+
+
+def check_issued_by(cert_path: Path, ca_path: Path) -> None:
+    """Raise :class:`ConfigError` unless ``cert_path`` is signed by the CA in ``ca_path``: a node
+    whose certificate does not chain to the ``ca.crt`` beside it is refused by every peer (they
+    hold that CA), so it must not start."""
+    try:
+        cert = x509.load_pem_x509_certificate(Path(cert_path).read_bytes())
+        ca = x509.load_pem_x509_certificate(Path(ca_path).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ConfigError("tls.dir", f"cannot read certificate {cert_path} or {ca_path}: {exc}") from None
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        raise ConfigError("tls.dir", f"certificate not issued by this cluster's CA: {cert_path} does not chain "
+                                     f"to the {ca_path.name} beside it; issue it with this cluster's CA "
+                                     "(`p2psync cert issue --ca CA_DIR`) or put this cluster's ca.crt there") from None
 
 
 def hosts_of(cert_path: Path) -> list[str]:

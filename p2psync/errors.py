@@ -115,10 +115,47 @@ class TensorTableMismatch(P2PSyncError):
 class PeerUnreachable(P2PSyncError):
     """A peer did not answer or answered with an error."""
 
-    def __init__(self, peer: str, reason: str) -> None:
-        super().__init__(f"peer {peer} unreachable: {reason}")
+    def __init__(self, peer: str, reason: str, message: str | None = None) -> None:
+        super().__init__(message or f"peer {peer} unreachable: {reason}")
         self.peer = peer
         self.reason = reason
+
+
+class PeerRefused(PeerUnreachable):
+    """A peer refused this node, or this node refused the peer, for a reason retrying does not fix:
+    an operator must change ``setting`` (here or on the peer). Callers retry, backed off, in case
+    it is fixed meanwhile."""
+
+    def __init__(self, peer: str, cause: str, setting: str, hint: str) -> None:
+        super().__init__(peer, cause, f"peer {peer}: {cause}; {hint} ({setting})")
+        self.cause = cause
+        self.setting = setting
+
+
+class WrongClusterToken(PeerRefused):
+    """The peer answered 401: this node's cluster token is not the one the peer holds."""
+
+    def __init__(self, peer: str, what: str) -> None:
+        super().__init__(peer, f"wrong cluster token (HTTP 401 on {what})", "cluster_token / cluster_token_file",
+                         "give this node the cluster's token")
+
+
+class ForeignCertificate(PeerRefused):
+    """The peer's TLS certificate does not verify against this node's ``ca.crt``."""
+
+    def __init__(self, peer: str, detail: str) -> None:
+        super().__init__(peer, f"certificate not issued by this cluster's CA ({detail})", "tls.dir",
+                         "issue the peer's certificate with this cluster's CA (`p2psync cert issue`), "
+                         "or check that the URL names a node of this cluster")
+
+
+class NodeRevoked(PeerRefused):
+    """The peer answered 403 because this node's id is on the cluster's revocation list."""
+
+    def __init__(self, peer: str, node: str) -> None:
+        super().__init__(peer, f"this node is revoked ({node} is on the cluster's revocation list)",
+                         "tls.revoked on the trainer",
+                         "no node serves it any more; retrying rarely until an operator takes it off the list")
 
 
 class WrongSize(PeerUnreachable):

@@ -23,7 +23,12 @@ What rides on it, per node:
   every member that has not left (one message each, not left to epidemic spread), so each node
   cuts the revoked ids off (:meth:`p2psync.transport.tls.Tls.revoke`) within one
   gossip round; revoked nodes leave the plan. A message whose sender is not the
-  node its TLS certificate names is refused (403).
+  node its TLS certificate names is refused (403);
+- restarts: every node keeps its incarnation, the addresses of the members it saw alive
+  and the signed ``revoked`` entry in its data dir (:mod:`p2psync.control.saved_state`).
+  Built before the node serves, the service enforces the saved list at once (and, on the
+  trainer, the ``tls.revoked`` file); started, it publishes an incarnation above its last one,
+  calls the remembered members while it knows no live peer, and gossips the saved entry on.
 
 Contracts: the timer task and the sender tasks are owned by the service and
 cancelled in :meth:`stop`; :meth:`stop` sends the leave tombstone first (best
@@ -41,14 +46,18 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from p2psync.errors import CodecError
+from p2psync.control import saved_state
+from p2psync.control.saved_state import SavedControl
+from p2psync.errors import CodecError, NotCoordinator, PeerRefused
 from p2psync.gossip import DetectorConfig, GossipConfig, GossipNode, MemberEntry
+from p2psync.gossip.membership import restart_incarnation
 from p2psync.gossip.messages import Delta, Message, dumps, loads
 from p2psync.gossip.signing import signer, verifier
 from p2psync.transport.client import cancel_quietly
 from p2psync.transport.messages import API
 from p2psync.transport.peers import claim_refused
-from p2psync.transport.revocation import RevocationFile
+from p2psync.transport import refusals
+from p2psync.transport.revocation import RevocationFile, read_list
 
 if TYPE_CHECKING:
     from p2psync.control.live_plan import LivePlanner
@@ -57,6 +66,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 FROM_HEADER = "X-P2PSync-Gossip-From"
+_SAVE_EVERY = 10.0
+"""Seconds between saves of the control state when only the remembered peers changed."""
 _MAX_IN_FLIGHT = 256
 """Gossip POSTs under way at once; more are dropped (the next round heals it). Each message is its
 own task: one slow or dead peer must not hold up heartbeats to the others."""
@@ -83,8 +94,24 @@ class GossipService:
         self._bw = (0.0, 0.0)  # (time, bytes_in) at the last bandwidth sample
         self.bandwidth = 0.0
         self.dropped = 0
+        self._refusals = refusals.RefusalLog()
         self._revocations: RevocationFile | None = None
         self._revoked_seen = 0  # version of the last ``revoked`` entry enforced here
+        self._saved_path = saved_state.path_in(host.config.data_dir)
+        self._saved_at = 0.0
+        self.saved = saved_state.load(self._saved_path, verifier(host.public_key))
+        """The control state this node keeps in its data dir (as last written or read)."""
+        self._enforce_saved_revocations()
+
+    def _enforce_saved_revocations(self) -> None:
+        """Before the node serves: the revocation list it held before a restart (and the trainer's file)."""
+        cfg = self.host.config
+        ids = set(self.saved.revoked.value["ids"]) if self.saved.revoked is not None else set()
+        if cfg.role == "trainer" and cfg.tls.revoked:
+            ids |= read_list(Path(cfg.tls.revoked))
+        if ids:
+            self.host.tls.revoke(ids)
+            self.host.log.info("revocation list restored from %s: %s", self._saved_path, ", ".join(sorted(ids)))
 
     # --- lifecycle -----------------------------------------------------------------------------
     def routes(self) -> list[web.RouteDef]:
@@ -98,16 +125,24 @@ class GossipService:
         host, s = self.host, self.settings
         cfg = host.config
         coordinator = s.coordinator or (cfg.id if cfg.role == "trainer" else None)
+        now = time.time()
         me = MemberEntry(id=cfg.id, address=host.address, role=cfg.role, region=cfg.region,
-                         node_class=s.node_class)
+                         node_class=s.node_class, incarnation=restart_incarnation(self.saved.incarnation, now))
         gcfg = GossipConfig(interval=s.interval, fanout=s.fanout, report_interval=s.report_interval,
+                            rejoin_interval=10 * s.interval,
                             detector=DetectorConfig(suspect_after=s.suspect_after, dead_after=s.dead_after,
                                                     tombstone_ttl=s.tombstone_ttl))
         sign = signer(host.private_key) if cfg.role == "trainer" and host.private_key is not None else None
-        now = time.time()
-        self.gossip = GossipNode(me, seeds=tuple(u.rstrip("/") for u in s.seeds), coordinator=coordinator,
-                                 config=gcfg, seed=hash((cfg.id, now)) & 0xFFFFFFFF, now=now,
-                                 verify=verifier(host.public_key), sign=sign)
+        self.gossip = GossipNode(me, seeds=tuple(u.rstrip("/") for u in s.seeds), rejoin=self.saved.peers,
+                                 coordinator=coordinator, config=gcfg, seed=hash((cfg.id, now)) & 0xFFFFFFFF,
+                                 now=now, verify=verifier(host.public_key), sign=sign)
+        if self.saved.revoked is not None:
+            try:
+                self.gossip.coord.restore(self.saved.revoked)
+                self._revoked_seen = self.saved.revoked.version
+            except NotCoordinator as exc:
+                host.log.warning("not gossiping the saved revocation list: %s", exc)
+        self._persist(now, force=True)  # the new incarnation, before anyone sees it
         if cfg.role == "trainer":
             if sign is None:
                 host.log.warning("gossip: no trainer_private_key, so the plan and leases cannot be signed "
@@ -141,6 +176,8 @@ class GossipService:
     async def stop(self) -> None:
         """Leave (tombstone to a few peers, bounded by ``send_timeout``), then stop every task."""
         g = self.gossip
+        if g is not None and not g.stopped:
+            self._persist(time.time(), force=True)
         if g is not None and not g.stopped and self._session is not None:
             out = g.leave(time.time())
             if out:
@@ -166,10 +203,15 @@ class GossipService:
         assert self._session is not None
         try:
             async with self._session.post(addr + f"{API}/gossip", data=dumps(msg)) as resp:
+                refused = await refusals.from_response(addr, "gossip", resp) if resp.status >= 300 else None
                 await resp.read()
-                return resp.status < 300
+        except aiohttp.ClientConnectorCertificateError as exc:
+            refused = refusals.from_exception(addr, "gossip", exc)  # type: ignore[assignment]
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False  # fire and forget: the next round heals it
+        if isinstance(refused, PeerRefused) and self._refusals.due(refused, time.time()) is not None:
+            self.host.log.error("gossip: %s", refused)
+        return refused is None and resp.status < 300
 
     async def rpc_gossip(self, request: web.Request) -> web.Response:
         sender = request.headers.get(FROM_HEADER, "")
@@ -198,6 +240,7 @@ class GossipService:
             self._update_self(now)
             self._check_revocations(now)
             self.send(g.tick(now))
+            self._persist(now)
             self._changed.set()
             await asyncio.sleep(max(0.01, min(g.next_wakeup() - time.time(), g.config.interval)))
 
@@ -224,12 +267,12 @@ class GossipService:
         while True:
             await self._changed.wait()
             self._changed.clear()
+            self._follow_revoked()
             if self.planner is not None:
                 self._publish_head()
                 await asyncio.sleep(delay)  # let a burst of joins or failures settle into one plan
                 await self._replan()
             else:
-                self._follow_revoked()
                 self._follow_plan()
 
     def _publish_head(self) -> None:
@@ -270,6 +313,8 @@ class GossipService:
         if g.coord.sign is None:
             return
         entry = g.publish("revoked", {"ids": sorted(ids)}, now)
+        self._revoked_seen = entry.version
+        self._persist(now, force=True)
         me = self.host.config.id
         msg = Delta(me, coord=(entry,))
         # Every member that has not left, also one suspected or declared dead (it may only be slow).
@@ -277,7 +322,7 @@ class GossipService:
                    if e.status != "left" and e.id != me and e.id not in ids])
 
     def _follow_revoked(self) -> None:
-        """Every node: enforce the coordinator's latest ``revoked`` entry."""
+        """Every node: enforce the coordinator's latest ``revoked`` entry, and keep it in the data dir."""
         g = self.gossip
         assert g is not None
         e = g.coord.get("revoked")
@@ -285,6 +330,32 @@ class GossipService:
             return
         self._revoked_seen = e.version
         self.host.tls.revoke(set(e.value["ids"]))
+        self._persist(time.time(), force=True)
+
+    def _persist(self, now: float, force: bool = False) -> None:
+        """Save the control state when it changed: at once for a new incarnation or revocation
+        list (``force``), at most every ``_SAVE_EVERY`` s for the remembered peers."""
+        g = self.gossip
+        if g is None:
+            return
+        me, coord = g.members.me, g.coord.coordinator
+        rank = {"trainer": 0, "relay": 1}
+        live = sorted((e for e in g.members.live() if e.id != me.id),
+                      key=lambda e: (e.id != coord, rank.get(e.role, 2), e.id))
+        # Alone (every other member gone): keep the addresses of the last run instead of none.
+        peers = tuple(e.address for e in live[:saved_state.MAX_PEERS]) or self.saved.peers
+        state = SavedControl(me.incarnation, peers, g.coord.get("revoked"))
+        if state == self.saved:
+            return
+        urgent = force or (state.incarnation, state.revoked) != (self.saved.incarnation, self.saved.revoked)
+        if not urgent and now - self._saved_at < _SAVE_EVERY:
+            return
+        try:
+            saved_state.save(self._saved_path, state)
+        except OSError as exc:
+            self.host.log.warning("cannot save the control state to %s: %s", self._saved_path, exc)
+            return
+        self.saved, self._saved_at = state, now
 
     def _follow_plan(self) -> None:
         g = self.gossip

@@ -75,6 +75,17 @@ class CoordinatorState:
         self.max_version = max(self.max_version, e.version)
         return True
 
+    def restore(self, e: CoordEntry) -> bool:
+        """Take an entry this node kept in its data dir before a restart (``revoked``): it must
+        verify like a received one (:class:`NotCoordinator` if not). When no coordinator is known
+        yet, the entry's writer becomes it: the trainer key's signature proves who wrote it."""
+        if self.verify is not None and not self.verify(e):
+            self.rejected += 1
+            raise NotCoordinator(e.writer, self.coordinator, e.name, "but its signature does not verify")
+        if self.coordinator is None:
+            self.coordinator = e.writer
+        return self.merge(e, _own=True)
+
     def _expired(self, e: CoordEntry, now: float) -> bool:
         return e.version / 1000.0 + self.tombstone_ttl <= now
 

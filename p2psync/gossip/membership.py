@@ -72,6 +72,17 @@ class DetectorConfig:
             raise ValueError("watchers must be >= 1 and slack >= 0")
 
 
+def restart_incarnation(saved: int, now: float) -> int:
+    """The incarnation a node starts with: above the one it last published (``saved``, kept in its
+    data dir) and at least the wall-clock second, so that it also wins when the data dir was lost.
+
+    A restarted node must outrank what its peers remember of its previous run, the ``left`` or
+    ``dead`` tombstone included (at one incarnation a tombstone wins over ``alive``); starting
+    from 0 again, its entry lost against every peer's and the peers kept it out of their views.
+    """
+    return max(saved + 1, int(now))
+
+
 def ring_order(entries: Iterable[MemberEntry]) -> list[tuple[int, str]]:
     """The watcher ring of the live members among ``entries``."""
     return sorted((ring_hash(e.id), e.id) for e in entries if e.live)

@@ -23,7 +23,13 @@ versions held and measured throughput to the coordinator when they changed (at
 least every ``report_interval``): those figures change on every node with every
 version, so they go to their only reader instead of through the whole table.
 
-Joining: a node that knows no live peer sends its Syns to the seed addresses.
+Joining: a node that knows no live peer sends its Syns to the seed addresses and to
+the addresses it remembered from its previous run (``rejoin``). Rejoining: every
+``rejoin_interval`` a node also sends a Syn to one seed that no live member of its
+table holds. Peers that saw a node leave or die keep its tombstone and never pick
+it as a gossip peer again, so after a restart it is the restarted node that must
+call them, and the seed probe heals a split when the restarted node remembers
+nobody (its data dir lost) while its seeds remember it as gone.
 Leaving: :meth:`GossipNode.leave` returns the tombstone pushed to a few peers;
 keep the node answering for a round or two if possible, then stop it.
 """
@@ -65,13 +71,15 @@ class GossipConfig:
     """Throughput/bandwidth are reported at most this often unless they move by 25 %."""
     report_interval: float = 10.0
     """A member re-sends its report to the coordinator at least this often (a lost report heals)."""
+    rejoin_interval: float = 10.0
+    """Seconds between Syns to a seed that is not a live member here (see the module docstring)."""
     detector: DetectorConfig = field(default_factory=DetectorConfig)
 
     def __post_init__(self) -> None:
         if not self.interval > 0:
             raise ValueError("interval must be > 0")
-        if not self.report_interval > 0:
-            raise ValueError("report_interval must be > 0")
+        if not self.report_interval > 0 or not self.rejoin_interval > 0:
+            raise ValueError("report_interval and rejoin_interval must be > 0")
         if self.fanout < 1 or self.max_entries < 1 or self.max_digest_items < 1:
             raise ValueError("fanout, max_entries and max_digest_items must be >= 1")
 
@@ -85,7 +93,8 @@ class GossipNode:
     :class:`~p2psync.errors.CodecError`, happens before (``messages.loads``).
     """
 
-    def __init__(self, me: MemberEntry, *, seeds: tuple[str, ...] = (), coordinator: str | None = None,
+    def __init__(self, me: MemberEntry, *, seeds: tuple[str, ...] = (), rejoin: tuple[str, ...] = (),
+                 coordinator: str | None = None,
                  config: GossipConfig | None = None, seed: int = 0, now: float = 0.0,
                  verify: Callable[[CoordEntry], bool] | None = None,
                  sign: Callable[[CoordEntry], CoordEntry] | None = None) -> None:
@@ -102,6 +111,9 @@ class GossipNode:
         self.reports: dict[str, tuple[float, Report]] = {}
         """Coordinator only: member id -> (time received, its latest report)."""
         self.seeds = tuple(s for s in seeds if s != me.address)
+        self.rejoin = tuple(a for a in dict.fromkeys(rejoin) if a != me.address and a not in self.seeds)
+        """Addresses of members this node knew before a restart: called like seeds while it knows no live peer."""
+        self._next_rejoin = now + self.config.rejoin_interval
         self.id = me.id
         # A random phase spreads the rounds of nodes started together.
         self._next_round = now + self.rng.random() * self.config.interval
@@ -127,6 +139,11 @@ class GossipNode:
         syn = Syn(self.id, self.index.root, self.index.count)
         for addr in self._pick_peers(self.config.fanout):
             out.append((addr, syn))
+        if now >= self._next_rejoin:
+            self._next_rejoin = now + self.config.rejoin_interval
+            lost = self._lost_seeds()
+            if lost:
+                out.append((self.rng.choice(lost), syn))
         me = self.members.me
         hb = Heartbeat(self.id, me.incarnation, self.members.next_heartbeat())
         for e in self.members.heartbeat_targets():
@@ -148,12 +165,21 @@ class GossipNode:
         self._last_report = now
         return [] if coord == self.id else [(e.address, rep)]  # type: ignore[union-attr]
 
+    def _lost_seeds(self) -> list[str]:
+        """Seeds that no live member of this table holds (a split, or a seed that is really gone)."""
+        live = {e.address for e in self.members.live()}
+        return [a for a in self.seeds if a not in live]
+
     def _pick_peers(self, k: int) -> list[str]:
         ring = self.members._ring_ids()
         entries = self.members.entries
         if len(ring) <= k + 1:
             peers = [entries[i].address for _, i in ring if i != self.id]
-            return peers or list(self.seeds)[:k]
+            if peers:
+                return peers
+            # Alone: the seeds, and (in turn, k at a time) the members remembered from before a restart.
+            known = list(self.seeds) + list(self.rejoin)
+            return known if len(known) <= k else self.rng.sample(known, k)
         picked: list[str] = []
         while len(picked) < k:
             i = ring[self.rng.randrange(len(ring))][1]

@@ -77,10 +77,13 @@ class Sim:
             sim.add(node)
         return sim
 
-    def join(self, entry: MemberEntry, seeds: tuple[str, ...], config: GossipConfig | None = None) -> GossipNode:
-        """Start a new node that knows only ``seeds``."""
-        coordinator = next(iter(self.nodes.values())).coord.coordinator
-        node = GossipNode(entry, seeds=seeds, coordinator=coordinator, config=config,
+    def join(self, entry: MemberEntry, seeds: tuple[str, ...], config: GossipConfig | None = None,
+             rejoin: tuple[str, ...] = (), coordinator: str | None = None) -> GossipNode:
+        """Start a new node that knows only ``seeds`` (and ``rejoin``: addresses it remembered from a
+        previous run). A node started again at an address replaces the stopped one there."""
+        if coordinator is None:
+            coordinator = next(iter(self.nodes.values())).coord.coordinator
+        node = GossipNode(entry, seeds=seeds, rejoin=rejoin, coordinator=coordinator, config=config,
                           seed=self.rng.randrange(1 << 30), now=self.now)
         return self.add(node)
 

@@ -19,6 +19,7 @@ import numpy as np
 from p2psync.artifact import Manifest
 from p2psync.errors import CodecError, PeerUnreachable, WrongSize
 from p2psync.transport.messages import API, NODE_HEADER, Catalogue
+from p2psync.transport.refusals import from_exception, from_response
 from p2psync.transport.tls import Tls, connector
 
 if TYPE_CHECKING:
@@ -115,12 +116,12 @@ class PeerClient:
         try:
             async with self._session.get(url + path, timeout=self._timeout()) as resp:
                 if resp.status != 200:
-                    raise _status_error(url, f"GET {path}", resp.status)
+                    raise await from_response(url, f"GET {path}", resp) or _status_error(url, f"GET {path}", resp.status)
                 if resp.content_length is not None and resp.content_length > limit:
                     raise PeerUnreachable(url, f"GET {path}: {resp.content_length} bytes exceeds {limit}")
                 return await read_body(resp.content, limit)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise PeerUnreachable(url, f"GET {path}: {type(exc).__name__}: {exc}") from None
+            raise from_exception(url, f"GET {path}", exc) from None
 
     async def connect(self, url: str, n: int) -> None:
         """Have at least ``n`` connections to ``url`` open in the pool (``n`` requests for its catalogue at
@@ -164,7 +165,7 @@ class PeerClient:
         try:
             async with self._session.get(url + path, headers=headers, timeout=self._timeout()) as resp:
                 if resp.status not in (200, 206) or (start and resp.status != 206):
-                    raise _status_error(url, what, resp.status)
+                    raise await from_response(url, what, resp) or _status_error(url, what, resp.status)
                 if resp.content_length is not None and resp.content_length != size - start:
                     raise WrongSize(url, what, resp.content_length, size - start, announced=True)
                 view = into.buf
@@ -182,14 +183,14 @@ class PeerClient:
                 if into.got != size or not content.at_eof() and (await content.readchunk())[0]:
                     raise WrongSize(url, what, into.got, size)
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise PeerUnreachable(url, f"{what}: {type(exc).__name__}: {exc}") from None
+            raise from_exception(url, what, exc) from None
 
     async def call_events(self, url: str) -> AsyncIterator[Catalogue]:
         """Catalogues pushed by the peer: one at once, then one per change (server-sent events)."""
         try:
             async with self._session.get(url + f"{API}/events", timeout=self._timeout(self.sse_timeout)) as resp:
                 if resp.status != 200:
-                    raise PeerUnreachable(url, f"events: HTTP {resp.status}")
+                    raise await from_response(url, "events", resp) or PeerUnreachable(url, f"events: HTTP {resp.status}")
                 event, data = "", []
                 while True:
                     line = await resp.content.readline()
@@ -212,7 +213,7 @@ class PeerClient:
                             raise PeerUnreachable(url, f"event: {exc}") from None
                     event, data = "", []
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            raise PeerUnreachable(url, f"events: {type(exc).__name__}: {exc}") from None
+            raise from_exception(url, "events", exc) from None
 
 
 async def cancel_quietly(task: asyncio.Task | None) -> None:

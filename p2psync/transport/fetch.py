@@ -15,12 +15,13 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from p2psync.artifact import Manifest
-from p2psync.errors import ChunkHashMismatch, PeerUnreachable
+from p2psync.errors import ChunkHashMismatch, PeerRefused, PeerUnreachable
 from p2psync.store import VersionStore
 from p2psync.transport.board import Board
 from p2psync.transport.client import ChunkBuffer, NotHeld, PeerClient
 from p2psync.transport.metrics import Metrics
 from p2psync.transport.parents import ParentSet
+from p2psync.transport.refusals import RefusalLog
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class Upstream:
         self.metrics = metrics
         self.on_change = on_change
         self.log = log
+        self.refusals = RefusalLog()
 
     @staticmethod
     def now() -> float:
@@ -54,8 +56,18 @@ class Upstream:
 
     def failed(self, url: str, exc: Exception) -> None:
         self.metrics.inc("p2psync_parent_failures_total", parent=url)
-        self.parents.failed(url, self.now())
-        self.log.warning("parent %s failed: %s", url, exc)
+        if isinstance(exc, PeerRefused):
+            # Retrying at once does not help: rest the parent as long as a failure ever does, and
+            # say why once (then once per RefusalLog.every), not at every retry.
+            self.parents.refused(url, self.now())
+            self.metrics.inc("p2psync_parent_refusals_total", parent=url, cause=type(exc).__name__)
+            unlogged = self.refusals.due(exc, self.now())
+            if unlogged is not None:
+                more = f" ({unlogged} more since the last report)" if unlogged else ""
+                self.log.error("%s%s", exc, more)
+        else:
+            self.parents.failed(url, self.now())
+            self.log.warning("parent %s failed: %s", url, exc)
         self.on_change()
 
     def corrupt(self, url: str, what: str) -> None:

@@ -77,6 +77,12 @@ class ParentSet:
         self._fails[url] = n
         self._down_until[url] = now + min(self.max_rest, self.retry_after * 2 ** min(n - 1, 16))
 
+    def refused(self, url: str, now: float) -> None:
+        """``url`` refused this node for a reason only an operator fixes (wrong token, another CA,
+        revoked): rest it ``max_rest`` at once, and count it as a failure in a row."""
+        self._fails[url] = self._fails.get(url, 0) + 1
+        self._down_until[url] = now + self.max_rest
+
     def corrupt(self, url: str, now: float) -> None:
         """``url`` served data that failed verification: avoid it for longer."""
         self._avoid_until[url] = now + self.avoid_seconds

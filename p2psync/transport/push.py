@@ -80,6 +80,7 @@ from aiohttp import web
 from p2psync.artifact import Manifest
 from p2psync.errors import CodecError, IntegrityError, PeerUnreachable
 from p2psync.transport.messages import API, Catalogue, valid_artifact_id
+from p2psync.transport.refusals import from_exception, from_response
 
 if TYPE_CHECKING:
     from p2psync.transport.client import PeerClient
@@ -292,7 +293,7 @@ async def read_stream(client: PeerClient, url: str, push_max: int,
             if resp.status == 404:
                 raise PushUnsupported(url, "stream: HTTP 404 (no push support)")
             if resp.status != 200:
-                raise PeerUnreachable(url, f"stream: HTTP {resp.status}")
+                raise await from_response(url, "stream", resp) or PeerUnreachable(url, f"stream: HTTP {resp.status}")
             if resp.headers.get("Content-Type", "").split(";")[0].strip() != CONTENT_TYPE:
                 raise PeerUnreachable(url, "stream: not a p2psync stream")
             content = resp.content
@@ -321,7 +322,7 @@ async def read_stream(client: PeerClient, url: str, push_max: int,
                 except CodecError as exc:
                     raise PeerUnreachable(url, f"stream: {exc}") from None
     except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-        raise PeerUnreachable(url, f"stream: {type(exc).__name__}: {exc}") from None
+        raise from_exception(url, "stream", exc) from None
 
 
 async def _read_chunk(content: aiohttp.StreamReader, url: str, length: int,

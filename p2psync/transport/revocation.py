@@ -3,7 +3,8 @@
 The trainer reads the file named by ``tls.revoked`` (one node id a line, ``#``
 comments) whenever it changes, enforces it at once and gossips it as the signed
 coordinator entry ``revoked``, which every node enforces as it arrives
-(:meth:`p2psync.transport.tls.Tls.revoke`). Stdlib only.
+(:meth:`p2psync.transport.tls.Tls.revoke`) and keeps in its data dir
+(:mod:`p2psync.control.saved_state`) for its next start. Stdlib only.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ One :class:`Tls` per process holds this side's certificate (``tls.dir``, see
 Revocation: :meth:`Tls.revoke` takes the coordinator's list of revoked node ids
 (it rides gossip, signed by the trainer key). From then on every request from a
 revoked id is refused with 403, the connections it holds open (event and push
-streams included) are cut, and new connections to a server with a revoked id are
-dropped after the handshake.
+streams included) are cut, the connections this process holds open to its server
+are cut too, and new connections to a server with a revoked id are dropped after
+the handshake: a revoked node neither receives from nor serves this one.
 
 Plain HTTP (``tls.enabled = false``) exists for debugging on a trusted host only;
 the node logs a warning saying what crosses the network in clear.
@@ -57,6 +58,8 @@ class Tls:
         self.client_context: ssl.SSLContext | None = None
         self.revoked: frozenset[str] = frozenset()
         self._open: dict[str, set[Any]] = {}
+        self._dialled: dict[str, set[Any]] = {}
+        """Connections this process opened, by the server's node id (cut when it is revoked)."""
         if directory is None:
             return
         ca, cert, key = directory / certs.CA_CERT, directory / certs.NODE_CERT, directory / certs.NODE_KEY
@@ -66,6 +69,7 @@ class Tls:
                                              "`p2psync cert issue --id ID --region REGION --ca CA_DIR -o DIR` "
                                              "(or set tls.enabled = false for plain HTTP on a trusted host)")
         self.identity = certs.identity_of(cert)
+        certs.check_issued_by(cert, ca)
         try:
             self.client_context = self._context(ssl.PROTOCOL_TLS_CLIENT, ca, cert, key)
             if not self.identity.client_only:
@@ -161,7 +165,7 @@ class Tls:
         new = set(ids) - self.revoked
         self.revoked = frozenset(ids)
         for node_id in new:
-            for transport in self._open.pop(node_id, set()):
+            for transport in self._open.pop(node_id, set()) | self._dialled.pop(node_id, set()):
                 transport.abort()
         if new:
             logger.warning("revoked nodes cut off: %s", ", ".join(sorted(new)))
@@ -195,11 +199,15 @@ def _connector_class() -> type:
 
         async def _wrap_create_connection(self, *args: Any, **kwargs: Any) -> Any:
             transport, protocol = await super()._wrap_create_connection(*args, **kwargs)
-            if self._tls.revoked:
-                ident = certs.identity_from_peercert(transport.get_extra_info("peercert"))
-                if ident is not None and ident.id in self._tls.revoked:
+            ident = certs.identity_from_peercert(transport.get_extra_info("peercert"))
+            if ident is not None:
+                if ident.id in self._tls.revoked:
                     transport.abort()
                     raise aiohttp.ClientConnectionError(f"server {ident.id!r} is revoked")
+                dialled = self._tls._dialled.setdefault(ident.id, set())
+                if len(dialled) > 64:
+                    dialled.difference_update([t for t in dialled if t.is_closing()])
+                dialled.add(transport)
             return transport, protocol
 
     _CONNECTOR = CheckedConnector

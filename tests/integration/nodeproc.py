@@ -108,6 +108,9 @@ class Cluster:
             args.append(f"--trainer_private_key={self.keydir / 'trainer.key'}")
         if publish:
             args.append(f"--publish-dir={self.publish_dir}")
+        return self._spawn(name, args, data_dir)
+
+    def _spawn(self, name: str, args: list[str], data_dir: Path) -> Proc:
         log = self.root / f"{name}.log"
         with open(log, "ab") as err:  # the child keeps its own copy of the descriptor
             popen = subprocess.Popen(CLI + args, stdout=subprocess.PIPE, stderr=err, text=True,
@@ -120,14 +123,17 @@ class Cluster:
         self.procs.append(p)
         return p
 
-    def restart(self, p: Proc) -> Proc:
-        p.stop()
+    def restart(self, p: Proc, same_port: bool = False, stop: bool = True) -> Proc:
+        """Stop ``p`` (SIGTERM; ``stop=False``: it was stopped already) and start it again with the same
+        arguments and data dir; ``same_port``: on the port it had (else a fresh one, so its address changes)."""
+        if stop:
+            p.stop()
         self.procs.remove(p)
-        role = p.args[p.args.index("--role") + 1]
-        extra = [a for a in p.args if a.startswith("--parents=")]
-        parents = extra[0].split("=", 1)[1].split(",") if extra else []
-        return self.start(p.name, role, parents, data_dir=p.data_dir,
-                          publish=any(a.startswith("--publish-dir") for a in p.args))
+        args = list(p.args)
+        if same_port:
+            port = p.url.rsplit(":", 1)[1].rstrip("/")
+            args = [f"--listen.port={port}" if a == "--listen.port=0" else a for a in args]
+        return self._spawn(p.name, args, p.data_dir)
 
     def stop_all(self) -> None:
         for p in self.procs:
