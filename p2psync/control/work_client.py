@@ -37,7 +37,14 @@ import aiohttp
 from p2psync.control.api import Grant, ProgressReport, ResponseResult
 from p2psync.control.bodies import CONTROL, MAX_REPORTS
 from p2psync.errors import LeaseExpired, P2PSyncError, PeerUnreachable, UnknownWork
+from p2psync.retry import Backoff
 from p2psync.transport.client import cancel_quietly
+
+LEASE_RETRY = Backoff(first=0.5, cap=5.0, jitter=0.5)
+"""Pause after a lease request that found the coordinator unreachable (within the request's wait),
+growing while it stays so: a fleet that lost the coordinator does not come back as one wave."""
+COMPLETE_RETRY = Backoff(first=0.5, cap=4.0, jitter=0.5)
+"""Pauses between the tries of delivering a result."""
 
 if TYPE_CHECKING:
     from p2psync.control.gossip_service import GossipService
@@ -69,6 +76,7 @@ class WorkClient:
         self.gossip = gossip
         self.settings = host.config.control
         self.ttl = 30.0
+        self._lease_failures = 0
         self._held: dict[tuple[str, int], _Held] = {}
         self._session: aiohttp.ClientSession | None = None
         self._renewer: asyncio.Task | None = None
@@ -141,8 +149,10 @@ class WorkClient:
             status, data = await self._call("lease", body, extra_time=wait)
         except PeerUnreachable as exc:
             self.host.log.info("no lease: %s", exc)
-            await asyncio.sleep(max(0.0, min(1.0, deadline - time.monotonic())))
+            await asyncio.sleep(max(0.0, min(LEASE_RETRY.delay(self._lease_failures), deadline - time.monotonic())))
+            self._lease_failures += 1
             return []
+        self._lease_failures = 0
         self.ttl = float(data.get("ttl", self.ttl))
         grants = []
         for g in data.get("grants", []):
@@ -299,7 +309,7 @@ class WorkClient:
         :class:`LeaseExpired` if the coordinator never leased this work to this node."""
         body = {"work_id": grant.work_id, "lease_id": grant.lease_id,
                 "responses": {str(i): r.to_json() for i, r in responses.items()}}
-        delay = 0.5
+        delays = COMPLETE_RETRY.delays()
         for attempt in range(6):
             try:
                 status, data = await self._call("complete", body)
@@ -308,8 +318,7 @@ class WorkClient:
                 if attempt == 5:
                     raise
                 self.host.log.warning("result of %s not delivered (%s); retrying", grant.work_id, exc)
-                await asyncio.sleep(delay)
-                delay = min(4.0, delay * 2)
+                await asyncio.sleep(next(delays))
         self._held.pop(self._key(grant), None)
         if status == 200:
             return bool(data["accepted"])

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from p2psync.codec.decode import Applier
 from p2psync.errors import ChunkHashMismatch, CodecError, P2PSyncError, PeerUnreachable
 from p2psync.node.priority import FORWARD_WAIT
+from p2psync.retry import Backoff
 from p2psync.store import ArtifactInfo, VersionStore, plan_catchup
 from p2psync.transport.client import PeerClient, cancel_quietly
 from p2psync.transport.tls import Tls
@@ -250,6 +251,7 @@ class Follower:
         """
         await self.replica.loaded.wait()
         lim = self.config.limits
+        interrupted = 0  # catch-ups interrupted in a row: each waits longer (jittered)
         while True:
             cat = self.upstream_cat
             version = self.replica.version
@@ -268,11 +270,13 @@ class Follower:
                 continue
             try:
                 await self._catch_up(cat)
+                interrupted = 0
             except P2PSyncError as exc:
                 self.log.warning("catch-up to version %s interrupted: %s", cat.head, exc)
                 self.upstream_cat = None
                 await self._poll()
-                await asyncio.sleep(lim.retry_after)
+                await asyncio.sleep(Backoff(first=lim.retry_after, cap=max(lim.retry_after, 30.0)).delay(interrupted))
+                interrupted += 1
 
     async def _poll(self) -> None:
         url = await self.upstream.pick()

@@ -1,8 +1,16 @@
-"""Counters and gauges of one node, rendered as Prometheus text (``GET /metrics``)."""
+"""Counters and gauges of one node, exposed in Prometheus' text format (``GET /metrics``).
+
+The node's event loop counts into plain dictionaries (no lock, no per-label objects); at a scrape
+:class:`Metrics` hands them to ``prometheus_client`` as metric families, which writes the
+exposition (escaping, ``# HELP`` / ``# TYPE``, the format Prometheus negotiates). A counter's
+families are named without the ``_total`` suffix, as the format asks; its samples keep it.
+"""
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterator
+from typing import Any
 
 HELP = {
     "p2psync_bytes_in_total": ("counter", "Verified payload bytes received from parents."),
@@ -24,8 +32,8 @@ HELP = {
 }
 
 
-def _escape(v: str) -> str:
-    return v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+"""What ``GET /metrics`` answers with: the classic text format every Prometheus version reads."""
 
 
 class Metrics:
@@ -48,15 +56,31 @@ class Metrics:
     def total(self, name: str) -> float:
         return sum(self._values.get(name, {}).values())
 
-    def render(self, **const: str) -> str:
-        lines = []
+    def families(self, **const: str) -> Iterator[Any]:
+        """The values as ``prometheus_client`` metric families, ``const`` labels on every sample."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, UnknownMetricFamily
+
         for name in sorted(self._values):
             kind, text = HELP.get(name, ("untyped", name))
-            lines.append(f"# HELP {name} {text}")
-            lines.append(f"# TYPE {name} {kind}")
-            for key, value in sorted(self._values[name].items()):
-                labels = {**const, **dict(key)}
-                lab = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
-                num = int(value) if float(value).is_integer() else value
-                lines.append(f"{name}{{{lab}}} {num}" if lab else f"{name} {num}")
-        return "\n".join(lines) + "\n"
+            series = sorted(self._values[name].items())
+            labels = sorted({k for key, _ in series for k, _ in key} | set(const))
+            cls = {"counter": CounterMetricFamily, "gauge": GaugeMetricFamily}.get(kind, UnknownMetricFamily)
+            fam = cls(name, text, labels=labels)
+            for key, value in series:
+                got = {**const, **dict(key)}
+                fam.add_metric([got.get(k, "") for k in labels], value)
+            yield fam
+
+    def render(self, **const: str) -> str:
+        """The exposition text of every value, ``const`` labels (node, region, role) on each sample."""
+        from prometheus_client import CollectorRegistry, generate_latest
+
+        metrics = self
+
+        class _Snapshot:
+            def collect(self) -> Iterator[Any]:
+                return metrics.families(**const)
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Snapshot())
+        return generate_latest(registry).decode()

@@ -10,7 +10,10 @@ plan changes the order, never the failure and corruption records.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
+
+from p2psync.retry import Backoff
 
 
 @dataclass
@@ -22,7 +25,11 @@ class ParentSet:
     avoid_seconds: float
     """Seconds a parent that served corrupt data is avoided."""
     max_rest: float = 30.0
-    """Longest rest after repeated failures (the rest doubles per consecutive failure)."""
+    """Longest rest after repeated failures (the rest's ceiling doubles per consecutive failure)."""
+    jitter: float = 0.5
+    """Share of each rest drawn at random (:class:`p2psync.retry.Backoff`), so that the children of a
+    parent that failed do not all come back to it at one moment."""
+    rng: random.Random = field(default_factory=random.Random, repr=False)
     _down_until: dict[str, float] = field(default_factory=dict)
     _fails: dict[str, int] = field(default_factory=dict)
     _avoid_until: dict[str, float] = field(default_factory=dict)
@@ -75,7 +82,8 @@ class ParentSet:
         """``url`` errored, stalled or lacked what we asked for: rest it (longer each time in a row)."""
         n = self._fails.get(url, 0) + 1
         self._fails[url] = n
-        self._down_until[url] = now + min(self.max_rest, self.retry_after * 2 ** min(n - 1, 16))
+        rest = Backoff(first=self.retry_after, cap=max(self.max_rest, self.retry_after), jitter=self.jitter)
+        self._down_until[url] = now + rest.delay(n - 1, self.rng)
 
     def refused(self, url: str, now: float) -> None:
         """``url`` refused this node for a reason only an operator fixes (wrong token, another CA,

@@ -38,7 +38,7 @@ from aiohttp.http_exceptions import LineTooLong
 
 from p2psync.errors import IntegrityError
 from p2psync.transport.messages import API, NODE_HEADER, valid_artifact_id
-from p2psync.transport.metrics import Metrics
+from p2psync.transport.metrics import CONTENT_TYPE, Metrics
 from p2psync.transport.push import serve_stream
 from p2psync.transport.peers import PEER_KEY, claim_refused
 from p2psync.transport.tls import Tls
@@ -174,7 +174,7 @@ class Server:
     async def rpc_metrics(self, request: web.Request) -> web.Response:
         cfg = self.view.config
         text = self.view.metrics.render(node=cfg.id, region=cfg.region, role=cfg.role)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+        return web.Response(text=text, headers={"Content-Type": CONTENT_TYPE})
 
     # --- artifacts ----------------------------------------------------------------------
     def _artifact(self, request: web.Request):

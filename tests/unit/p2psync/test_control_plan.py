@@ -53,7 +53,7 @@ def test_without_the_root_there_is_no_plan():
 
 
 def test_parent_set_follows_the_plan_and_keeps_failure_records():
-    ps = ParentSet(["http://a:1", "http://t:1"], retry_after=1.0, avoid_seconds=60.0)
+    ps = ParentSet(["http://a:1", "http://t:1"], retry_after=1.0, avoid_seconds=60.0, jitter=0.0)
     ps.corrupt("http://r:1", 0.0)
     assert ps.plan("http://r:1/") and ps.candidates == ["http://r:1", "http://a:1", "http://t:1"]
     assert ps.current(1.0) == "http://a:1"  # the planned parent served corrupt data: still avoided

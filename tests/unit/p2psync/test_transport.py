@@ -7,6 +7,7 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 import torch
 from aiohttp.test_utils import TestClient, TestServer
 
@@ -111,8 +112,12 @@ def test_auth_limits_and_malformed_requests(tmp_path, artifact):
             assert r.status == 200
             assert Catalogue.loads(await r.read()).artifacts[0].id == m.artifact_id
             assert view.children == {"kid": view.children["kid"]}
-            text = await (await c.get("/metrics", headers=AUTH)).text()
-            assert 'p2psync_requests_total{code="401",node="n",region="default",role="trainer"} 4' in text
+            r = await c.get("/metrics", headers=AUTH)
+            assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+            samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+                       for fam in text_string_to_metric_families(await r.text()) for s in fam.samples}
+            assert samples[("p2psync_requests_total",
+                            (("code", "401"), ("node", "n"), ("region", "default"), ("role", "trainer")))] == 4
         finally:
             await c.close()
 
@@ -230,8 +235,25 @@ def test_fetch_drops_corrupt_chunks_and_fails_over_to_a_good_peer(tmp_path, arti
     run(go())
 
 
+def test_parent_set_rests_are_jittered_below_their_doubling_ceiling():
+    """Children of one failed parent do not all come back at one moment: each rest is drawn in
+    [ceiling / 2, ceiling], the ceiling doubling per failure in a row up to max_rest."""
+    import random
+
+    rests: dict[int, list[float]] = {}
+    for seed in range(40):
+        ps = ParentSet(["http://a", "http://b"], retry_after=1.0, avoid_seconds=100.0, max_rest=4.0,
+                       rng=random.Random(seed))
+        for n in range(4):
+            ps.failed("http://a", 0.0)
+            rests.setdefault(n, []).append(ps._down_until["http://a"])
+    for n, ceiling in enumerate((1.0, 2.0, 4.0, 4.0)):
+        assert all(ceiling / 2 <= r <= ceiling for r in rests[n]), (n, rests[n])
+        assert max(rests[n]) - min(rests[n]) > ceiling / 4  # spread, not one moment
+
+
 def test_parent_set_fails_over_in_order_and_backs_off():
-    ps = ParentSet(["http://a", "http://b", "http://c"], retry_after=1.0, avoid_seconds=100.0)
+    ps = ParentSet(["http://a", "http://b", "http://c"], retry_after=1.0, avoid_seconds=100.0, jitter=0.0)
     assert ps.current(0) == "http://a"
     ps.failed("http://a", 0)
     assert ps.current(0.5) == "http://b"
