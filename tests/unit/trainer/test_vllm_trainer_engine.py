@@ -45,6 +45,8 @@ class Recorder:
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
         self.calls.append(("init", init_info))
+        if self.fail == "init":
+            raise RuntimeError("Worker failed with error 'WrongBase: the loaded weights are not version 0'")
 
     def start_weight_update(self) -> None:
         self.calls.append(("start", None))
@@ -143,6 +145,8 @@ def test_a_malformed_init_info_is_refused_naming_the_field(fields, name):
     with pytest.raises(InitInfoError) as err:
         P2PSyncTrainerInitInfo(**fields)
     assert err.value.field == name and str(err.value).startswith(name + ": "), err.value
+    if name == "node_config" and "node_config" not in fields:
+        assert "missing" in str(err.value)
 
 
 def test_other_ranks_need_no_node_config():
@@ -258,6 +262,16 @@ def test_a_refused_update_raises_and_the_next_send_catches_up(tmp_path):
         assert engine.background.node.fingerprint == _bf16(model)
     finally:
         engine.shutdown()
+
+
+def test_a_refused_init_stops_the_node_it_started(tmp_path):
+    client = Recorder([], fail="init")
+    info = P2PSyncTrainerInitInfo(node_config=_node_config(tmp_path), rank=0,
+                                  worker_init_info={"tls_dir": str(tmp_path)})
+    with pytest.raises(WorkersRefused) as err:
+        WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(_model()))
+    assert err.value.step == "init" and err.value.version == 0 and "WrongBase" in str(err.value)
+    assert _node_threads() == set()  # the node it started is stopped again
 
 
 def test_attaching_to_a_started_node_leaves_it_running(tmp_path):
