@@ -115,6 +115,7 @@ class Publisher(ShardIO):
     next ``step()`` waits for it (weights change only in ``step``).
     ``group``: process group for the publisher's own collectives when sharded (default: a new
     gloo group over all ranks, so they never interleave with the training's collectives).
+    ``solo``: publish the whole model from this process alone, as rank 0 of no group (see :attr:`solo`).
     ``position_coding``: how a delta codes where its changes are (:data:`~p2psync.codec.encode.POSITION_CODINGS`; every
     receiver decodes both): ``"ranked"`` (the default) ranks each change among the base words of its
     magnitude bucket, the smallest deltas, for links where bytes cost the most; ``"base-free"`` codes
@@ -129,7 +130,7 @@ class Publisher(ShardIO):
                  max_pending: int = 2, optimizer: torch.optim.Optimizer | None = None, group: Any = None,
                  private_key: Any = None, loop: asyncio.AbstractEventLoop | None = None,
                  on_record: Callable[[PublishRecord], None] | None = None, full_weights: bool = False,
-                 verify_own: bool = False, position_coding: str = "ranked") -> None:
+                 verify_own: bool = False, position_coding: str = "ranked", solo: bool = False) -> None:
         if bucket_bytes < 4096:
             raise ConfigError("bucket_bytes", f"must be at least 4 KiB, got {bucket_bytes}")
         if max_pending < 1:
@@ -159,6 +160,9 @@ class Publisher(ShardIO):
         """Newest version the node accepted (rank 0)."""
         self.fingerprints: dict[int, str] = {}
         self._group = group
+        self.solo = solo
+        """This process publishes the whole model by itself (its tensors are full copies, not shards): no
+        collectives, even in a ``torch.distributed`` world of several ranks (the vLLM trainer engine's rank 0)."""
         self._rank, self._world = 0, 1
         self._loop = loop
         self._private_key = private_key

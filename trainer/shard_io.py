@@ -85,6 +85,7 @@ class ShardIO:
     opts: CodecOptions
     _snapshot_level: int
     _group: Any
+    solo: bool
     _rank: int
     _world: int
     _loop: asyncio.AbstractEventLoop | None
@@ -97,7 +98,9 @@ class ShardIO:
     def _setup_distributed(self) -> None:
         import torch.distributed as dist
 
-        if self._group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if self.solo:
+            self._group = None
+        elif self._group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self._group = dist.new_group(backend="gloo")
         if self._group is not None:
             self._rank = dist.get_rank(self._group)

@@ -1,0 +1,245 @@
+"""p2psync as vLLM's trainer-side weight-transfer engine (``WeightTransferTrainerFactory``, backend ``p2psync``).
+
+A trainer that already speaks vLLM's API switches to p2psync by changing the init info::
+
+    engine = WeightTransferTrainerFactory.trainer_init(
+        P2PSyncTrainerInitInfo(node_config="trainer.toml", rank=rank, worker_init_info={"tls_dir": "vllm-tls"}),
+        client=HTTPVLLMWeightSyncClient("http://vllm:8000"), source=ModuleSource(model))
+    ...; opt.step()
+    engine.send_weights()                      # the next version, a signed sparse delta
+    engine.shutdown()
+
+``trainer_init`` on rank 0: check the init info and the source, load the node's config, start
+the trainer node on a thread of its own (:class:`~trainer.background.BackgroundNode`; or attach
+to a started one), publish the source's weights as a signed snapshot (version 0, or the version
+the node already holds if it holds exactly these bits), then send vLLM's workers the init of the
+``p2psync`` worker backend: the node's address, the cluster token, the trainer's public key (PEM
+text), that version, and ``worker_init_info`` on top. ``send_weights`` on rank 0: publish the next
+version as a signed sparse delta (the call returns once the node holds it), then
+``start_weight_update``, ``update_weights({"version": v})`` (the workers pull the delta from their
+parent and apply it in place, verified) and ``finish_weight_update(weight_version=str(v))``.
+Relays and rollout nodes can follow the same trainer node as always; the engines vLLM serves pull
+through any node of the tree (``worker_init_info={"url": ...}``).
+
+Other ranks: no node, no client call; they iterate the source when rank 0 does (materialising is a
+collective), see :mod:`trainer.vllm.source`.
+
+Failure: anything wrong in the init info, the node's config or the source raises
+:class:`~trainer.vllm.info.InitInfoError` before a node starts; a failure after (the workers
+refused the init) stops what was started and raises. A refused update raises
+:class:`WorkersRefused` with the server's answer; the version stays published, vLLM keeps its
+previous weights, and the next ``send_weights`` takes the workers from there to the newest version.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Self
+
+import torch
+from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine
+
+from p2psync import config as p2p_config
+from p2psync import keys
+from p2psync.config import NodeConfig
+from p2psync.errors import ConfigError, P2PSyncError
+from trainer.vllm.info import InitInfoError, P2PSyncTrainerInitInfo
+from trainer.vllm.source import Extraction, Follower, SourceMirror, WholeModel, check_source, module_of
+
+logger = logging.getLogger(__name__)
+
+
+class WorkersRefused(P2PSyncError):
+    """vLLM answered a weight-transfer call with an error; ``step`` is the call (``init``, ``start``,
+    ``update``, ``finish``), ``version`` the p2psync version it was for, ``detail`` the server's answer."""
+
+    def __init__(self, step: str, version: int | None, detail: str) -> None:
+        super().__init__(f"vLLM refused {step}_weight{'_transfer_engine' if step == 'init' else '_update'}"
+                         f"{'' if version is None else f' (version {version})'}: {detail}")
+        self.step, self.version, self.detail = step, version, detail
+
+
+def _detail(exc: BaseException) -> str:
+    """The server's answer inside a client error (an HTTP body names the worker's error class), else the error."""
+    response = getattr(exc, "response", None)
+    text = getattr(response, "text", None)
+    return f"{exc}: {text}" if isinstance(text, str) and text else f"{type(exc).__name__}: {exc}"
+
+
+def node_config(value: Any) -> NodeConfig:
+    """The trainer node's config from ``node_config`` (an object or a TOML path), checked for a trainer node."""
+    from trainer.background import BackgroundNode
+
+    if isinstance(value, BackgroundNode):
+        if value.node is None:
+            raise InitInfoError("node_config", "a BackgroundNode that is not started (use it inside its with "
+                                "block, or call start() first)")
+        cfg = value.config
+    elif isinstance(value, NodeConfig):
+        cfg = value
+    else:
+        path = Path(value)
+        if not path.is_file():
+            raise InitInfoError("node_config", f"no such file: {str(value)!r}")
+        try:
+            cfg = p2p_config.load(path)
+        except ConfigError as exc:
+            raise InitInfoError(f"node_config.{exc.field}", str(exc).removeprefix(f"{exc.field}: ")) from None
+    try:
+        cfg.validate()
+    except ConfigError as exc:
+        raise InitInfoError(f"node_config.{exc.field}", str(exc).removeprefix(f"{exc.field}: ")) from None
+    if cfg.role != "trainer":
+        raise InitInfoError("node_config.role", f"must be 'trainer' (the node that publishes), got {cfg.role!r}")
+    if not cfg.trainer_private_key:
+        raise InitInfoError("node_config.trainer_private_key", "missing: the trainer node signs every version")
+    return cfg
+
+
+def worker_init(cfg: NodeConfig, address: str, version: int | None, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``init_info`` of the ``p2psync`` worker backend: from the trainer node, then ``extra`` on top."""
+    from cryptography.hazmat.primitives import serialization
+
+    pem = keys.load_public(cfg.trainer_public_key).public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+    out: dict[str, Any] = {"url": address, "token": cfg.token(), "public_key": pem, "version": version}
+    out.update(extra or {})
+    return out
+
+
+def _prepared(info: P2PSyncTrainerInitInfo) -> tuple[NodeConfig, dict[str, Any]]:
+    """Rank 0's checks before anything starts: the node's config and the worker init it leads to."""
+    cfg = node_config(info.node_config)
+    extra = dict(info.worker_init_info or {})
+    if cfg.tls.enabled and "tls_dir" not in extra and not str(extra.get("url", "https://")).startswith("http://"):
+        raise InitInfoError("worker_init_info.tls_dir", "missing: the trainer node takes mutual TLS only; give the "
+                            "certificate folder vLLM presents (`p2psync cert issue --id vllm`), as vLLM's machine "
+                            "sees it")
+    try:
+        keys.load_public(cfg.trainer_public_key)
+        cfg.token()
+    except ConfigError as exc:
+        raise InitInfoError(f"node_config.{exc.field}", str(exc).removeprefix(f"{exc.field}: ")) from None
+    import inspect
+
+    from trainer.publisher import Publisher
+
+    accepted = set(inspect.signature(Publisher.__init__).parameters) - {"self", *_SET_BY_ENGINE}
+    for name in info.publisher_options or {}:
+        if name in _SET_BY_ENGINE:
+            raise InitInfoError(f"publisher_options.{name}", "set by the engine (the rollout dtype and the model id "
+                                "are fields of the init info)")
+        if name not in accepted:
+            raise InitInfoError(f"publisher_options.{name}", f"not an option of the Publisher (it takes: "
+                                f"{', '.join(sorted(accepted))})")
+    return cfg, extra
+
+
+_SET_BY_ENGINE = ("model", "node", "loop", "dtype", "model_id", "solo", "optimizer", "group")
+
+
+class P2PSyncTrainerEngine(TrainerWeightTransferEngine[P2PSyncTrainerInitInfo]):
+    """Publishes a ``WeightSource`` through a p2psync trainer node and drives vLLM's workers to each version.
+
+    Promises: every version the workers are told to reach is signed and held by the trainer node
+    before the call; the workers apply it bit-exactly or keep their previous weights (the worker
+    backend's contract); on rank 0 ``version`` is the newest version published.
+    """
+
+    init_info_cls = P2PSyncTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender)
+        self.extraction: Extraction | None = None
+        self.background: Any = None
+        """The trainer node's :class:`~trainer.background.BackgroundNode` (rank 0)."""
+        self.owns_node = False
+        self.version: int | None = None
+        self.worker_init: dict[str, Any] | None = None
+        """The ``init_info`` sent to the workers (rank 0)."""
+
+    @classmethod
+    def trainer_init(cls, init_info: P2PSyncTrainerInitInfo, *, client: Any, source: Any = None) -> Self:
+        if not isinstance(init_info, P2PSyncTrainerInitInfo):
+            raise InitInfoError("init_info", f"must be a P2PSyncTrainerInitInfo, got {type(init_info).__name__}")
+        init_info.check()
+        check_source(source)
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        module = module_of(source)
+        if not engine.is_sender:
+            engine.extraction = Follower(source, iterate=module is None)
+            engine.extraction.start()
+            return engine
+        cfg, extra = _prepared(init_info)
+        dtype = getattr(torch, init_info.dtype)
+        options = dict(init_info.publisher_options or {})
+        refresh = None
+        if module is None:
+            mirror = SourceMirror(source.metadata(), dtype, options.get("dtype_overrides"))
+            module, refresh = mirror, lambda: mirror.refresh(source)
+        from trainer.background import BackgroundNode
+        from trainer.publisher import Publisher
+
+        if isinstance(init_info.node_config, BackgroundNode):
+            engine.background = init_info.node_config
+        else:
+            engine.background = BackgroundNode(cfg).start()
+            engine.owns_node = True
+        try:
+            bg = engine.background
+            pub = Publisher(module, bg.node, loop=bg.loop, dtype=dtype, model_id=init_info.model_id, solo=True,
+                            **options)
+            engine.extraction = WholeModel(pub, refresh)
+            engine.version = engine.extraction.start()
+            engine.worker_init = worker_init(cfg, bg.node.address, engine.version, {**extra})
+            try:
+                client.init_weight_transfer_engine(engine.worker_init)
+            except Exception as exc:
+                raise WorkersRefused("init", engine.version, _detail(exc)) from exc
+        except BaseException:
+            engine._abandon()
+            raise
+        logger.info("p2psync: vLLM's workers initialised at version %s from %s", engine.version,
+                    engine.worker_init["url"])
+        return engine
+
+    def send_weights(self) -> None:
+        """Publish the source's current weights as the next version and bring vLLM's workers to it (see
+        module doc). Called on every rank; only rank 0 publishes and calls the client."""
+        if self.extraction is None:
+            raise P2PSyncError("send_weights after shutdown (or before trainer_init)")
+        version = self.extraction.publish()
+        if not self.is_sender or version is None:
+            return
+        self.version = version
+        self._drive(version)
+
+    def _drive(self, version: int) -> None:
+        step = "start"
+        try:
+            self.client.start_weight_update()
+            step = "update"
+            self.client.update_weights({"version": version})
+            step = "finish"
+            self.client.finish_weight_update(weight_version=str(version))
+        except Exception as exc:
+            raise WorkersRefused(step, version, _detail(exc)) from exc
+
+    def shutdown(self) -> None:
+        """Finish publishing, then stop the trainer node if this engine started it (idempotent)."""
+        extraction, self.extraction = self.extraction, None
+        try:
+            if extraction is not None:
+                extraction.close()
+        finally:
+            if self.owns_node and self.background is not None:
+                self.background.stop()
+            self.background, self.owns_node = None, False
+
+    def _abandon(self) -> None:
+        """:meth:`shutdown` after a failed init: the failure that led here is the one the caller sees."""
+        try:
+            self.shutdown()
+        except Exception as exc:  # noqa: BLE001 - logged; the init's own error is re-raised by the caller
+            logger.warning("p2psync: cleaning up after a failed trainer_init: %r", exc)
