@@ -25,6 +25,7 @@ the node logs a warning saying what crosses the network in clear.
 
 from __future__ import annotations
 
+import errno
 import logging
 import ssl
 from pathlib import Path
@@ -58,7 +59,6 @@ class Tls:
         self.client_context: ssl.SSLContext | None = None
         self.revoked: frozenset[str] = frozenset()
         self._open: dict[str, set[Any]] = {}
-        self._dialled: dict[str, set[Any]] = {}
         """Connections this process opened, by the server's node id (cut when it is revoked)."""
         if directory is None:
             return
@@ -72,6 +72,7 @@ class Tls:
         certs.check_issued_by(cert, ca)
         try:
             self.client_context = self._context(ssl.PROTOCOL_TLS_CLIENT, ca, cert, key)
+            self.client_context.sslobject_class = _revocation_checked(self)
             if not self.identity.client_only:
                 self.server_context = self._context(ssl.PROTOCOL_TLS_SERVER, ca, cert, key)
         except (ssl.SSLError, OSError) as exc:
@@ -127,7 +128,7 @@ class Tls:
         import aiohttp
 
         # Without a certificate of our own (plain HTTP), an https URL still gets the default checks.
-        return _connector_class()(self, ssl=self.client_context or True, **kwargs)
+        return aiohttp.TCPConnector(ssl=self.client_context or True, **kwargs)
 
     def urlopen(self, request: Any, timeout: float) -> Any:
         """``urllib.request.urlopen`` with this side's certificate (for stdlib-only callers)."""
@@ -165,7 +166,7 @@ class Tls:
         new = set(ids) - self.revoked
         self.revoked = frozenset(ids)
         for node_id in new:
-            for transport in self._open.pop(node_id, set()) | self._dialled.pop(node_id, set()):
+            for transport in self._open.pop(node_id, set()):
                 transport.abort()
         if new:
             logger.warning("revoked nodes cut off: %s", ", ".join(sorted(new)))
@@ -181,34 +182,39 @@ def connector(tls: Tls | None, **kwargs: Any) -> aiohttp.TCPConnector:
     return aiohttp.TCPConnector(**kwargs)
 
 
-_CONNECTOR: type | None = None
+class RevokedPeerError(ssl.SSLError):
+    """The server on the other end of a TLS connection is a revoked node."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(errno.EACCES, f"server {node_id!r} is revoked")  # strerror: what aiohttp shows
+        self.node_id = node_id
 
 
-def _connector_class() -> type:
-    """The aiohttp connector that drops a new connection to a revoked server (built on first use,
-    so that importing this module stays free of aiohttp)."""
-    global _CONNECTOR
-    if _CONNECTOR is not None:
-        return _CONNECTOR
-    import aiohttp
+def _revocation_checked(tls: Tls) -> type[ssl.SSLObject]:
+    """The TLS object class of ``tls``'s client context (``SSLContext.sslobject_class``, the ssl
+    module's public hook): a handshake with a revoked server fails before any HTTP is sent, and a
+    connection to a server revoked after its handshake fails at its next record either way (a kept
+    connection is cut when it is next used, not reused)."""
 
-    class CheckedConnector(aiohttp.TCPConnector):
-        def __init__(self, tls: Tls, **kwargs: Any) -> None:
-            super().__init__(**kwargs)
-            self._tls = tls
+    class RevocationChecked(ssl.SSLObject):
+        _peer_id: str | None = None
 
-        async def _wrap_create_connection(self, *args: Any, **kwargs: Any) -> Any:
-            transport, protocol = await super()._wrap_create_connection(*args, **kwargs)
-            ident = certs.identity_from_peercert(transport.get_extra_info("peercert"))
-            if ident is not None:
-                if ident.id in self._tls.revoked:
-                    transport.abort()
-                    raise aiohttp.ClientConnectionError(f"server {ident.id!r} is revoked")
-                dialled = self._tls._dialled.setdefault(ident.id, set())
-                if len(dialled) > 64:
-                    dialled.difference_update([t for t in dialled if t.is_closing()])
-                dialled.add(transport)
-            return transport, protocol
+        def _check(self) -> None:
+            if self._peer_id is not None and self._peer_id in tls.revoked:
+                raise RevokedPeerError(self._peer_id)
 
-    _CONNECTOR = CheckedConnector
-    return CheckedConnector
+        def do_handshake(self) -> None:
+            super().do_handshake()
+            ident = certs.identity_from_peercert(self.getpeercert())
+            self._peer_id = ident.id if ident is not None else None
+            self._check()
+
+        def read(self, len: int = 1024, buffer: Any = None) -> Any:  # noqa: A002 - SSLObject's signature
+            self._check()
+            return super().read(len, buffer) if buffer is not None else super().read(len)
+
+        def write(self, data: Any) -> int:
+            self._check()
+            return super().write(data)
+
+    return RevocationChecked

@@ -97,3 +97,53 @@ def test_revocation_list_is_read_when_it_changes(tmp_path):
     path.write_text(path.read_text() + "# a comment\nr3  # another\n")
     assert rf.poll() == frozenset({"r2", "r3"}) and read_list(path) == {"r2", "r3"}
     assert path.read_text().count("r2") == 1
+
+
+def test_a_client_cuts_a_server_revoked_before_or_after_its_handshake(tmp_path):
+    """Client side of revocation, in the TLS layer: a new connection to a revoked server fails in its
+    handshake (no request is sent), and a kept-alive connection to a server revoked after it was
+    opened fails at its next use instead of being reused; other servers are unaffected."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    ca = certs.Authority(tmp_path / "ca")
+    for name in ("relay-a", "relay-b", "me"):
+        ca.node(name, "eu", tmp_path / name)
+    requests: dict[str, int] = {"relay-a": 0, "relay-b": 0}
+
+    async def serve(name: str) -> tuple[web.AppRunner, str]:
+        async def hello(_request: web.Request) -> web.Response:
+            requests[name] += 1
+            return web.Response(text=name)
+
+        app = web.Application()
+        app.router.add_get("/", hello)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=Tls(tmp_path / name).server_context)
+        await site.start()
+        return runner, f"https://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    async def go() -> None:
+        (ra, a), (rb, b) = await serve("relay-a"), await serve("relay-b")
+        me = Tls(tmp_path / "me")
+        try:
+            async with aiohttp.ClientSession(connector=me.connector(limit=1)) as s:
+                assert await (await s.get(a + "/")).text() == "relay-a"  # kept alive: limit=1
+                me.revoke({"relay-a"})
+                with pytest.raises(aiohttp.ClientError):
+                    await (await s.get(a + "/")).text()  # the kept connection is not reused
+                with pytest.raises(aiohttp.ClientError, match="'relay-a' is revoked"):
+                    await s.get(a + "/")  # a new one fails in its handshake
+                assert await (await s.get(b + "/")).text() == "relay-b"
+            assert requests == {"relay-a": 1, "relay-b": 1}  # nothing reached relay-a after its revocation
+            async with aiohttp.ClientSession(connector=me.connector()) as s:
+                me.revoke(set())  # lifted: served again
+                assert await (await s.get(a + "/")).text() == "relay-a"
+        finally:
+            await ra.cleanup()
+            await rb.cleanup()
+
+    asyncio.run(go())
