@@ -116,6 +116,11 @@ def test_hand_rules_agree_with_the_derived_placement(moe):
             assert np.array_equal(a, b), spec.name
         checked += 1
     assert checked >= 10
+    # The rules read how a layer is split from the sizes vLLM's linear layers record (one rank here:
+    # each holds all of it), never from a class name.
+    attn = model.model.layers[0].self_attn
+    for lin in (attn.qkv_proj, attn.o_proj):
+        assert (lin.input_size_per_partition, lin.output_size_per_partition) == (lin.input_size, lin.output_size)
 
 
 def test_a_delta_lands_on_the_words_a_fresh_load_of_the_next_version_holds(moe):
