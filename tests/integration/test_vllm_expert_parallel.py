@@ -24,7 +24,7 @@ from vllm_helpers import build, greedy, serving  # noqa: E402
 
 from rollout.engines.base import ParentInfo  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 N = 2
 

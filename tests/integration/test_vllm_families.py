@@ -32,7 +32,7 @@ from vllm_helpers import build, greedy, serving  # noqa: E402
 
 from rollout.engines.base import ParentInfo  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 N = 3
 FAMILIES = ["llama", "qwen2", "gemma", "phi3", "starcoder2", "gpt2", "falcon", "qwen3_moe", "qwen2_moe", "olmoe"]

@@ -31,7 +31,7 @@ from rollout.engines.vllm.placement.probe import derive  # noqa: E402
 from rollout.engines.vllm.placement.vocab import vocab_rows  # noqa: E402
 from rollout.engines.vllm.apply.weights import LiveWeights  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _bits(model) -> dict[str, bytes]:
