@@ -58,7 +58,7 @@ def served_engine(root, model: str, tied: bool, seed: int, reference: bool = Fal
     with serving(root, lin, N + 1) as (cluster, trainer):
         try:
             if reference:
-                engine = build(lin.checkpoint(root / f"v{N}", N))
+                engine = build(lin.checkpoint(root / f"v{N}", N), N)
                 ref = greedy(engine)
                 engine.attach(parent_of(cluster, trainer))
                 assert engine.reach(0) == lin.states[0].fingerprint

@@ -45,7 +45,7 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
         try:
             # A fresh two-rank vLLM on the checkpoint of version N: its generation is the reference;
             # the ranks then take it to version 0 by the snapshot (one engine start, not two).
-            engine = build(lin.checkpoint(tmp_path / f"v{N}", N), max_model_len=128, tensor_parallel_size=2)
+            engine = build(lin.checkpoint(tmp_path / f"v{N}", N), N, max_model_len=128, tensor_parallel_size=2)
             ref = greedy(engine, 6)
             tls_dir = str(tlsutil.node_tls("engine").directory)
             parent = ParentInfo(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine", tls_dir)
