@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 
+import needs
 import pytest
 from demo_fixture import fake_run
-from ui_browser import Browser, find_chromium
+from ui_browser import Browser
 
 from demo import report
 from demo.summary import summarize
@@ -26,9 +27,7 @@ IMGS_JS = ("JSON.stringify([...document.images].map(i => [i.getAttribute('src'),
 
 @pytest.mark.timeout(180)
 def test_the_report_opens_with_the_headline_then_the_pictures(tmp_path):
-    chromium = find_chromium()
-    if chromium is None:
-        pytest.skip("chromium is not installed and tools/ensure_chromium.sh could not install it (needs root and apt)")
+    chromium = needs.chromium()
     snap = fake_run(steps=12, detour=True)
     summary = summarize(snap, problems=[], wall_s=201.0, regime={"model": "preset demo", "lr": 6e-5})
     index = report.write(tmp_path / "report", snap, summary)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import statistics
 
+import needs
 import pytest
 from nodeproc import TOKEN
 
@@ -26,11 +26,8 @@ from p2psync.testbed.runner import Testbed
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.integration,
-    pytest.mark.skipif(os.geteuid() != 0, reason="netns tests need root (network namespaces, veth, tc)"),
-    pytest.mark.skipif(shutil.which("ip") is None or shutil.which("tc") is None,
-                       reason="netns tests need iproute2 (`ip` and `tc`)"),
-    pytest.mark.skipif(not os.path.exists("/dev/net/tun"), reason="netns tests need /dev/net/tun (the delay line)"),
 ]
+needs.netns()
 
 # Unique per test process, so parallel runs (or another engineer's testbed) never collide.
 NAME = f"pr{os.getpid() % 10**6}"

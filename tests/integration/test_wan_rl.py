@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import needs
 import pytest
 
 from p2psync.testbed import netns
@@ -21,11 +21,8 @@ pytestmark = [
     pytest.mark.netns,
     pytest.mark.integration,
     pytest.mark.slow,
-    pytest.mark.skipif(os.geteuid() != 0, reason="netns tests need root (network namespaces, veth, tc)"),
-    pytest.mark.skipif(shutil.which("ip") is None or shutil.which("tc") is None,
-                       reason="netns tests need iproute2 (`ip` and `tc`)"),
-    pytest.mark.skipif(not os.path.exists("/dev/net/tun"), reason="netns tests need /dev/net/tun (the delay line)"),
 ]
+needs.netns()
 
 REPO = Path(__file__).resolve().parents[2]
 NAME = f"r{os.getpid() % 10**6}"  # unique per test process: never another run's testbed

@@ -229,15 +229,27 @@ def test_min_version_waits_for_the_newer_version(tmp_path, versions, engine_fact
         async def on_progress(*_):
             seen_before.append(node.version)
         work.on_progress = on_progress
+        # The worker holding the grant back: it waits for version 2 on the node (an event, not a sleep).
+        waiting: list[int] = []
+        wait_version = node.wait_version
+
+        async def recorded_wait(version: int) -> None:
+            waiting.append(version)
+            await wait_version(version)
+        node.wait_version = recorded_wait  # type: ignore[method-assign]
         try:
             w = await RolloutWorker.create(node, _opts(tmp_path), engine_factory())
             work.add(grant("late", _payload(8, min_version=2)))
             task = asyncio.create_task(w.serve())
-            await asyncio.sleep(1.0)
+            deadline = time.monotonic() + 60
+            while 2 not in waiting and not work.progress_log:
+                assert time.monotonic() < deadline and not task.done()
+                await asyncio.sleep(0.02)
             assert not work.progress_log and "late" not in work.completed  # held back: only version 0 here
+            assert work.held.keys() == {"late"} and w.engine.version == 0
             await node.publish(*versions.deltas[0])
-            await asyncio.sleep(0.5)
-            assert not work.progress_log
+            await wait_version(1)
+            assert not work.progress_log and "late" not in work.completed  # version 1 is not enough either
             await node.publish(*versions.deltas[1])
             deadline = time.monotonic() + 60
             while "late" not in work.completed:

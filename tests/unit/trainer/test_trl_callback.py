@@ -5,10 +5,11 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import needs
 import pytest
 import torch
 
-pytest.importorskip("trl")
+needs.module("trl", "the test extra installs it")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

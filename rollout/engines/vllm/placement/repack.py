@@ -33,13 +33,22 @@ def transformed_reason(model: Any, param: str) -> str | None:
     (None: it is, possibly through a transform :func:`derive` replays)."""
     lname, layer = layer_of(model, param)
     qm = getattr(layer, "quant_method", None)
-    if qm is not None and not type(qm).__name__.startswith("Unquantized"):
+    if qm is not None and not isinstance(qm, _unquantized()):
         return f"layer {lname} is quantized ({type(qm).__name__}): its parameters hold a transformed copy"
     fe = moe_experts(layer)
     if fe is not None and _replays(fe) is None and _overrides_post_load(fe):
         return (f"layer {lname} repacks its experts after loading ({type(fe).__name__}) in a way p2psync "
                 "cannot replay")
     return None
+
+
+def _unquantized() -> tuple[type, ...]:
+    """vLLM's quantization methods that keep the checkpoint's words as loaded (CPU and CUDA builds)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+    return UnquantizedLinearMethod, UnquantizedEmbeddingMethod, UnquantizedFusedMoEMethod
 
 
 def _overrides_post_load(fe: Any) -> bool:

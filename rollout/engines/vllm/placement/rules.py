@@ -19,7 +19,8 @@ rank holds: checkpoint rows ``rows`` and columns ``cols`` sit at row ``at_row``
 (column 0) of parameter ``param``. ``counted`` says whether this rank's elements
 count towards the fingerprint (replicated pieces count on one rank only, so that
 per-rank sums of element hashes add up to the trainer's). Only the model's module
-attributes are read (duck typing), so the rules are testable without vLLM.
+attributes are read (the sizes and shards vLLM's layers record, never a class name), so the rules
+are testable without vLLM.
 """
 
 from __future__ import annotations
@@ -85,6 +86,26 @@ def _tp(layer: Any) -> tuple[int, int]:
     return int(getattr(layer, "tp_rank", 0) or 0), int(getattr(layer, "tp_size", 1) or 1)
 
 
+def _split(layer: Any) -> str | None:
+    """How a tensor-parallel linear layer splits its weight across ranks, read from the sizes vLLM's
+    linear layers record (``vllm/model_executor/layers/linear.py``, CPU and CUDA builds alike):
+    ``"rows"`` when a rank holds ``output_size_per_partition`` of ``output_size`` output rows
+    (``ColumnParallelLinear`` and its fused subclasses), ``"columns"`` when it holds
+    ``input_size_per_partition`` of ``input_size`` input columns (``RowParallelLinear``); None for
+    anything else (``ReplicatedLinear`` records no per-partition sizes). What the layer holds decides,
+    not its class's name (an out-of-tree replacement of a layer class records the same sizes)."""
+    try:
+        out_part, out = int(layer.output_size_per_partition), int(layer.output_size)
+        in_part, inp = int(layer.input_size_per_partition), int(layer.input_size)
+    except (AttributeError, TypeError):
+        return None
+    if out_part < out and in_part == inp:
+        return "rows"
+    if in_part < inp and out_part == out:
+        return "columns"
+    return None
+
+
 def _rows_split(name: str, param: str, shape: tuple[int, ...], start: int, size: int, at_row: int,
                 counted: bool = True) -> Piece:
     width = shape[1] if len(shape) == 2 else 1
@@ -133,11 +154,11 @@ def place(model: Any, name: str, shape: tuple[int, ...], params: dict[str, Any],
     if shard is not None:  # VocabParallelEmbedding / ParallelLMHead: padded vocabulary rows
         start, stop = int(shard.org_vocab_start_index), int(shard.org_vocab_end_index)
         return _rows_split(name, param, shape, start, stop - start, 0)
-    kind = type(layer).__name__
-    if size > 1 and kind == "RowParallelLinear" and param.endswith(".weight"):
+    split = _split(layer) if size > 1 else None
+    if split == "columns" and param.endswith(".weight"):
         k = shape[1] // size
         return Piece(name, param, shape, (0, shape[0]), (rank * k, (rank + 1) * k), 0)
-    if size > 1 and "ColumnParallelLinear" in kind:
+    if split == "rows":
         n = shape[0] // size
         return _rows_split(name, param, shape, rank * n, n, 0)
     # Replicated on every rank (norms, row-parallel biases): counted on rank 0 only.

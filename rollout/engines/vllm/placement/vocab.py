@@ -41,7 +41,10 @@ def vocab_rows(model: Any, params: dict[str, Any], specs: Sequence[TensorSpec]) 
     import torch
 
     try:
-        from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+        from vllm.model_executor.layers.vocab_parallel_embedding import (
+            UnquantizedEmbeddingMethod,
+            VocabParallelEmbedding,
+        )
     except ImportError:
         return {}
     rows: dict[str, tuple[int, int]] = {}
@@ -55,7 +58,7 @@ def vocab_rows(model: Any, params: dict[str, Any], specs: Sequence[TensorSpec]) 
         embedding = isinstance(layer, VocabParallelEmbedding)
         if not (embedding and layer.weight is param and si is not None
                 and fn is VocabParallelEmbedding.weight_loader
-                and type(getattr(layer, "quant_method", None)).__name__ == "UnquantizedEmbeddingMethod"
+                and type(getattr(layer, "quant_method", None)) is UnquantizedEmbeddingMethod
                 and getattr(param, "output_dim", None) == 0 and getattr(param, "packed_dim", None) is None
                 and si.num_added_elements == 0 and param.dim() == 2
                 and tuple(s.shape) == (int(layer.org_vocab_size), int(param.shape[1]))):
