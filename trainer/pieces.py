@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import torch
@@ -118,11 +118,32 @@ def dtensor_indices(t: DTensor, name: str = "") -> list[np.ndarray] | None:
     coord = mesh.get_coordinate()
     if coord is None:  # this rank is not part of the mesh
         return None
+    if _replica_elsewhere(mesh):
+        return None
     spec = getattr(t, "_spec", None)
     order = getattr(spec, "shard_order", None)
     if order is not None and not all(list(e.mesh_dims) == sorted(e.mesh_dims) for e in order):
         raise ValueError(f"{name}: shard order {order!r} is not supported (only left-to-right placements)")
     return box_indices(tuple(t.shape), tuple(t.placements), tuple(mesh.shape), tuple(coord), name)
+
+
+def _replica_elsewhere(mesh: Any) -> bool:
+    """Whether another copy of a DTensor on the sub-mesh ``mesh`` publishes it: with FSDP2 over TP the
+    tensors FSDP2 alone shards (embeddings, norms) live on the ``dp`` sub-mesh, one copy per ``tp``
+    coordinate. The root mesh's dims along which the sub-mesh does not extend are replica dims, and
+    only coordinate 0 of each publishes (as for a ``Replicate`` mesh dim)."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = get_root() if get_root is not None else mesh
+    if root is mesh:
+        return False
+    grid = root.mesh.cpu().numpy()
+    where = {int(r): idx for idx, r in np.ndenumerate(grid)}
+    members = [where[int(r)] for r in mesh.mesh.reshape(-1).tolist()]
+    coord = root.get_coordinate()
+    if coord is None:
+        return True
+    return any(grid.shape[i] > 1 and len({m[i] for m in members}) == 1 and coord[i] != 0
+               for i in range(grid.ndim))
 
 
 def box_indices(shape: tuple[int, ...], placements: tuple, mesh_shape: tuple[int, ...], coord: tuple[int, ...],

@@ -11,15 +11,18 @@ elements at 4 % changed (measured on a 1024 x 4096 bf16 tensor).
 
 What happens instead: each rank extracts the changes of its box as usual (positions in its own
 share, compared with its own copy of the previous version) and sends rank 0 a compact stream of
-them: global flat position gaps, zigzag residuals and the exponents of the base words, zstd'd
-byte planes (:func:`pack_changes`). That is what a delta segment in the base-free coding
-(``context_buckets = 1``) needs of the base: its residual models are chosen by the base word's
-exponent, its positions are gaps. Rank 0 merges the ranks' streams of a tensor and encodes
-base-free segments over the whole tensor (:func:`encode_strided`): the same ranges and cuts as a
-single process's encode, every receiver decodes them, no weight leaves its rank. Its words are
-rebuilt as ``exponent << shift`` and that plus the residual, which gives the segment coder the
-same exponents and residuals (the segment's bytes do not depend on anything else of the words
-without buckets). The fingerprint contributions stay with each rank, at global positions.
+them: global flat positions Rice coded as a segment codes them, and zstd'd zigzag residuals
+(:func:`pack_changes`). That is all a delta segment in the base-free coding (``context_buckets =
+1``) needs when it has one residual model: rank 0 merges the ranks' streams of a tensor and
+encodes base-free segments over the whole tensor (:func:`encode_strided`), the same ranges and row
+cuts as a single process's encode, each of at most :data:`ONE_MODEL` changes (a segment chooses a
+residual model per run of base exponents holding 4,096 changes or more; below twice that it has
+one model, so the base words' exponents play no part in its bytes and rank 0 needs none of them).
+Its words are rebuilt as 0 and the residual, which gives the segment coder the same residuals.
+Every receiver decodes these segments; no weight leaves its rank; the fingerprint contributions
+stay with each rank, at global positions. Cost: the base-free positions (~30 % more than ranked
+for these tensors), one segment header (~130 bytes) per 8,191 changes, and between ranks about
+the payload of the changes sent.
 """
 
 from __future__ import annotations
@@ -29,42 +32,50 @@ import struct
 import numpy as np
 
 from p2psync import dtypes
+from p2psync.codec import rice
 from p2psync.codec.encode import CodecOptions
 from p2psync.codec.segencode import encode as encode_segment
 from p2psync.codec.segment import SegmentStats, pack_payload, planes, unpack_payload, unplanes, unzigzag, zigzag
 from p2psync.codec.slices import delta_ranges
+from p2psync.codec.sparse import MIN_CHANGES_PER_MODEL
 from p2psync.state import TensorSpec, tensor_seed
 
-_HEAD = struct.Struct("<IBQ")  # changes, payload codec, payload length
+_HEAD = struct.Struct("<QBII BQ")  # changes, Rice k, unary and remainder bytes, residual codec and bytes
 _NO_THRESHOLDS = np.zeros(0, dtype=np.int64)
-
-
-def _exp_word(d: dtypes.DType) -> np.dtype:
-    return np.dtype(np.uint8) if d.exp_mask <= 0xFF else np.dtype("<u2")
+ONE_MODEL = 2 * MIN_CHANGES_PER_MODEL - 1
+"""Changes per segment below which a segment has a single residual model (``sparse.model_bounds``)."""
 
 
 def pack_changes(spec: TensorSpec, gpos: np.ndarray, old_w: np.ndarray, new_w: np.ndarray, level: int) -> bytes:
     """A rank's changes of tensor ``spec`` (sorted global positions, base and new words) as sent to rank 0."""
     d = dtypes.from_code(spec.dtype)
     n = int(gpos.shape[0])
-    gaps = np.diff(gpos, prepend=np.int64(0)).astype("<u8")
-    zres = zigzag((new_w - old_w).astype(d.word, copy=False))
-    exps = ((old_w >> d.word.type(d.exp_shift)) & d.word.type(d.exp_mask)).astype(_exp_word(d))
-    raw = b"".join((planes(gaps), planes(zres), planes(exps)))
-    codec, body = pack_payload(bytearray(raw), level)
-    return _HEAD.pack(n, codec, len(body)) + bytes(body)
+    gpos = np.ascontiguousarray(gpos, dtype=np.int64)
+    one = np.zeros(1, dtype=np.int64)
+    ks = np.zeros(1, dtype=np.int64)
+    ubits, rbits = rice.plan(gpos, one, one + n, ks)
+    unary = np.zeros((ubits + 7) // 8, dtype=np.uint8)
+    rem = np.zeros((rbits + 7) // 8, dtype=np.uint8)
+    rice.write(gpos, one, one + n, ks, unary, rem)
+    codec, res = pack_payload(planes(zigzag((new_w - old_w).astype(d.word, copy=False))), level)
+    return b"".join((_HEAD.pack(n, int(ks[0]), unary.shape[0], rem.shape[0], codec, len(res)), unary.tobytes(),
+                     rem.tobytes(), bytes(res)))
 
 
-def unpack_changes(spec: TensorSpec, blob: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(global positions, zigzag residuals, base exponents) of :func:`pack_changes`."""
+def unpack_changes(spec: TensorSpec, blob: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """(global positions, zigzag residuals) of :func:`pack_changes`."""
     d = dtypes.from_code(spec.dtype)
-    n, codec, size = _HEAD.unpack_from(blob)
-    ew = _exp_word(d)
-    raw = unpack_payload(codec, memoryview(blob)[_HEAD.size:_HEAD.size + size], n * (8 + d.width + ew.itemsize))
-    gpos = np.cumsum(unplanes(raw[:8 * n], n, np.dtype("<u8")).astype(np.int64))
-    zres = unplanes(raw[8 * n:(8 + d.width) * n], n, d.word)
-    exps = unplanes(raw[(8 + d.width) * n:], n, ew)
-    return gpos, zres, exps
+    n, k, nu, nr, codec, size = _HEAD.unpack_from(blob)
+    view = memoryview(blob)
+    at = _HEAD.size
+    gpos = np.empty(n, dtype=np.int64)
+    status = rice.read(view[at:at + nu], view[at + nu:at + nu + nr], np.array([n], dtype=np.int64),
+                       np.array([k], dtype=np.int64), spec.numel, gpos)
+    if status != 0:
+        raise ValueError(f"{spec.name}: malformed change stream (code {status})")
+    at += nu + nr
+    zres = unplanes(unpack_payload(codec, view[at:at + size], n * d.width), n, d.word)
+    return gpos, zres
 
 
 def encode_strided(index: int, spec: TensorSpec, blobs: list[bytes], opts: CodecOptions
@@ -77,12 +88,10 @@ def encode_strided(index: int, spec: TensorSpec, blobs: list[bytes], opts: Codec
     gpos = gpos[order]
     if gpos.shape[0] > 1 and not np.all(gpos[1:] > gpos[:-1]):
         raise ValueError(f"{spec.name}: two ranks sent a change of the same element")
-    zres = np.concatenate([p[1] for p in parts])[order]
-    exps = np.concatenate([p[2] for p in parts])[order].astype(d.word)
-    old_w = exps << d.word.type(d.exp_shift)
-    new_w = old_w + unzigzag(zres)
+    old_w = np.zeros(gpos.shape[0], dtype=d.word)
+    new_w = unzigzag(np.concatenate([p[1] for p in parts])[order])
     seed = tensor_seed(spec.name)
-    cap = opts.max_changes(d.width)
+    cap = min(opts.max_changes(d.width), ONE_MODEL)
     segments: list[bytes] = []
     stats = SegmentStats()
     for s, e in delta_ranges(spec, opts.segment_elements):
