@@ -11,17 +11,17 @@ A checkpoint tensor that is a view of a fused parameter is read through that vie
 the parameter (one whose view is strided, not one flat range, is read through a copy of that
 one checkpoint tensor per bucket).
 
-Pieces. A piece is one contiguous flat element range ``[offset, offset + numel)``
-of one table tensor that this process reads from its own memory. Without
-sharding every tensor is one piece at offset 0. With FSDP2 / DTensor parameters
-sharded on dim 0 (FSDP2's default ``Shard(0)``, also nested over several mesh
-dims for HSDP), the local shard of a row-major tensor *is* a contiguous flat
-range of the full tensor, so each rank encodes its shard as a range of the full
-tensor and the receiver sees an ordinary full-model artifact (see
-:mod:`trainer.publisher`). For ``Replicate`` mesh dims only coordinate 0
-publishes, so every element is published by exactly one rank. A checkpoint
-tensor that is one flat range of a sharded fused parameter (an expert of
-``gate_up_proj``) is published by the ranks whose shards hold part of it.
+Pieces. A piece is the elements of one table tensor that this process reads from its own
+memory and publishes. Without sharding every tensor is one piece at offset 0. A rank of a
+sharded trainer publishes the tensors it holds by name (``held``: pipeline stages, expert
+splits) and, of a DTensor, the elements its placements give it (:func:`dtensor_indices`:
+``Shard(d)``, ``_StridedShard``, ``Replicate`` with coordinate 0 publishing). A shard that is one
+flat range of its tensor (``Shard(0)``, FSDP2's default) is one piece ``[offset, offset + numel)``
+encoded as a range of the full tensor; a box of long runs is a piece per run; a box of short runs
+(a row-parallel weight's ``Shard(1)``) is one *strided* piece, encoded on rank 0
+(:mod:`trainer.strided`). A checkpoint tensor that is one flat range of a sharded fused parameter
+(an expert of ``gate_up_proj``) is published by the ranks whose shards hold part of it. The
+ranks agree at start that every element is published by exactly one rank (:func:`agree_table`).
 """
 
 from __future__ import annotations

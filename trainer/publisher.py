@@ -34,7 +34,7 @@ only once all segments are encoded. Streaming earlier needs a format change (e.g
 a manifest signed per bucket, or a hash chain whose head is signed last); the
 node's ``publish(manifest, chunks)`` contract has the same boundary.
 
-Sharded models (FSDP2 / DTensor): every rank runs a Publisher over its own shard with no
+Sharded trainers (FSDP2 / TP / pipeline / expert splits): every rank runs a Publisher over what it holds with no
 gather of weights; rank 0 signs and publishes one manifest for the full model (see
 :mod:`trainer.shard_io`).
 
@@ -83,7 +83,6 @@ from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
 from trainer.pieces import Piece, published_table
 from trainer.publish_record import PublishError, PublishRecord
 from trainer.shard_io import Part, ShardIO, add_sums, piece_sums, raw_segments, sums_at
-from trainer.strided import encode_strided
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +121,13 @@ class Publisher(ShardIO):
     positions alone (~30 % more bytes), which receivers decode without a pass over their base words:
     faster where a receiver waits on its decode rather than its fetch (docs/BENCHMARKS.md, "Position
     coding").
+    ``held``: sharded trainers: the names this rank publishes (checkpoint names, or in-memory names for
+    all their checkpoint tensors; vLLM's ``WeightSource.held_names()``), ``None`` for all it holds
+    (DTensors: the elements their placements give this rank). Every tensor of the table must be
+    published by exactly one rank; :meth:`start_sync` refuses anything else on every rank, naming
+    the tensor. ``table``: the whole model's table in order, when a rank's ``model`` lacks tensors
+    (default: the ranks' tables if they agree, else their union in rank order). docs/TRAINER.md,
+    "Sharded trainers".
     """
 
     def __init__(self, model: torch.nn.Module, node: Any = None, *, dtype: torch.dtype = torch.bfloat16,
@@ -465,25 +471,6 @@ class Publisher(ShardIO):
                     for i, xs in own.items()}
         self._hand_off(p.version, p.version - 1, art, p.started, extract_s, t_enc, mine)
         self._full_sums = target
-
-    def _encode_strided(self, parts: list[Part]) -> list[Part]:
-        """Rank 0: the strided tensors' segments from every rank's changes (:mod:`trainer.strided`)."""
-        blobs: dict[int, list[bytes]] = {}
-        for q in parts:
-            for i, bs in q.streams.items():
-                blobs.setdefault(i, []).extend(bs)
-        if not blobs:
-            return []
-        jobs = [self._pool.submit(encode_strided, i, self._specs[i], blobs[i], self.opts) for i in sorted(blobs)]
-        segments: list[bytes | bytearray] = []
-        stats = SegmentStats()
-        for job in jobs:
-            segs, st = job.result()
-            segments.extend(segs)
-            stats.add(st)
-        chunks = list(pack_chunks(order_segments(segments, self._specs), self.opts.chunk_size,
-                                  lambda seg: block_key(self._specs, seg)))
-        return [Part(chunks, {}, {}, stats)]
 
     def _finish_full(self, p: _Pending) -> None:
         """As :meth:`_finish`, for a full snapshot of the weights (``full_weights``)."""

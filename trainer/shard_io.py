@@ -31,13 +31,13 @@ import numpy as np
 import torch
 
 from p2psync import dtypes, wordops
-from p2psync.codec.encode import CodecOptions, element_ranges, encode_sparse_range
+from p2psync.codec.encode import CodecOptions, element_ranges, encode_sparse_range, pack_chunks
 from p2psync.codec.segment import SegmentStats, encode_raw_segment, shift_segment
-from p2psync.codec.slices import delta_ranges
+from p2psync.codec.slices import block_key, delta_ranges, order_segments
 from p2psync.errors import ConfigError
 from p2psync.state import TensorSpec
 from trainer.pieces import Piece, RankShare, agree_table, rebind, share_of
-from trainer.strided import pack_changes
+from trainer.strided import encode_strided, pack_changes
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
 _HASH_BLOCK = 1 << 22
@@ -118,6 +118,7 @@ class ShardIO:
     _world: int
     _loop: asyncio.AbstractEventLoop | None
     _private_key: Any
+    _specs: list[TensorSpec]
     _pieces: list[Piece]
     _words: list[np.ndarray]
     _pool: ThreadPoolExecutor
@@ -208,6 +209,25 @@ class ShardIO:
                         for s, e in element_ranges(piece.numel, self.opts.raw_elements(width))]
                 out.append((k, piece, new, jobs))
         return out, time.perf_counter() - t0
+
+    def _encode_strided(self, parts: list[Part]) -> list[Part]:
+        """Rank 0: the strided tensors' segments from every rank's changes (:mod:`trainer.strided`)."""
+        blobs: dict[int, list[bytes]] = {}
+        for q in parts:
+            for i, bs in q.streams.items():
+                blobs.setdefault(i, []).extend(bs)
+        if not blobs:
+            return []
+        jobs = [self._pool.submit(encode_strided, i, self._specs[i], blobs[i], self.opts) for i in sorted(blobs)]
+        segments: list[bytes | bytearray] = []
+        stats = SegmentStats()
+        for job in jobs:
+            segs, st = job.result()
+            segments.extend(segs)
+            stats.add(st)
+        chunks = list(pack_chunks(order_segments(segments, self._specs), self.opts.chunk_size,
+                                  lambda seg: block_key(self._specs, seg)))
+        return [Part(chunks, {}, {}, stats)]
 
     # --- collectives (sharded only) ----------------------------------------------------------
     def _agree_table(self, specs: list[TensorSpec], pieces: list[Piece], error: BaseException | None,
