@@ -38,6 +38,9 @@ class PublishRecord:
     """``node.publish``: verify, store, apply to the node's copy."""
     total_s: float
     """From the call to published."""
+    exchanged_bytes: int = 0
+    """Sharded: bytes rank 0 received from the other ranks for this version (their parts: compressed
+    segments, strided changes and fingerprint sums; the raw snapshot for a snapshot)."""
     published_at: float = field(default_factory=time.time)
 
     @property

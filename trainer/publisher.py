@@ -34,7 +34,7 @@ only once all segments are encoded. Streaming earlier needs a format change (e.g
 a manifest signed per bucket, or a hash chain whose head is signed last); the
 node's ``publish(manifest, chunks)`` contract has the same boundary.
 
-Sharded models (FSDP2 / DTensor): every rank runs a Publisher over its own shard with no
+Sharded trainers (FSDP2 / TP / pipeline / expert splits): every rank runs a Publisher over what it holds with no
 gather of weights; rank 0 signs and publishes one manifest for the full model (see
 :mod:`trainer.shard_io`).
 
@@ -64,7 +64,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -75,14 +75,14 @@ import torch
 from p2psync import dtypes
 from p2psync.artifact import Manifest, build_manifest
 from p2psync.codec import precompile
-from p2psync.codec.encode import CodecOptions, EncodedArtifact, element_ranges, pack_chunks, position_buckets
+from p2psync.codec.encode import CodecOptions, EncodedArtifact, pack_chunks, position_buckets
 from p2psync.codec.slices import block_key, order_segments
-from p2psync.codec.segment import SegmentStats, encode_raw_segment, shift_segment
+from p2psync.codec.segment import SegmentStats, shift_segment
 from p2psync.errors import CodecError, ConfigError, P2PSyncError
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
 from trainer.pieces import Piece, published_table
 from trainer.publish_record import PublishError, PublishRecord
-from trainer.shard_io import Part, ShardIO, add_sums, piece_sums, sums_at
+from trainer.shard_io import Part, ShardIO, add_sums, piece_sums, raw_segments, sums_at
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,13 @@ class Publisher(ShardIO):
     positions alone (~30 % more bytes), which receivers decode without a pass over their base words:
     faster where a receiver waits on its decode rather than its fetch (docs/BENCHMARKS.md, "Position
     coding").
+    ``held``: sharded trainers: the names this rank publishes (checkpoint names, or in-memory names for
+    all their checkpoint tensors; vLLM's ``WeightSource.held_names()``), ``None`` for all it holds
+    (DTensors: the elements their placements give this rank). Every tensor of the table must be
+    published by exactly one rank; :meth:`start_sync` refuses anything else on every rank, naming
+    the tensor. ``table``: the whole model's table in order, when a rank's ``model`` lacks tensors
+    (default: the ranks' tables if they agree, else their union in rank order). docs/TRAINER.md,
+    "Sharded trainers".
     """
 
     def __init__(self, model: torch.nn.Module, node: Any = None, *, dtype: torch.dtype = torch.bfloat16,
@@ -130,7 +137,8 @@ class Publisher(ShardIO):
                  max_pending: int = 2, optimizer: torch.optim.Optimizer | None = None, group: Any = None,
                  private_key: Any = None, loop: asyncio.AbstractEventLoop | None = None,
                  on_record: Callable[[PublishRecord], None] | None = None, full_weights: bool = False,
-                 verify_own: bool = False, position_coding: str = "ranked", solo: bool = False) -> None:
+                 verify_own: bool = False, position_coding: str = "ranked", solo: bool = False,
+                 held: Collection[str] | None = None, table: Sequence[TensorSpec] | None = None) -> None:
         if bucket_bytes < 4096:
             raise ConfigError("bucket_bytes", f"must be at least 4 KiB, got {bucket_bytes}")
         if max_pending < 1:
@@ -153,6 +161,10 @@ class Publisher(ShardIO):
         the changes extracted here, checked against the signed target fingerprint; receivers decode
         and check every artifact either way. Sharded publishers always let the node decode."""
         self._snapshot_level = 0 if full_weights else zstd_level
+        self.held = None if held is None else frozenset(held)
+        """Names this rank publishes (checkpoint or in-memory names); ``None``: all it has."""
+        self.table = None if table is None else list(table)
+        """The published table, when the ranks' models do not each describe the whole model."""
         self.records: list[PublishRecord] = []
         self.version: int | None = None
         """Newest version handed off (published or being published)."""
@@ -216,7 +228,14 @@ class Publisher(ShardIO):
         """
         self._setup_distributed()
         t0 = time.perf_counter()
-        self._specs, self._pieces = published_table(self.model, self.dtype, self.dtype_overrides)
+        specs: list[TensorSpec] = []
+        pieces: list[Piece] = []
+        error: BaseException | None = None
+        try:
+            specs, pieces = published_table(self.model, self.dtype, self.dtype_overrides, self.held)
+        except (ValueError, P2PSyncError) as exc:  # every rank raises it, after the exchange below
+            error = exc
+        self._specs, self._pieces = self._agree_table(specs, pieces, error, self.table)
         segments: list[bytes | bytearray] = []
         sums: dict[int, tuple[int, int]] = {}
         stats = SegmentStats()
@@ -231,11 +250,11 @@ class Publisher(ShardIO):
                 self._base.append(base)
                 self._words.append(words)
                 seed = tensor_seed(piece.spec.name)
-                sums[piece.index] = add_sums(sums.get(piece.index, (0, 0)), piece_sums(words, piece.offset, seed))
+                sums[piece.index] = add_sums(sums.get(piece.index, (0, 0)),
+                                             piece_sums(words, piece.offset, seed, piece))
                 width = dtypes.from_code(piece.spec.dtype).width
-                for s, e in element_ranges(piece.numel, self.opts.raw_elements(width)):
-                    seg, st = encode_raw_segment(piece.index, s, words[s:e], self._snapshot_level)
-                    segments.append(shift_segment(seg, piece.offset))
+                for seg, st in raw_segments(piece, words, self._snapshot_level, self.opts.raw_elements(width)):
+                    segments.append(seg)
                     stats.add(st)
         part = Part(list(pack_chunks(segments, self.opts.chunk_size)), sums, {}, stats)
         extract_s = time.perf_counter() - t0
@@ -296,7 +315,14 @@ class Publisher(ShardIO):
                     self._extracting = extracted
                 else:
                     extracted = Future()
-                    extracted.set_result(extract())
+                    try:
+                        extracted.set_result(extract())
+                    except Exception as exc:
+                        if self._world == 1:
+                            raise
+                        # Sharded: the other ranks publish this version too; the finisher tells rank 0
+                        # this rank failed it, so nothing is published and no rank waits for it.
+                        extracted.set_exception(exc)
             except BaseException:
                 self._base_ready.set()  # nothing was handed off: the copy is unchanged
                 raise
@@ -305,6 +331,8 @@ class Publisher(ShardIO):
         except BaseException:
             self._pending_slots.release()
             raise
+        if extracted.done() and extracted.exception() is not None:
+            raise PublishError(version, extracted.exception())  # type: ignore[arg-type]
         return version
 
     def _wait_extracted(self) -> None:
@@ -345,55 +373,50 @@ class Publisher(ShardIO):
 
     # --- finishing (one thread, versions in order) ---------------------------------------------
     def _finish(self, p: _Pending) -> None:
+        """Collect this rank's share of version ``p``, exchange, and on rank 0 sign and publish.
+
+        Sharded: every rank takes part in the exchange of every version it handed off, failed or not
+        (a failed rank sends an error part), and rank 0 broadcasts the outcome, so that every rank
+        stops at the same version and no rank waits for a part that never comes; a version any rank
+        failed is not published (the node keeps the previous one)."""
         if self.full_weights:
             self._finish_full(p)
             return
         try:
             if self._error is not None:
                 return
+            part: Part | None = None
+            own: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
             try:
-                changes, extract_s = p.extracted.result()
-                t_enc = time.perf_counter()
-                segments: list[bytes | bytearray] = []
-                deltas: dict[int, tuple[int, int]] = {}
-                changed: dict[int, int] = {}
-                stats = SegmentStats()
-                own: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
-                for k, piece, pos, vals, jobs in changes:
-                    for job in jobs:
-                        r = job.result()
-                        segments.extend(shift_segment(s, piece.offset) for s in r.segments)
-                        stats.add(r.stats)
-                    words = self._words[k]
-                    seed = tensor_seed(piece.spec.name)
-                    gpos = pos + piece.offset
-                    d = add_sums(sums_at(gpos, vals, seed), sums_at(gpos, words[pos], seed), -1)
-                    deltas[piece.index] = add_sums(deltas.get(piece.index, (0, 0)), d)
-                    changed[piece.index] = changed.get(piece.index, 0) + int(pos.shape[0])
-                    words[pos] = vals  # the CPU copy is now this version
-                    if self._world == 1 and not self.verify_own:
-                        own.setdefault(piece.index, []).append((gpos, vals))
-            finally:
-                self._base_ready.set()  # the next extraction may start (against the updated copy)
-            part = Part(list(pack_chunks(order_segments(segments, self._specs), self.opts.chunk_size,
-                                         lambda seg: block_key(self._specs, seg))), deltas, changed, stats)
+                try:
+                    part, extract_s, t_enc = self._collect_delta(p, own)
+                finally:
+                    self._base_ready.set()  # the next extraction may start (against the updated copy)
+            except BaseException as exc:  # noqa: BLE001 - sent to rank 0, raised to the training loop
+                if self._world == 1:
+                    raise
+                self._error = PublishError(p.version, exc)
+                logger.error("publishing version %d failed on rank %d: %r", p.version, self._rank, exc)
+                part = Part([], {}, {}, SegmentStats(), error=f"rank {self._rank}: {exc!r}")
+                extract_s = t_enc = 0.0
             parts = self._gather(part)
+            outcome: str | None = None
+            cause: BaseException | None = None
             if self._rank == 0:
                 assert parts is not None
-                base = list(self._full_sums)
-                target = list(base)
-                for q in parts:
-                    for i, d in q.sums.items():
-                        target[i] = add_sums(target[i], d)
-                th = table_hash(self._specs)
-                art = self._artifact("delta", parts, fold_root(th, base), fold_root(th, target), target)
-                mine = None
-                if self._world == 1 and not self.verify_own:
-                    mine = {i: xs[0] if len(xs) == 1 else (np.concatenate([x[0] for x in xs]),
-                                                           np.concatenate([x[1] for x in xs]))
-                            for i, xs in own.items()}
-                self._hand_off(p.version, p.version - 1, art, p.started, extract_s, t_enc, mine)
-                self._full_sums = target
+                failed = [q.error for q in parts if q.error is not None]
+                if failed:
+                    outcome = "; ".join(failed)
+                else:
+                    try:
+                        self._publish_delta(p, parts, own, extract_s, t_enc)
+                    except BaseException as exc:  # noqa: BLE001 - every rank learns it through the outcome
+                        if self._world == 1:
+                            raise
+                        outcome, cause = f"rank 0: {exc!r}", exc
+            outcome = self._broadcast(outcome)
+            if outcome is not None:
+                raise PublishError(p.version, cause or P2PSyncError(outcome))
         except BaseException as exc:  # noqa: BLE001 - kept and raised to the training loop
             if self._error is None:
                 self._error = exc if isinstance(exc, PublishError) else PublishError(p.version, exc)
@@ -402,39 +425,91 @@ class Publisher(ShardIO):
         finally:
             self._pending_slots.release()
 
+    def _collect_delta(self, p: _Pending, own: dict[int, list[tuple[np.ndarray, np.ndarray]]]
+                       ) -> tuple[Part, float, float]:
+        """This rank's part of delta ``p`` (its segments packed, its strided changes, its sum changes);
+        updates the CPU copy."""
+        changes, extract_s = p.extracted.result()
+        t_enc = time.perf_counter()
+        segments: list[bytes | bytearray] = []
+        streams: dict[int, list[bytes]] = {}
+        deltas: dict[int, tuple[int, int]] = {}
+        changed: dict[int, int] = {}
+        stats = SegmentStats()
+        for k, piece, pos, vals, jobs in changes:
+            if piece.runs is not None:
+                streams.setdefault(piece.index, []).append(jobs[0].result())
+            else:
+                for job in jobs:
+                    r = job.result()
+                    segments.extend(shift_segment(s, piece.offset) for s in r.segments)
+                    stats.add(r.stats)
+            words = self._words[k]
+            seed = tensor_seed(piece.spec.name)
+            gpos = piece.global_positions(pos)
+            d = add_sums(sums_at(gpos, vals, seed), sums_at(gpos, words[pos], seed), -1)
+            deltas[piece.index] = add_sums(deltas.get(piece.index, (0, 0)), d)
+            changed[piece.index] = changed.get(piece.index, 0) + int(pos.shape[0])
+            words[pos] = vals  # the CPU copy is now this version
+            if self._world == 1 and not self.verify_own:
+                own.setdefault(piece.index, []).append((gpos, vals))
+        chunks = list(pack_chunks(order_segments(segments, self._specs), self.opts.chunk_size,
+                                  lambda seg: block_key(self._specs, seg)))
+        return Part(chunks, deltas, changed, stats, streams), extract_s, t_enc
+
+    def _publish_delta(self, p: _Pending, parts: list[Part], own: dict[int, list[tuple[np.ndarray, np.ndarray]]],
+                       extract_s: float, t_enc: float) -> None:
+        """Rank 0: the artifact of delta ``p`` from every rank's part, signed and handed to the node."""
+        base = list(self._full_sums)
+        target = list(base)
+        for q in parts:
+            for i, d in q.sums.items():
+                target[i] = add_sums(target[i], d)
+        th = table_hash(self._specs)
+        extra = self._encode_strided(parts)
+        art = self._artifact("delta", parts + extra, fold_root(th, base), fold_root(th, target), target)
+        mine = None
+        if self._world == 1 and not self.verify_own:
+            mine = {i: xs[0] if len(xs) == 1 else (np.concatenate([x[0] for x in xs]),
+                                                   np.concatenate([x[1] for x in xs]))
+                    for i, xs in own.items()}
+        self._hand_off(p.version, p.version - 1, art, p.started, extract_s, t_enc, mine)
+        self._full_sums = target
+
     def _finish_full(self, p: _Pending) -> None:
         """As :meth:`_finish`, for a full snapshot of the weights (``full_weights``)."""
         try:
             if self._error is not None:
                 return
             try:
-                pieces, extract_s = p.extracted.result()
-                t_enc = time.perf_counter()
-                segments: list[bytes | bytearray] = []
-                sums: dict[int, tuple[int, int]] = {}
-                stats = SegmentStats()
-                for k, piece, new, jobs in pieces:
-                    for job in jobs:
-                        seg, st = job.result()
-                        segments.append(shift_segment(seg, piece.offset))
-                        stats.add(st)
-                    seed = tensor_seed(piece.spec.name)
-                    sums[piece.index] = add_sums(sums.get(piece.index, (0, 0)), piece_sums(new, piece.offset, seed))
-                    self._words[k][:] = new  # the CPU copy is now this version
-            finally:
-                self._base_ready.set()
-            part = Part(list(pack_chunks(segments, self.opts.chunk_size)), sums, {}, stats)
+                try:
+                    part, extract_s, t_enc = self._collect_full(p)
+                finally:
+                    self._base_ready.set()
+            except BaseException as exc:  # noqa: BLE001 - sent to rank 0, raised to the training loop
+                if self._world == 1:
+                    raise
+                self._error = PublishError(p.version, exc)
+                part = Part([], {}, {}, SegmentStats(), error=f"rank {self._rank}: {exc!r}")
+                extract_s = t_enc = 0.0
             parts = self._gather(part)
+            outcome: str | None = None
+            cause: BaseException | None = None
             if self._rank == 0:
                 assert parts is not None
-                full = [(0, 0)] * len(self._specs)
-                for q in parts:
-                    for i, s in q.sums.items():
-                        full[i] = add_sums(full[i], s)
-                fp = fold_root(table_hash(self._specs), full)
-                self._hand_off(p.version, None, self._artifact("snapshot", parts, None, fp, full), p.started,
-                               extract_s, t_enc)
-                self._full_sums = full
+                failed = [q.error for q in parts if q.error is not None]
+                if failed:
+                    outcome = "; ".join(failed)
+                else:
+                    try:
+                        self._publish_full(p, parts, extract_s, t_enc)
+                    except BaseException as exc:  # noqa: BLE001 - every rank learns it through the outcome
+                        if self._world == 1:
+                            raise
+                        outcome, cause = f"rank 0: {exc!r}", exc
+            outcome = self._broadcast(outcome)
+            if outcome is not None:
+                raise PublishError(p.version, cause or P2PSyncError(outcome))
         except BaseException as exc:  # noqa: BLE001 - kept and raised to the training loop
             if self._error is None:
                 self._error = exc if isinstance(exc, PublishError) else PublishError(p.version, exc)
@@ -442,6 +517,33 @@ class Publisher(ShardIO):
             self._base_ready.set()
         finally:
             self._pending_slots.release()
+
+    def _collect_full(self, p: _Pending) -> tuple[Part, float, float]:
+        pieces, extract_s = p.extracted.result()
+        t_enc = time.perf_counter()
+        segments: list[bytes | bytearray] = []
+        sums: dict[int, tuple[int, int]] = {}
+        stats = SegmentStats()
+        for k, piece, new, jobs in pieces:
+            for job in jobs:
+                got = job.result()
+                for seg, st in got if piece.runs is not None else [got]:
+                    segments.append(seg if piece.runs is not None else shift_segment(seg, piece.offset))
+                    stats.add(st)
+            seed = tensor_seed(piece.spec.name)
+            sums[piece.index] = add_sums(sums.get(piece.index, (0, 0)), piece_sums(new, piece.offset, seed, piece))
+            self._words[k][:] = new  # the CPU copy is now this version
+        return Part(list(pack_chunks(segments, self.opts.chunk_size)), sums, {}, stats), extract_s, t_enc
+
+    def _publish_full(self, p: _Pending, parts: list[Part], extract_s: float, t_enc: float) -> None:
+        full = [(0, 0)] * len(self._specs)
+        for q in parts:
+            for i, s in q.sums.items():
+                full[i] = add_sums(full[i], s)
+        fp = fold_root(table_hash(self._specs), full)
+        self._hand_off(p.version, None, self._artifact("snapshot", parts, None, fp, full), p.started,
+                       extract_s, t_enc)
+        self._full_sums = full
 
     def _artifact(self, kind: str, parts: list[Part], base_fp: str | None, target_fp: str,
                   target_sums: list[tuple[int, int]]) -> EncodedArtifact:
@@ -479,7 +581,7 @@ class Publisher(ShardIO):
         rec = PublishRecord(version, m.kind, m.target_fingerprint, sum(art.changed) if art.kind == "delta"
                             else sum(s.numel for s in self._specs), sum(s.numel for s in self._specs),
                             m.payload_bytes, m.model_bytes, len(m.chunks), extract_s, t_pub - t_enc,
-                            t_done - t_pub, t_done - started)
+                            t_done - t_pub, t_done - started, exchanged_bytes=self.exchanged)
         self.records.append(rec)
         self.fingerprints[version] = m.target_fingerprint
         self.published = version

@@ -21,20 +21,23 @@ receives each rank's snapshot chunks once.
 from __future__ import annotations
 
 import asyncio
+import pickle
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
 from p2psync import dtypes, wordops
-from p2psync.codec.encode import CodecOptions, element_ranges, encode_sparse_range
-from p2psync.codec.segment import SegmentStats, encode_raw_segment
-from p2psync.codec.slices import delta_ranges
+from p2psync.codec.encode import CodecOptions, element_ranges, encode_sparse_range, pack_chunks
+from p2psync.codec.segment import SegmentStats, encode_raw_segment, shift_segment
+from p2psync.codec.slices import block_key, delta_ranges, order_segments
 from p2psync.errors import ConfigError
-from trainer.pieces import Piece
+from p2psync.state import TensorSpec
+from trainer.pieces import Piece, RankShare, agree_table, rebind, share_of
+from trainer.strided import encode_strided, pack_changes
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
 _HASH_BLOCK = 1 << 22
@@ -51,8 +54,16 @@ def sums_at(positions: np.ndarray, words: np.ndarray, seed: np.uint64) -> tuple[
     return int(a), int(b)
 
 
-def piece_sums(words: np.ndarray, offset: int, seed: np.uint64) -> tuple[int, int]:
-    """Fingerprint sums of a piece's words at their global positions."""
+def piece_sums(words: np.ndarray, offset: int, seed: np.uint64, piece: Piece | None = None) -> tuple[int, int]:
+    """Fingerprint sums of a piece's words at their global positions (``piece``: where a strided
+    piece's words lie)."""
+    if piece is not None and piece.runs is not None:
+        total = (0, 0)
+        for s in range(0, words.shape[0], _HASH_BLOCK):
+            e = min(words.shape[0], s + _HASH_BLOCK)
+            pos = piece.global_positions(np.arange(s, e, dtype=np.int64))
+            total = add_sums(total, sums_at(pos, words[s:e], seed))
+        return total
     if offset == 0:
         a, b = wordops.hash_range(words, 0, words.shape[0], seed)
         return int(a), int(b)
@@ -72,6 +83,24 @@ class Part:
     """Snapshot: absolute sums per tensor; delta: sum changes per tensor."""
     changed: dict[int, int]
     stats: SegmentStats
+    streams: dict[int, list[bytes]] = field(default_factory=dict)
+    """Changes of strided pieces, per tensor, for rank 0 to encode (:mod:`trainer.strided`)."""
+    error: str | None = None
+    """Set when this rank failed this version: rank 0 publishes nothing and every rank stops."""
+
+
+def raw_segments(piece: Piece, words: np.ndarray, level: int, step: int) -> list[tuple[bytes | bytearray, SegmentStats]]:
+    """Raw (snapshot) segments of a piece's ``words`` at their global ranges, each at most ``step``
+    elements (one run after the other for a strided piece: a raw segment is one flat range)."""
+    out = []
+    runs = piece.runs if piece.runs is not None else (np.array([piece.offset]), np.array([piece.numel]))
+    at = 0
+    for g, n in zip(runs[0].tolist(), runs[1].tolist()):
+        for s, e in element_ranges(n, step):
+            seg, st = encode_raw_segment(piece.index, s, words[at + s:at + e], level)
+            out.append((shift_segment(seg, g), st))
+        at += n
+    return out
 
 
 class ShardIO:
@@ -90,9 +119,12 @@ class ShardIO:
     _world: int
     _loop: asyncio.AbstractEventLoop | None
     _private_key: Any
+    _specs: list[TensorSpec]
     _pieces: list[Piece]
     _words: list[np.ndarray]
     _pool: ThreadPoolExecutor
+    exchanged: int = 0
+    """Bytes of the last version's parts that crossed between ranks (sent by this rank; received, on rank 0)."""
 
     # --- setup ------------------------------------------------------------------------------
     def _setup_distributed(self) -> None:
@@ -126,7 +158,7 @@ class ShardIO:
             return src.to(piece.dtype)
         return src.to(piece.dtype).to("cpu")
 
-    def _extract(self) -> tuple[list[tuple[int, Piece, np.ndarray, np.ndarray, list[Future]]], float]:
+    def _extract(self) -> tuple[list[tuple[int, Piece, np.ndarray, np.ndarray, list[Future[Any]]]], float]:
         """Changed positions and words per piece; a piece's encode jobs start as soon as it is done."""
         t0 = time.perf_counter()
         out = []
@@ -146,6 +178,12 @@ class ShardIO:
                     continue
                 pos = np.concatenate(pos_parts).astype(np.int64, copy=False)
                 vals = np.concatenate(val_parts)
+                if piece.runs is not None:  # rank 0 encodes it (trainer.strided)
+                    gpos = piece.global_positions(pos)
+                    stream: list[Future[Any]] = [self._pool.submit(pack_changes, piece.spec, gpos, old[pos], vals,
+                                                                  max(1, self.opts.zstd_level))]
+                    out.append((k, piece, pos, vals, stream))
+                    continue
                 off = piece.offset  # cut at the tensor's row blocks (p2psync.codec.slices), in piece positions
                 jobs = [self._pool.submit(encode_sparse_range, piece.index, piece.spec, old, pos, vals, s - off,
                                           e - off, self.opts)
@@ -153,7 +191,7 @@ class ShardIO:
                 out.append((k, piece, pos, vals, jobs))
         return out, time.perf_counter() - t0
 
-    def _extract_full(self) -> tuple[list[tuple[int, Piece, np.ndarray, list[Future]]], float]:
+    def _extract_full(self) -> tuple[list[tuple[int, Piece, np.ndarray, list[Future[Any]]]], float]:
         """Every piece's words, read bucket by bucket into a fresh copy; raw encode jobs start per piece."""
         t0 = time.perf_counter()
         out = []
@@ -165,20 +203,79 @@ class ShardIO:
                     b = min(piece.numel, a + step)
                     new[a:b] = dtypes.words_of(self._read(piece, a, b).contiguous())
                 width = dtypes.from_code(piece.spec.dtype).width
+                if piece.runs is not None:
+                    runs: list[Future[Any]] = [self._pool.submit(raw_segments, piece, new, self._snapshot_level,
+                                                                 self.opts.raw_elements(width))]
+                    out.append((k, piece, new, runs))
+                    continue
                 jobs = [self._pool.submit(encode_raw_segment, piece.index, s, new[s:e], self._snapshot_level)
                         for s, e in element_ranges(piece.numel, self.opts.raw_elements(width))]
                 out.append((k, piece, new, jobs))
         return out, time.perf_counter() - t0
 
+    def _encode_strided(self, parts: list[Part]) -> list[Part]:
+        """Rank 0: the strided tensors' segments from every rank's changes (:mod:`trainer.strided`)."""
+        blobs: dict[int, list[bytes]] = {}
+        for q in parts:
+            for i, bs in q.streams.items():
+                blobs.setdefault(i, []).extend(bs)
+        if not blobs:
+            return []
+        jobs = [self._pool.submit(encode_strided, i, self._specs[i], blobs[i], self.opts) for i in sorted(blobs)]
+        segments: list[bytes | bytearray] = []
+        stats = SegmentStats()
+        for job in jobs:
+            segs, st = job.result()
+            segments.extend(segs)
+            stats.add(st)
+        chunks = list(pack_chunks(order_segments(segments, self._specs), self.opts.chunk_size,
+                                  lambda seg: block_key(self._specs, seg)))
+        return [Part(chunks, {}, {}, stats)]
+
     # --- collectives (sharded only) ----------------------------------------------------------
+    def _agree_table(self, specs: list[TensorSpec], pieces: list[Piece], error: BaseException | None,
+                     given: list[TensorSpec] | None) -> tuple[list[TensorSpec], list[Piece]]:
+        """The published table and this rank's pieces in it, agreed by every rank (a collective when
+        sharded: every rank raises the same ``ValueError`` if a rank refused its share or the shares do
+        not cover the table exactly once; :func:`trainer.pieces.agree_table`)."""
+        mine = share_of(specs, pieces, error)
+        shares: list[RankShare] = [mine]
+        if self._world > 1:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * self._world
+            dist.all_gather_object(gathered, mine, group=self._group)
+            shares = gathered
+        if error is not None and self._world == 1:
+            raise error
+        table, strided = agree_table(shares, given)
+        return table, rebind(pieces, table, strided)
+
     def _gather(self, part: Part) -> list[Part] | None:
+        """Rank 0: every rank's part (its own first). Point to point, so that the bytes between ranks are
+        the parts' own (:attr:`exchanged`), not padded to the largest as ``gather_object`` does."""
         if self._world == 1:
             return [part]
         import torch.distributed as dist
 
-        out: list[Any] | None = [None] * self._world if self._rank == 0 else None
-        dist.gather_object(part, out, dst=dist.get_global_rank(self._group, 0), group=self._group)
-        return out
+        root = dist.get_global_rank(self._group, 0)
+        if self._rank != 0:
+            blob = pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)
+            dist.send(torch.tensor([len(blob)], dtype=torch.int64), dst=root, group=self._group)
+            dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=root, group=self._group)
+            self.exchanged = 8 + len(blob)
+            return None
+        parts = [part]
+        self.exchanged = 0
+        for r in range(1, self._world):
+            src = dist.get_global_rank(self._group, r)
+            size = torch.zeros(1, dtype=torch.int64)
+            dist.recv(size, src=src, group=self._group)
+            buf = torch.empty(int(size.item()), dtype=torch.uint8)
+            dist.recv(buf, src=src, group=self._group)
+            parts.append(pickle.loads(buf.numpy().tobytes()))
+            self.exchanged += 8 + buf.shape[0]
+        return parts
 
     def _broadcast(self, value: Any) -> Any:
         if self._world == 1:
