@@ -130,7 +130,7 @@ class P2PSyncRolloutEngine(CheckpointEngine):
     async def send_weights(self, weights: Any, global_steps: int | None = None) -> None:
         raise NotImplementedError("the rollout side only receives")
 
-    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[Any]:  # type: ignore[override]
+    async def receive_weights(self, global_steps: int | None = None) -> AsyncIterator[Any]:
         """Have the vLLM engine reach this sync's version (see module doc); yields no flush."""
         await self.reach(global_steps)
         return

@@ -68,7 +68,7 @@ class NamedWeights(torch.nn.Module):
         for name, t in first:
             if name in self.table:
                 raise ValueError(f"{name}: named twice in one stream")
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else None
+            key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape)) if t.numel() else None
             if key is not None and key in aliases:
                 # a tied weight (lm_head = embed_tokens) yielded under its second name: published
                 # once, under its first, as save_pretrained writes it and vLLM loads it
@@ -170,6 +170,8 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
         self.background: Any = None
         self.weights: NamedWeights | None = None
         self.publisher: Any = None
+        self.fingerprints: dict[int, str] = {}
+        """Version -> signed target fingerprint of every version this engine published (kept after close)."""
 
     # --- verl's contract ------------------------------------------------------------------------
     @classmethod
@@ -242,6 +244,7 @@ class P2PSyncCheckpointEngine(CheckpointEngine):
         else:
             self.publisher.publish_sync()
             self.publisher.flush_sync()  # published (signed, held, served) when send_weights returns
+        self.fingerprints.update(self.publisher.fingerprints)
         rec = self.publisher.records[-1] if self.publisher.records else None
         logger.info("p2psync: global step %s published as version %s", global_steps, self.publisher.version)
         out = {"checkpoint_engine/version": float(self.publisher.version)}
