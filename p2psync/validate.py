@@ -23,6 +23,7 @@ that changed it fails there first.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable, Collection
 from typing import Any, TypeVar, overload
 
@@ -34,6 +35,8 @@ ErrorFactory = Callable[[str, str], Exception]
 Key = str | int | None
 """One step of a path: an object key, a list index, or None for a key msgspec does not name."""
 
+FINITE = sys.float_info.max
+"""``Meta(ge=-FINITE, le=FINITE)``: a finite number (infinity is refused by the bound, NaN by any bound)."""
 NON_BLANK = r"\S"
 """``Meta(pattern=NON_BLANK)``: a string with something in it besides spaces."""
 
@@ -175,12 +178,11 @@ def _info_at(info: mi.Type | None, keys: list[Key], data: Any) -> mi.Type | None
 
 
 def _bounds(info: mi.IntType | mi.FloatType, number: Callable[[Any], str]) -> str:
-    lo = f"{number(info.ge)}" if info.ge is not None else None
-    hi = f"{number(info.le)}" if info.le is not None else None
-    if lo is not None and hi is not None:
-        return f" in {lo}..{hi}"
-    parts = [f"{op} {number(v)}" for op, v in ((">=", info.ge), (">", info.gt), ("<=", info.le), ("<", info.lt))
-             if v is not None]
+    # +-sys.float_info.max as a bound only refuses infinity (and NaN fails every bound): "finite".
+    ge, le = (None if v is not None and abs(v) == sys.float_info.max else v for v in (info.ge, info.le))
+    if ge is not None and le is not None:
+        return f" in {number(ge)}..{number(le)}"
+    parts = [f"{op} {number(v)}" for op, v in ((">=", ge), (">", info.gt), ("<=", le), ("<", info.lt)) if v is not None]
     return " " + " and ".join(parts) if parts else ""
 
 
@@ -189,7 +191,8 @@ def _describe(info: mi.Type, objects: str) -> str | None:
     if isinstance(info, mi.IntType):
         return "an integer" + _bounds(info, str)
     if isinstance(info, mi.FloatType):
-        return "a number" + _bounds(info, lambda v: f"{v:g}")
+        finite = sys.float_info.max in (info.le, -(info.ge or 0.0))
+        return ("a finite number" if finite else "a number") + _bounds(info, lambda v: f"{v:g}")
     if isinstance(info, mi.BoolType):
         return "true or false"
     if isinstance(info, mi.StrType):
@@ -217,7 +220,7 @@ def _describe(info: mi.Type, objects: str) -> str | None:
         return "null"
     if isinstance(info, mi.UnionType):
         parts = [_describe(t, objects) for t in info.types if not isinstance(t, mi.NoneType)]
-        return None if None in parts else " or ".join(p for p in parts if p)
+        return None if None in parts else " or ".join(dict.fromkeys(p for p in parts if p))
     return None
 
 
