@@ -1,10 +1,12 @@
 """Typed dataclasses from TOML tables and ``--section.field=value`` overrides.
 
-:func:`build` fills a (nested) dataclass from a dict, converting each value to its
-field's annotated type (``str``, ``int``, ``float``, ``bool``, ``list[str]``, optional
-ones, nested dataclasses as tables) and raising :class:`~p2psync.errors.ConfigError`
-that names the field's dotted path for an unknown key or a value of the wrong
-type. :func:`parse_overrides` turns command-line overrides into the same nested
+:func:`build` fills a (nested) dataclass from a dict with :func:`p2psync.validate.convert`
+(msgspec, strict: each value of its field's annotated type, ``str``, ``int``, ``float``,
+``bool``, ``list[str]``, optional ones, nested dataclasses as tables), after text where
+a field is not text was converted by the command line's rules (:func:`_from_text`); it
+raises :class:`~p2psync.errors.ConfigError` naming the field's dotted path for an unknown
+key or a value of the wrong type (``limits.parallel_streams: must be an integer, got str
+'abc'``), never showing the cluster token. :func:`parse_overrides` turns command-line overrides into the same nested
 dicts, :func:`merge` lays one over another, and :func:`read_toml` reads a file
 with the same typed errors. :mod:`p2psync.config` builds the node's settings
 with them.
@@ -12,15 +14,16 @@ with them.
 
 from __future__ import annotations
 
-import types
-import typing
-from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import tomllib
+from msgspec import inspect as mi
 
 from p2psync.errors import ConfigError
+from p2psync.validate import convert
+
+T = TypeVar("T")
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -33,71 +36,45 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError("config", f"{path} is not valid TOML: {exc}") from None
 
 
-def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0], True
-    return tp, False
+_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+SECRETS = ("cluster_token",)
+"""Settings whose values a refusal never shows."""
 
 
-def _coerce(name: str, tp: Any, value: Any) -> Any:
-    tp, optional = _unwrap_optional(tp)
-    if value is None and optional:
-        return None
-    if typing.get_origin(tp) is list:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(name, f"must be a list of strings, got {value!r}")
-        return list(value)
-    if tp is bool:
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        if not isinstance(value, bool):
-            raise ConfigError(name, f"must be true or false, got {value!r}")
+def _from_text(info: mi.Type, value: Any) -> Any:
+    """``value`` with text converted where its field is not text: what a command-line override
+    (``--limits.stall_timeout 2.5``, ``--parents=https://a,https://b``) or a quoted TOML value gives.
+
+    An integer takes ``int(text, 0)`` (``0x10``, ``1_000``), a number ``float(text)``, a boolean
+    true/false/yes/no/1/0 in any case, a list of strings comma-separated text; text that does not
+    convert stays text, for :func:`~p2psync.validate.convert` to refuse naming the field.
+    """
+    if isinstance(info, mi.UnionType):  # X | None
+        kinds = [t for t in info.types if not isinstance(t, mi.NoneType)]
+        info = kinds[0] if len(kinds) == 1 else info
+    if isinstance(info, mi.DataclassType) and isinstance(value, dict):
+        fields = {f.encode_name: f.type for f in info.fields}
+        return {k: _from_text(fields[k], v) if k in fields else v for k, v in value.items()}
+    if not isinstance(value, str):
         return value
-    if tp is int:
-        if isinstance(value, str):
-            try:
-                return int(value, 0)
-            except ValueError:
-                raise ConfigError(name, f"must be an integer, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(name, f"must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                raise ConfigError(name, f"must be a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(name, f"must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(name, f"must be a string, got {value!r}")
-        return value
-    raise ConfigError(name, f"unsupported field type {tp!r}")  # pragma: no cover - programming error
+    if isinstance(info, mi.ListType) and isinstance(info.item_type, mi.StrType):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    if isinstance(info, mi.BoolType):
+        return _WORDS.get(value.lower(), value)
+    try:
+        if isinstance(info, mi.IntType):
+            return int(value, 0)
+        if isinstance(info, mi.FloatType):
+            return float(value)
+    except ValueError:
+        pass
+    return value
 
 
-def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+def build(cls: type[T], data: dict[str, Any], prefix: str = "") -> T:
     """An instance of dataclass ``cls`` from ``data`` (see module doc); ``prefix`` names its table."""
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        path = f"{prefix}{key}"
-        if key not in known:
-            raise ConfigError(path, "unknown setting")
-        tp = hints[key]
-        if isinstance(tp, type) and is_dataclass(tp):
-            if not isinstance(value, dict):
-                raise ConfigError(path, "must be a table")
-            kwargs[key] = build(tp, value, f"{path}.")
-        else:
-            kwargs[key] = _coerce(path, tp, value)
-    return cls(**kwargs)
+    return convert(_from_text(mi.type_info(cls), data), cls, error=ConfigError, where=prefix.rstrip("."),
+                   secrets=SECRETS, forbid_unknown=True, objects="a table")
 
 
 def parse_overrides(args: list[str]) -> dict[str, Any]:

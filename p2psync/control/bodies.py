@@ -1,5 +1,6 @@
-"""The coordinator's HTTP wire format: the route prefix and limits, request bodies checked field by
-field (:class:`BadRequest`, answered 400, names the field), and the grant a rollout node receives.
+"""The coordinator's HTTP wire format: the route prefix and limits, request bodies as typed schemas
+checked by :func:`parse` (:mod:`p2psync.validate`; :class:`BadRequest`, answered 400, names the
+field), and the grant a rollout node receives.
 
 Shared by the coordinator (:mod:`p2psync.control.coordinator`) and its client
 (:mod:`p2psync.control.work_client`).
@@ -8,11 +9,16 @@ Shared by the coordinator (:mod:`p2psync.control.coordinator`) and its client
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+from msgspec import Meta
 
 from p2psync.control.api import ResponseResult
 from p2psync.lease import Lease, WorkItem
 from p2psync.transport.messages import API
+from p2psync.validate import convert
+
+T = TypeVar("T")
 
 CONTROL = f"{API}/control"
 MAX_ITEMS = 64
@@ -24,31 +30,50 @@ class BadRequest(ValueError):
     """A request body that does not follow the schema (400)."""
 
 
-def body_field(body: dict, name: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
-    if name not in body or body[name] is None:
-        if optional:
-            return None
-        raise BadRequest(f"{name}: required")
-    v = body[name]
-    if isinstance(v, bool) and kind is not bool or not isinstance(v, kind):
-        raise BadRequest(f"{name}: wrong type {type(v).__name__}")
-    return v
+def _bad(field: str, message: str) -> BadRequest:
+    return BadRequest(f"{field}: {message}" if field else message)
 
 
-def _ints(v: Any, name: str) -> list[int]:
-    if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise BadRequest(f"{name}: must be a list of integers")
-    return v
+def parse(body: Any, tp: type[T], where: str = "") -> T:
+    """``body`` (decoded JSON) as a ``tp`` of this module; :class:`BadRequest` naming the field
+    (``reports.1.tokens: must be a list, each an integer, got str 'x'``). Keys a body type does not
+    declare are ignored."""
+    return convert(body, tp, error=_bad, where=where)
 
 
-def _floats(v: Any, name: str) -> list[float]:
-    if not isinstance(v, list) or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in v):
-        raise BadRequest(f"{name}: must be a list of numbers")
-    return [float(x) for x in v]
+NodeId = Annotated[str, Meta(min_length=1, max_length=128)]
+ShortText = Annotated[str, Meta(min_length=1, max_length=32)]
+
+
+@dataclass(frozen=True)
+class NodeBody:
+    """What every control request carries: the calling node (checked against its certificate)."""
+
+    node: NodeId
+
+
+@dataclass(frozen=True)
+class LeaseBody(NodeBody):
+    """``lease``: up to ``max_items`` grants, waiting up to ``wait`` seconds for them."""
+
+    max_items: Annotated[int, Meta(ge=1, le=MAX_ITEMS)] | None = None
+    wait: Annotated[float, Meta(ge=0, le=MAX_WAIT)] | None = None
+    version: Annotated[int, Meta(ge=0)] | None = None
+    """The weight version the caller holds now (fresher than its last gossip report)."""
+
+
+@dataclass(frozen=True)
+class LeaseRef(NodeBody):
+    """``renew`` and ``release``: one lease of the caller."""
+
+    work_id: str
+    lease_id: int
 
 
 @dataclass(frozen=True)
 class Report:
+    """One progress report (the body of ``progress``, an item of ``progress_many``)."""
+
     work_id: str
     lease_id: int
     response: int
@@ -56,39 +81,41 @@ class Report:
     tokens: list[int]
     logprobs: list[float]
     versions: list[int]
-    finish_reason: str | None
+    finish_reason: ShortText | None = None
 
 
-def parse_report(body: dict[str, Any], where: str) -> Report:
-    """One progress report's fields, checked against the schema (:class:`BadRequest` names the field)."""
-    try:
-        tokens = _ints(body.get("tokens"), "tokens")
-        logprobs = _floats(body.get("logprobs"), "logprobs")
-        versions = _ints(body.get("versions"), "versions")
-        if not len(tokens) == len(logprobs) == len(versions):
-            raise BadRequest("tokens, logprobs and versions differ in length")
-        reason = body_field(body, "finish_reason", str, optional=True)
-        if reason is not None and not 0 < len(reason) <= 32:
-            raise BadRequest("finish_reason: must be a short string")
-        return Report(body_field(body, "work_id", str), body_field(body, "lease_id", int), body_field(body, "response", int),
-                       body_field(body, "offset", int), tokens, logprobs, versions, reason)
-    except BadRequest as exc:
-        raise BadRequest(f"{where}{exc}") from None
+@dataclass(frozen=True)
+class ProgressMany(NodeBody):
+    reports: Annotated[list[Report], Meta(max_length=MAX_REPORTS)]
+
+
+@dataclass(frozen=True)
+class CompleteBody(LeaseRef):
+    responses: dict[str, Any]
+    """``{"0": response, ...}``: every index of the work item, each read by :func:`parse_response`."""
+
+
+@dataclass(frozen=True)
+class _Response:
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: ShortText
+
+
+def check_report(r: Report, where: str = "") -> Report:
+    """``r`` if its per-token lists agree in length; :class:`BadRequest` (prefixed ``where``) if not."""
+    if not len(r.tokens) == len(r.logprobs) == len(r.versions):
+        raise _bad(where, "tokens, logprobs and versions differ in length")
+    return r
 
 
 def parse_response(d: Any, where: str) -> ResponseResult:
     """A :class:`ResponseResult` from JSON, checked (400 on anything off)."""
-    if not isinstance(d, dict):
-        raise BadRequest(f"{where}: must be an object")
-    tokens = _ints(d.get("tokens"), f"{where}.tokens")
-    logprobs = _floats(d.get("logprobs"), f"{where}.logprobs")
-    versions = _ints(d.get("versions"), f"{where}.versions")
-    if not len(tokens) == len(logprobs) == len(versions):
-        raise BadRequest(f"{where}: tokens, logprobs and versions differ in length")
-    reason = d.get("finish_reason")
-    if not isinstance(reason, str) or not reason or len(reason) > 32:
-        raise BadRequest(f"{where}.finish_reason: must be a short string")
-    return ResponseResult(tokens, logprobs, versions, reason)
+    r = parse(d, _Response, where)
+    if not len(r.tokens) == len(r.logprobs) == len(r.versions):
+        raise _bad(where, "tokens, logprobs and versions differ in length")
+    return ResponseResult(r.tokens, r.logprobs, r.versions, r.finish_reason)
 
 
 def grant_json(lease: Lease, item: WorkItem, history: dict[int, tuple[tuple[int, ...], tuple[float, ...],

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from typing import Any
 
@@ -43,13 +42,15 @@ from aiohttp import web
 from p2psync.control.api import Result
 from p2psync.control.bodies import (
     CONTROL,
-    MAX_ITEMS,
-    MAX_REPORTS,
-    MAX_WAIT,
     BadRequest,
+    CompleteBody,
+    LeaseBody,
+    LeaseRef,
+    NodeBody,
+    ProgressMany,
     Report,
-    body_field,
-    parse_report,
+    check_report,
+    parse,
     parse_response,
 )
 from p2psync.control.lease_core import CoordinatorCore, Waiter
@@ -95,9 +96,7 @@ class Coordinator(CoordinatorCore):
             raise BadRequest(f"body is not JSON ({exc})") from None
         if not isinstance(body, dict):
             raise BadRequest("body must be a JSON object")
-        node = body_field(body, "node", str)
-        if not 0 < len(node) <= 128:
-            raise BadRequest("node: must be a node id")
+        parse(body, NodeBody)
         return body
 
     @staticmethod
@@ -126,18 +125,10 @@ class Coordinator(CoordinatorCore):
         return await self._handle(request, self._lease)
 
     async def _lease(self, body: dict[str, Any]) -> dict[str, Any]:
-        node = body["node"]
-        max_items = body_field(body, "max_items", int, optional=True)
-        max_items = 1 if max_items is None else max_items
-        wait = body_field(body, "wait", (int, float), optional=True)
-        wait = 0.0 if wait is None else float(wait)
-        if not 1 <= max_items <= MAX_ITEMS:
-            raise BadRequest(f"max_items: must be 1..{MAX_ITEMS}")
-        if not 0 <= wait <= MAX_WAIT or not math.isfinite(wait):
-            raise BadRequest(f"wait: must be 0..{MAX_WAIT} seconds")
-        version = body_field(body, "version", int, optional=True)
-        if version is not None and version < 0:
-            raise BadRequest("version: must be >= 0")
+        b = parse(body, LeaseBody)
+        node, version = b.node, b.version
+        max_items = 1 if b.max_items is None else b.max_items
+        wait = 0.0 if b.wait is None else b.wait
         if version is not None:
             self._said_version[node] = (time.time(), version)
         if self._stopped:
@@ -175,14 +166,14 @@ class Coordinator(CoordinatorCore):
 
     async def rpc_renew(self, request: web.Request) -> web.Response:
         async def renew(body: dict[str, Any]) -> dict[str, Any]:
-            lease = self.table.renew(time.time(), body["node"], body_field(body, "work_id", str),
-                                     body_field(body, "lease_id", int))
+            ref = parse(body, LeaseRef)
+            lease = self.table.renew(time.time(), ref.node, ref.work_id, ref.lease_id)
             return {"expires_at": lease.expires_at}
         return await self._handle(request, renew)
 
     async def rpc_progress(self, request: web.Request) -> web.Response:
         async def progress(body: dict[str, Any]) -> dict[str, Any]:
-            return {"have": self._record_progress(body["node"], parse_report(body, ""))}
+            return {"have": self._record_progress(body["node"], check_report(parse(body, Report)))}
         return await self._handle(request, progress)
 
     def _record_progress(self, node: str, r: Report) -> int:
@@ -195,14 +186,8 @@ class Coordinator(CoordinatorCore):
         return await self._handle(request, self._progress_many)
 
     async def _progress_many(self, body: dict[str, Any]) -> dict[str, Any]:
-        raw = body_field(body, "reports", list)
-        if len(raw) > MAX_REPORTS:
-            raise BadRequest(f"reports: at most {MAX_REPORTS} per request")
-        reports = []
-        for i, r in enumerate(raw):  # every report is checked before any is recorded
-            if not isinstance(r, dict):
-                raise BadRequest(f"reports.{i}: must be an object")
-            reports.append(parse_report(r, f"reports.{i}."))
+        # every report is checked before any is recorded
+        reports = [check_report(r, f"reports.{i}") for i, r in enumerate(parse(body, ProgressMany).reports)]
         results: list[dict[str, Any]] = []
         for r in reports:
             try:
@@ -221,11 +206,9 @@ class Coordinator(CoordinatorCore):
         return await self._handle(request, self._complete)
 
     async def _complete(self, body: dict[str, Any]) -> dict[str, Any]:
-        node = body["node"]
-        wid = body_field(body, "work_id", str)
-        lease_id = body_field(body, "lease_id", int)
+        b = parse(body, CompleteBody)
+        node, wid, lease_id, raw = b.node, b.work_id, b.lease_id, b.responses
         item = self.table.item(wid)
-        raw = body_field(body, "responses", dict)
         want = {str(i) for i in range(item.responses)}
         if set(raw) != want:
             raise BadRequest(f"responses: need exactly the indices 0..{item.responses - 1}")
@@ -249,8 +232,8 @@ class Coordinator(CoordinatorCore):
 
     async def rpc_release(self, request: web.Request) -> web.Response:
         async def release(body: dict[str, Any]) -> dict[str, Any]:
-            self.table.release(time.time(), body["node"], body_field(body, "work_id", str),
-                               body_field(body, "lease_id", int))
+            ref = parse(body, LeaseRef)
+            self.table.release(time.time(), ref.node, ref.work_id, ref.lease_id)
             self._dirty_holders.add(body["node"])
             self._kick.set()
             return {}

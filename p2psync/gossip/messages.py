@@ -1,8 +1,10 @@
 """Wire messages of the gossip control plane, as frozen dataclasses with a format version.
 
-Every message turns into a JSON-able dict with :func:`encode` and back with
-:func:`decode`; :func:`decode` validates strictly and raises
-:class:`~p2psync.errors.CodecError` naming what is wrong, so a handler never sees
+Every message turns into a JSON-able dict with :func:`encode` (compact JSON bytes:
+:func:`dumps`) and back with :func:`decode` (from bytes: :func:`loads`, which parses and
+checks in one pass). Both check the wire schema strictly (``msgspec`` structs, see
+:mod:`p2psync.validate`) and raise :class:`~p2psync.errors.CodecError` naming the field
+(``gossip: members.0.inc: must be an integer >= 0, got str '2'``), so a handler never sees
 a half-valid message. The exchange (see :mod:`p2psync.gossip.protocol`):
 
 ``Syn`` (root hash) -> ``Buckets`` (bucket hashes, only when roots differ) ->
@@ -22,19 +24,25 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from typing import Any, Union
+from typing import Annotated, Any, Literal, Union, get_args
+
+import msgspec
+from msgspec import Meta
 
 from p2psync.errors import CodecError
+from p2psync.validate import FINITE, convert, decode_json
 
 GOSSIP_VERSION = 1
 BUCKETS = 64
 """Items are spread over this many buckets by a hash of their key; every node must agree."""
-ROLES = ("trainer", "relay", "rollout")
-NODE_CLASSES = ("reserved", "on-demand", "preemptible")
-STATUSES = ("alive", "suspect", "dead", "left")
+Role = Literal["trainer", "relay", "rollout"]
+NodeClass = Literal["reserved", "on-demand", "preemptible"]
+Status = Literal["alive", "suspect", "dead", "left"]
+ROLES: tuple[str, ...] = get_args(Role)
+NODE_CLASSES: tuple[str, ...] = get_args(NodeClass)
+STATUSES: tuple[str, ...] = get_args(Status)
 STATUS_RANK = {s: i for i, s in enumerate(STATUSES)}
 """At one incarnation a later status in this order wins: alive < suspect < dead < left."""
 MAX_ID = 128
@@ -65,42 +73,116 @@ def item_hash(key: str, version: tuple[int, ...]) -> int:
     return _h64(key + "|" + ",".join(map(str, version)))
 
 
-# ---------------------------------------------------------------- validation helpers
+# ---------------------------------------------------------------- wire schema
+# What a message must look like on the wire, checked by msgspec (p2psync.validate) while the JSON
+# is parsed; the public dataclasses below are built from it. Unknown keys are ignored, so a later
+# build may add a field within one format version.
+
+Id = Annotated[str, Meta(min_length=1, max_length=MAX_ID)]
+Address = Annotated[str, Meta(min_length=1, max_length=MAX_ADDRESS)]
+ItemKey = Annotated[str, Meta(max_length=2 * MAX_ID)]
+Count = Annotated[int, Meta(ge=0)]
+Figure = Annotated[float, Meta(ge=0, le=FINITE)]
+"""A finite number >= 0."""
+Finite = Annotated[float, Meta(ge=-FINITE, le=FINITE)]
+Versions = Annotated[list[Count], Meta(max_length=MAX_VERSIONS)]
+Format = Literal[1]
+"""GOSSIP_VERSION (a Literal cannot name the constant; checked below)."""
+assert get_args(Format) == (GOSSIP_VERSION,)
 
 
-def _want(cond: bool, what: str) -> None:
-    if not cond:
-        raise CodecError(f"gossip: {what}")
+class _Member(msgspec.Struct):
+    id: Id
+    address: Address
+    role: Role
+    region: Id
+    node_class: NodeClass = msgspec.field(name="class")
+    inc: Count
+    status: Status
+    rev: Count
+    tps: Figure
+    bw: Figure
+    at: Figure
+    versions: Versions = []
 
 
-def _int(d: dict[str, Any], name: str, lo: int = 0) -> int:
-    v = d.get(name)
-    if not (isinstance(v, int) and not isinstance(v, bool) and v >= lo):
-        raise CodecError(f"gossip: {name} must be an integer >= {lo}, got {v!r}")
-    return v
+class _Coord(msgspec.Struct):
+    name: Annotated[str, Meta(min_length=1, max_length=MAX_ID + len("leases/"))]
+    version: Annotated[int, Meta(ge=1)]
+    writer: Id
+    value: Any
+    sig: str | None = None
 
 
-def _num(d: dict[str, Any], name: str) -> float:
-    v = d.get(name)
-    if not (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0):
-        raise CodecError(f"gossip: {name} must be a finite number >= 0, got {v!r}")
-    return float(v)
+class _Plan(msgspec.Struct, forbid_unknown_fields=True):
+    epoch: Count
+    root: Id
+    parents: Annotated[dict[str, str], Meta(max_length=MAX_ITEMS)]
 
 
-def _str(d: dict[str, Any], name: str, limit: int = MAX_ID, choices: tuple[str, ...] | None = None) -> str:
-    v = d.get(name)
-    if not (isinstance(v, str) and 0 < len(v) <= limit):
-        raise CodecError(f"gossip: {name} must be a non-empty string of at most {limit} chars")
-    if choices is not None:
-        _want(v in choices, f"{name} must be one of {', '.join(choices)}, got {v!r}")
-    return v
+class _Head(msgspec.Struct, forbid_unknown_fields=True):
+    version: Count
 
 
-def _list(d: dict[str, Any], name: str) -> list[Any]:
-    v = d.get(name, [])
-    if not (isinstance(v, list) and len(v) <= MAX_ITEMS):
-        raise CodecError(f"gossip: {name} must be a list of at most {MAX_ITEMS} items")
-    return v
+class _Revoked(msgspec.Struct, forbid_unknown_fields=True):
+    ids: Annotated[list[Id], Meta(max_length=MAX_ITEMS)]
+
+
+_Leases = Annotated[list[tuple[Id, Finite]], Meta(max_length=MAX_ITEMS)]
+"""``leases/<node>``: ``[[work_id, expires_at], ...]``."""
+
+
+class _Syn(msgspec.Struct, tag="syn", tag_field="type"):
+    format: Format
+    sender: Id
+    root: Annotated[str, Meta(pattern="^[0-9a-f]{16}$")]
+    count: Count
+
+
+class _Buckets(msgspec.Struct, tag="buckets", tag_field="type"):
+    format: Format
+    sender: Id
+    buckets: Annotated[str, Meta(pattern=f"^[0-9a-f]{{{8 * BUCKETS}}}$")]
+
+
+class _Digest(msgspec.Struct, tag="digest", tag_field="type"):
+    format: Format
+    sender: Id
+    buckets: Annotated[list[Annotated[int, Meta(ge=0, lt=BUCKETS)]], Meta(max_length=MAX_ITEMS)] = []
+    items: Annotated[list[Annotated[list[ItemKey | Count], Meta(min_length=2, max_length=4)]],
+                     Meta(max_length=MAX_ITEMS)] = []
+    """``[key, *version]``: a key, then 1 to 3 integers (checked in :func:`_message`)."""
+
+
+class _Delta(msgspec.Struct, tag="delta", tag_field="type"):
+    format: Format
+    sender: Id
+    members: Annotated[list[_Member], Meta(max_length=MAX_ITEMS)] = []
+    coord: Annotated[list[_Coord], Meta(max_length=MAX_ITEMS)] = []
+    want: Annotated[list[ItemKey], Meta(max_length=MAX_ITEMS)] = []
+
+
+class _Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type"):
+    format: Format
+    sender: Id
+    inc: Count
+    hb: Count
+
+
+class _Report(msgspec.Struct, tag="report", tag_field="type"):
+    format: Format
+    sender: Id
+    inc: Count
+    tps: Figure
+    bw: Figure
+    versions: Versions = []
+
+
+_Wire = Union[_Syn, _Buckets, _Digest, _Delta, _Heartbeat, _Report]
+
+
+def _refused(field: str, message: str) -> CodecError:
+    return CodecError(f"gossip: {field}: {message}" if field else f"gossip: {message}")
 
 
 # ---------------------------------------------------------------- table items
@@ -159,46 +241,28 @@ class MemberEntry:
 
     @classmethod
     def from_dict(cls, d: Any) -> MemberEntry:
-        _want(isinstance(d, dict), "member entry must be an object")
-        versions = _list(d, "versions")
-        _want(len(versions) <= MAX_VERSIONS and all(type(v) is int and v >= 0 for v in versions),
-              f"versions must be at most {MAX_VERSIONS} non-negative integers")
-        return cls(
-            id=_str(d, "id"), address=_str(d, "address", MAX_ADDRESS), role=_str(d, "role", choices=ROLES),
-            region=_str(d, "region"), node_class=_str(d, "class", choices=NODE_CLASSES),
-            incarnation=_int(d, "inc"), status=_str(d, "status", choices=STATUSES), rev=_int(d, "rev"),
-            versions=tuple(versions), throughput=_num(d, "tps"), bandwidth=_num(d, "bw"), status_at=_num(d, "at"),
-        )
+        return cls._of(convert(d, _Member, error=_refused, where="member"))
+
+    @classmethod
+    def _of(cls, w: _Member) -> MemberEntry:
+        return cls(w.id, w.address, w.role, w.region, w.node_class, w.inc, w.status, w.rev, tuple(w.versions),
+                   w.tps, w.bw, w.at)
 
 
 COORD_NAMES = ("plan", "head", "revoked")
 LEASES_PREFIX = "leases/"
 
 
-def _check_coord_value(name: str, value: Any) -> None:
+def _check_coord_value(name: str, value: Any, where: str = "value") -> None:
+    """Raise :class:`CodecError` naming the field unless ``value`` fits entry ``name`` (see :class:`CoordEntry`)."""
     if name == "plan":
-        _want(isinstance(value, dict) and set(value) == {"epoch", "root", "parents"},
-              "plan value must be {epoch, root, parents}")
-        _int(value, "epoch")
-        _str(value, "root")
-        parents = value["parents"]
-        _want(isinstance(parents, dict) and len(parents) <= MAX_ITEMS, "plan parents must be an object")
-        _want(all(isinstance(c, str) and isinstance(p, str) for c, p in parents.items()),
-              "plan parents must map node ids to node ids")
+        convert(value, _Plan, error=_refused, where=where)
     elif name == "head":
-        _want(isinstance(value, dict) and set(value) == {"version"}, "head value must be {version}")
-        _int(value, "version")
+        convert(value, _Head, error=_refused, where=where)
     elif name == "revoked":
-        _want(isinstance(value, dict) and set(value) == {"ids"}, "revoked value must be {ids}")
-        ids = value["ids"]
-        _want(isinstance(ids, list) and len(ids) <= MAX_ITEMS
-              and all(isinstance(i, str) and 0 < len(i) <= MAX_ID for i in ids), "revoked ids must be node ids")
+        convert(value, _Revoked, error=_refused, where=where)
     elif name.startswith(LEASES_PREFIX) and 0 < len(name) - len(LEASES_PREFIX) <= MAX_ID:
-        _want(isinstance(value, list) and len(value) <= MAX_ITEMS, "leases value must be a list")
-        for item in value:
-            ok = (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and 0 < len(item[0]) <= MAX_ID
-                  and isinstance(item[1], (int, float)) and not isinstance(item[1], bool) and math.isfinite(item[1]))
-            _want(ok, "a lease must be [work_id, expires_at]")
+        convert(value, _Leases, error=_refused, where=where)
     else:
         raise CodecError(f"gossip: unknown coordinator entry {name!r}")
 
@@ -246,12 +310,12 @@ class CoordEntry:
 
     @classmethod
     def from_dict(cls, d: Any) -> CoordEntry:
-        _want(isinstance(d, dict), "coordinator entry must be an object")
-        name = _str(d, "name", MAX_ID + len(LEASES_PREFIX))
-        _check_coord_value(name, d.get("value"))
-        sig = d.get("sig")
-        _want(sig is None or isinstance(sig, str), "sig must be a string")
-        return cls(name, _int(d, "version", 1), _str(d, "writer"), d["value"], sig)
+        return cls._of(convert(d, _Coord, error=_refused, where="coord"), "coord")
+
+    @classmethod
+    def _of(cls, w: _Coord, where: str) -> CoordEntry:
+        _check_coord_value(w.name, w.value, f"{where}.value")
+        return cls(w.name, w.version, w.writer, w.value, w.sig)
 
 
 Item = Union[MemberEntry, CoordEntry]
@@ -355,49 +419,49 @@ def dumps(msg: Message) -> bytes:
     return json.dumps(encode(msg), separators=(",", ":")).encode()
 
 
+def _message(w: _Wire) -> Message:
+    """The public message of a checked wire message."""
+    if isinstance(w, _Heartbeat):
+        return Heartbeat(w.sender, w.inc, w.hb)
+    if isinstance(w, _Report):
+        return Report(w.sender, w.inc, tuple(w.versions), w.tps, w.bw)
+    if isinstance(w, _Delta):
+        return Delta(w.sender, tuple(MemberEntry._of(m) for m in w.members),
+                     tuple(CoordEntry._of(c, f"coord.{i}") for i, c in enumerate(w.coord)), tuple(w.want))
+    if isinstance(w, _Syn):
+        return Syn(w.sender, w.root, w.count)
+    if isinstance(w, _Buckets):
+        return Buckets(w.sender, w.buckets)
+    items = []
+    for i, it in enumerate(w.items):
+        key, version = it[0], it[1:]
+        if not isinstance(key, str) or not all(isinstance(v, int) for v in version):
+            raise _refused(f"items.{i}", f"must be [key, *version] (a string, then 1 to 3 integers >= 0), got {it!r}")
+        items.append((key, tuple(v for v in version if isinstance(v, int))))
+    return Digest(w.sender, tuple(w.buckets), tuple(items))
+
+
+def _format_refused(d: Any) -> None:
+    # Checked first: a message of another format may differ in any field, and this is what to say.
+    if isinstance(d, dict) and d.get("format") != GOSSIP_VERSION:
+        raise CodecError(f"gossip: unsupported format {d.get('format')!r} (this build reads {GOSSIP_VERSION})")
+
+
 def decode(d: Any) -> Message:
-    """The message of a dict from :func:`encode`; :class:`CodecError` if it is malformed."""
-    _want(isinstance(d, dict), "message must be a JSON object")
-    _want(d.get("format") == GOSSIP_VERSION, f"unsupported format {d.get('format')!r} (this build reads {GOSSIP_VERSION})")
-    kind = d.get("type")
-    _want(kind in _TYPES, f"unknown message type {kind!r}")
-    sender = _str(d, "sender")
-    if kind == "syn":
-        root = _str(d, "root", 16)
-        _want(len(root) == 16 and all(c in "0123456789abcdef" for c in root), "root must be 16 hex digits")
-        return Syn(sender, root, _int(d, "count"))
-    if kind == "buckets":
-        b = _str(d, "buckets", 8 * BUCKETS)
-        _want(len(b) == 8 * BUCKETS and all(c in "0123456789abcdef" for c in b),
-              f"buckets must be {8 * BUCKETS} hex digits")
-        return Buckets(sender, b)
-    if kind == "digest":
-        buckets = _list(d, "buckets")
-        _want(all(type(b) is int and 0 <= b < BUCKETS for b in buckets), f"bucket numbers must be in [0, {BUCKETS})")
-        items = []
-        for it in _list(d, "items"):
-            _want(isinstance(it, list) and 2 <= len(it) <= 4 and isinstance(it[0], str) and len(it[0]) <= 2 * MAX_ID
-                  and all(type(v) is int and v >= 0 for v in it[1:]), f"malformed digest item {it!r}")
-            items.append((it[0], tuple(it[1:])))
-        return Digest(sender, tuple(buckets), tuple(items))
-    if kind == "delta":
-        members = tuple(MemberEntry.from_dict(m) for m in _list(d, "members"))
-        coord = tuple(CoordEntry.from_dict(c) for c in _list(d, "coord"))
-        want = _list(d, "want")
-        _want(all(isinstance(k, str) and len(k) <= 2 * MAX_ID for k in want), "want must be a list of keys")
-        return Delta(sender, members, coord, tuple(want))
-    if kind == "report":
-        versions = _list(d, "versions")
-        _want(len(versions) <= MAX_VERSIONS and all(type(v) is int and v >= 0 for v in versions),
-              f"versions must be at most {MAX_VERSIONS} non-negative integers")
-        return Report(sender, _int(d, "inc"), tuple(versions), _num(d, "tps"), _num(d, "bw"))
-    return Heartbeat(sender, _int(d, "inc"), _int(d, "hb"))
+    """The message of a dict from :func:`encode`; :class:`CodecError` naming the field if it is malformed."""
+    _format_refused(d)
+    wire: _Wire = convert(d, _Wire, error=_refused)
+    return _message(wire)
 
 
 def loads(data: bytes | str) -> Message:
-    """Decode JSON bytes; :class:`CodecError` for bad JSON or a bad message."""
+    """Decode and check JSON bytes in one pass; :class:`CodecError` for bad JSON or a bad message."""
     try:
-        d = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CodecError(f"gossip: not JSON ({exc})") from None
-    return decode(d)
+        wire: _Wire = decode_json(data, _Wire, error=_refused, not_json=lambda why: CodecError(f"gossip: not JSON ({why})"))
+    except CodecError:
+        try:
+            _format_refused(json.loads(data))
+        except ValueError:
+            pass
+        raise
+    return _message(wire)

@@ -191,3 +191,28 @@ def test_probe_measurements_path_is_relative_to_the_config_file(tmp_path):
                                     'trainer_public_key = "trainer.pub"\n[probe]\nmeasurements = "probe/m.json"\n')
     cfg = load(d / "trainer.toml", data_dir=str(tmp_path / "data"))
     assert cfg.probe.measurements == str(d / "probe" / "m.json")
+
+
+def test_a_nested_bad_value_names_its_field_and_what_was_expected(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load(_write(tmp_path, BASE + 'parallel_streams_typo = 1\n'))  # lands in [limits]
+    assert str(err.value).startswith("limits.parallel_streams_typo: unknown key (known: max_header_bytes, ")
+    with pytest.raises(ConfigError) as err:
+        load(_write(tmp_path, BASE.replace("parallel_streams = 8", 'parallel_streams = "many"')))
+    assert str(err.value) == "limits.parallel_streams: must be an integer, got str 'many'"
+    with pytest.raises(ConfigError) as err:
+        load(_write(tmp_path), ["--store.fsync=maybe"])
+    assert str(err.value) == "store.fsync: must be true or false, got str 'maybe'"
+    with pytest.raises(ConfigError) as err:
+        load(_write(tmp_path), ["--listen=7070"])
+    assert str(err.value) == "listen: must be a table, got int 7070"
+    with pytest.raises(ConfigError) as err:
+        load(_write(tmp_path), ["--cluster_token=12345678"])  # a number on the command line: not a string
+    assert err.value.field == "cluster_token" and "12345678" not in str(err.value)
+
+
+def test_override_text_converts_by_the_fields_type(tmp_path):
+    cfg = load(_write(tmp_path), ["--limits.push_bytes=0x10", "--store.fsync=YES", "--limits.decode_nice", "3",
+                                  "--gossip.seeds=https://a:1, https://b:2", "--probe.min_rate_bps=2e6"])
+    assert (cfg.limits.push_bytes, cfg.store.fsync, cfg.limits.decode_nice) == (16, True, 3)
+    assert cfg.gossip.seeds == ["https://a:1", "https://b:2"] and cfg.probe.min_rate_bps == 2e6

@@ -126,3 +126,15 @@ def test_plugin_drops_only_the_skipped_tokenizer_warmup_warning():
         log.setLevel(saved[0])
         log.disabled = saved[1]
     assert seen == ["Chat template warmup failed", "something else"]  # the second warmup failure is real
+
+
+def test_a_refusal_names_the_nested_field_says_what_was_expected_and_never_echoes_the_token():
+    with pytest.raises(TransferInfoError) as err:
+        init_info({**GOOD, "version": "5"})
+    assert str(err.value) == "init_info.version: must be an integer >= 0, got str '5'"
+    with pytest.raises(TransferInfoError) as err:
+        update_info({"version": 3, "stage": "yes"})
+    assert str(err.value) == "update_info.stage: must be true or false, got str 'yes'"
+    with pytest.raises(TransferInfoError) as err:
+        init_info({**GOOD, "token": ["s3cret-token"]})
+    assert err.value.field == "init_info.token" and "s3cret" not in str(err.value)

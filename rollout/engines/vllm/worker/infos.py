@@ -9,17 +9,22 @@ backend as they came over HTTP (or from ``LLM``). :func:`init_info` and
 versions, a ``stage`` that is not ``true`` or ``false``. JSON has no integer type of its own, so a version must be a JSON
 integer (``5``), not ``"5"`` or ``5.0``.
 
-No vLLM import here: the rules are plain Python, testable without an engine. The parent's
+The schema is two ``msgspec`` structs checked by :func:`p2psync.validate.convert` (the token is never
+echoed in a refusal). No vLLM import here: the rules are plain Python, testable without an engine. The parent's
 fields become one :class:`~p2psync.transport.leaf.Parent`, built here once.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
 
 from p2psync.errors import ConfigError, P2PSyncError
 from p2psync.transport.leaf import Parent, public_key_from
+from p2psync.validate import NON_BLANK, convert
 
 
 class TransferInfoError(ConfigError):
@@ -64,72 +69,46 @@ class UpdateFields:
     commits what was staged (:mod:`rollout.engines.vllm.worker.stage`)."""
 
 
-_INIT_REQUIRED = ("url", "token", "public_key")
-_INIT_OPTIONAL = ("version", "node_id", "threads", "timeout", "tls_dir")
+Text = Annotated[str, Meta(pattern=NON_BLANK)]
+Count = Annotated[int, Meta(ge=0)]
 
 
-def _table(value: Any, where: str, known: tuple[str, ...], required: tuple[str, ...]) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise TransferInfoError(where, f"must be a JSON object, got {_shown(value)}")
-    unknown = sorted(str(k) for k in value if k not in known)
-    if unknown:
-        raise TransferInfoError(f"{where}.{unknown[0]}", f"unknown key (known: {', '.join(known)})")
-    for k in required:
-        if k not in value:
-            raise TransferInfoError(f"{where}.{k}", "missing (required)")
-    return value
+class _InitInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """``init_info`` as it comes (:class:`InitFields` says what each field means)."""
+
+    url: Text
+    token: Text
+    public_key: Text
+    version: Count | None = None
+    node_id: Text = "vllm"
+    threads: Count = 0
+    timeout: Annotated[float, Meta(gt=0)] = 30.0
+    tls_dir: Text = ""
 
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return f"{type(value).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+class _UpdateInfo(msgspec.Struct, forbid_unknown_fields=True):
+    """``update_info`` as it comes."""
 
-
-def _text(value: Any, field: str) -> str:
-    if not isinstance(value, str):
-        raise TransferInfoError(field, f"must be a string, got {_shown(value)}")
-    if not value.strip():
-        raise TransferInfoError(field, "must not be empty")
-    return value
-
-
-def _integer(value: Any, field: str, least: int) -> int:
-    # bool is an int in Python; true/false in JSON is not a count.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TransferInfoError(field, f"must be an integer >= {least}, got {_shown(value)}")
-    if value < least:
-        raise TransferInfoError(field, f"must be an integer >= {least}, got {value}")
-    return value
+    version: Count
+    stage: bool = False
 
 
 def init_info(value: Any) -> InitFields:
     """The ``init_info`` a client sent, checked (see module doc)."""
     where = "init_info"
-    d = _table(value, where, _INIT_REQUIRED + _INIT_OPTIONAL, _INIT_REQUIRED)
-    url = _text(d["url"], f"{where}.url")
-    token = _text(d["token"], f"{where}.token")
-    key = _text(d["public_key"], f"{where}.public_key")
-    node_id = _text(d["node_id"], f"{where}.node_id") if "node_id" in d else "vllm"
-    version = None if d.get("version") is None else _integer(d["version"], f"{where}.version", 0)
-    threads = _integer(d["threads"], f"{where}.threads", 0) if "threads" in d else 0
-    tls_dir = _text(d["tls_dir"], f"{where}.tls_dir") if "tls_dir" in d else ""
-    timeout = d.get("timeout", 30.0)
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise TransferInfoError(f"{where}.timeout", f"must be a number of seconds > 0, got {_shown(timeout)}")
+    d = convert(value, _InitInfo, error=TransferInfoError, where=where, secrets=("token",))
     try:
-        parent = Parent.create(url, token, key, node_id, tls_dir, float(timeout), prefix=f"{where}.")
+        parent = Parent.create(d.url, d.token, d.public_key, d.node_id, d.tls_dir, d.timeout,
+                               prefix=f"{where}.")
     except ConfigError as exc:
         raise TransferInfoError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
-    return InitFields(parent, version, threads)
+    return InitFields(parent, d.version, d.threads)
 
 
 def update_info(value: Any) -> UpdateFields:
     """The ``update_info`` a client sent (for this worker's rank), checked (see module doc)."""
-    d = _table(value, "update_info", ("version", "stage"), ("version",))
-    stage = d.get("stage", False)
-    if not isinstance(stage, bool):
-        raise TransferInfoError("update_info.stage", f"must be true or false, got {_shown(stage)}")
-    return UpdateFields(version=_integer(d["version"], "update_info.version", 0), stage=stage)
+    d = convert(value, _UpdateInfo, error=TransferInfoError, where="update_info")
+    return UpdateFields(version=d.version, stage=d.stage)
 
 
 def load_public_key(text: str, field: str = "init_info.public_key") -> Any:
