@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import math
 import random
+
+import numpy as np
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +48,8 @@ from typing import Any
 from topology.errors import ModelError
 from topology.model import NetworkModel
 from topology.refine import refine
-from topology.tree import Plan, bfs_order, children_of, depths_of, edge_share, estimate
+from topology.tree import Plan, bfs_order, children_of, depths_of, estimate
+from topology.vector import arrays_of, layout, propagate
 
 _TARGET_DIVISORS = (1.0, 2.0, 4.0)
 # Fallback candidates considered per node: the shallowest machines of its region, then of the tree.
@@ -86,11 +89,34 @@ class PlannerConfig:
                 raise ModelError(name, f"must be a non-negative integer, got {v!r}")
 
 
+class _Shared:
+    """What every attempt of one :func:`plan` call shares: orderings, and the fan-outs already built.
+
+    A region's fan-out depends only on its heads' state (rate, reserved uplink, children), so
+    attempts whose backbones leave a region's heads alike reuse it (``fanouts``).
+    """
+
+    def __init__(self, model: NetworkModel, rank: Mapping[str, int]) -> None:
+        self.by_region = model.by_region()
+        root = model.trainer
+
+        def strength(n: str) -> tuple[float, float, int]:
+            s = model.node(n)
+            return (-s.uplink_bps, -s.downlink_bps, rank[n])
+
+        # Each region's machines (the trainer left out), strongest first.
+        self.strongest = {r: sorted((n for n in ids if n != root), key=strength) for r, ids in self.by_region.items()}
+        self.fanouts: dict[tuple[Any, ...], dict[str, str]] = {}
+        self.arrays = arrays_of(model)
+
+
 class _Builder:
     """Mutable tree under construction; one per attempt."""
 
-    def __init__(self, model: NetworkModel, cfg: PlannerConfig, rank: Mapping[str, int], by_eta: bool) -> None:
+    def __init__(self, model: NetworkModel, cfg: PlannerConfig, rank: Mapping[str, int], by_eta: bool,
+                 shared: _Shared) -> None:
         self.m = model
+        self.sh = shared
         self.by_eta = by_eta
         self.bits = cfg.payload_bytes * 8.0
         self.cfg = cfg
@@ -172,14 +198,13 @@ class _Builder:
     def backbone(self, reserve_cap: float) -> None:
         m, cfg = self.m, self.cfg
         gateways: dict[str, list[str]] = {}
-        for region, ids in m.by_region().items():
-            cands = sorted((n for n in ids if n != self.root), key=self.strength)
+        for region, cands in self.sh.strongest.items():
             if cands:
                 gateways[region] = cands[: cfg.gateways_per_region]
         # How well a gateway serves its own region: the median bandwidth to a sample of the
         # region's machines, capped by its uplink (measured links may be asymmetric).
         for region, gws in gateways.items():
-            sample = sorted((n for n in m.by_region()[region] if n != self.root), key=self.strength)[:16]
+            sample = self.sh.strongest[region][:16]
             for g in gws:
                 bws = sorted(m.bandwidth(g, x) for x in sample if x != g) or [m.node(g).uplink_bps]
                 self.serve[g] = min(m.node(g).uplink_bps, bws[len(bws) // 2])
@@ -254,53 +279,50 @@ class _Builder:
 
     def local_eval(self, heads: list[str], members: set[str]) -> float:
         """Worst estimate over ``members`` relative to their heads (heads' upstream is common to all trials)."""
-        cfg = self.cfg
-        bits, cbits = cfg.payload_bytes * 8.0, min(cfg.chunk_bytes, cfg.payload_bytes) * 8.0
-        worst = 0.0
-        state = {h: (self.rate.get(h, math.inf), 0.0, 0.0) for h in heads}
-        stack = list(heads)
-        while stack:
-            p = stack.pop()
-            rp, pp, lp = state[p]
-            for c in self.children[p]:
-                if c not in members:
-                    continue
-                s = edge_share(self.m, self.children, p, c, {})
-                r = min(rp, s)
-                pc, lc = pp + cbits / s, lp + self.m.rtt(p, c) / 2
-                state[c] = (r, pc, lc)
-                worst = max(worst, bits / r + pc - cbits / r + lc)
-                stack.append(c)
-        return worst
+        a = self.sh.arrays
+        lay = layout(a, self.children, heads, members)
+        n_children = np.zeros(len(a.ids))
+        for j in lay.nodes.tolist():
+            n_children[j] = len(self.children[a.ids[j]])
+        tops = len(heads)
+        paths = propagate(self.m, a, lay, n_children, None, self.cfg.payload_bytes, self.cfg.chunk_bytes,
+                          np.array([self.rate.get(h, math.inf) for h in heads]), np.zeros(tops), np.zeros(tops))
+        return float(paths.eta[tops:].max()) if len(lay.nodes) > tops else 0.0
 
     def build_region(self, region: str) -> None:
         """(Re)build the fan-out of ``region`` below its entries, trying a few target rates."""
         entries = self.entries.get(region, [])
         if not entries:
             return
-        for n in self.m.by_region()[region]:
+        for n in self.sh.by_region[region]:
             if n in self.parents and n not in entries and self.m.region_of(self.parents[n]) == region:
                 self.detach(n)
         heads = ([self.root] if self.m.region_of(self.root) == region else []) + entries
-        members = sorted((n for n in self.m.by_region()[region] if n not in heads), key=self.strength)
+        members = [n for n in self.sh.strongest[region] if n not in heads]
         if not members:
             return
         base = min(self.rate[e] for e in entries)
-        best: tuple[float, dict[str, str]] | None = None
-        member_set = set(members)
-        for div in _TARGET_DIVISORS:
-            for c in members:
-                if c in self.parents:
-                    self.detach(c)
-            self.fan_out(region, heads, members, max(base / div, 1.0))
-            score = self.local_eval(heads, member_set)
-            if best is None or score < best[0] * (1 - 1e-9):
-                best = (score, {c: self.parents[c] for c in members})
         for c in members:
-            self.detach(c)
-        assert best is not None
+            if c in self.parents:
+                self.detach(c)
+        key = (region, tuple((h, self.rate.get(h, math.inf), self.reserved[h], len(self.children[h])) for h in heads))
+        chosen = self.sh.fanouts.get(key)
+        if chosen is None:
+            best: tuple[float, dict[str, str]] | None = None
+            member_set = set(members)
+            for div in _TARGET_DIVISORS:
+                for c in members:
+                    if c in self.parents:
+                        self.detach(c)
+                self.fan_out(region, heads, members, max(base / div, 1.0))
+                score = self.local_eval(heads, member_set)
+                if best is None or score < best[0] * (1 - 1e-9):
+                    best = (score, {c: self.parents[c] for c in members})
+            for c in members:
+                self.detach(c)
+            assert best is not None
+            chosen = self.sh.fanouts[key] = best[1]
         # Re-attach in BFS order so that children lists keep the breadth-first order.
-        chosen = best[1]
         by_parent: dict[str, list[str]] = {}
         for c in members:
             by_parent.setdefault(chosen[c], []).append(c)
@@ -315,7 +337,7 @@ class _Builder:
         """Give ``region`` a second entry point; False when there is no candidate or source."""
         m = self.m
         entries = self.entries[region]
-        cands = sorted((n for n in m.by_region()[region] if n not in entries and n != self.root), key=self.strength)
+        cands = [n for n in self.sh.strongest[region] if n not in entries]
         if len(cands) < 2:
             return False
         gateways = cands[: self.cfg.gateways_per_region]
@@ -339,8 +361,9 @@ def _ranks(model: NetworkModel, seed: int) -> dict[str, int]:
     return dict(zip(ids, order))
 
 
-def _build(model: NetworkModel, cfg: PlannerConfig, rank: Mapping[str, int], reserve_cap: float, by_eta: bool) -> _Builder:
-    b = _Builder(model, cfg, rank, by_eta)
+def _build(model: NetworkModel, cfg: PlannerConfig, rank: Mapping[str, int], reserve_cap: float, by_eta: bool,
+           shared: _Shared) -> _Builder:
+    b = _Builder(model, cfg, rank, by_eta, shared)
     b.backbone(reserve_cap)
     for region in model.region_names():
         b.build_region(region)
@@ -376,12 +399,13 @@ def plan(model: NetworkModel, config: PlannerConfig | None = None, epoch: int = 
     if len(model) == 1:
         return finish_plan(model, cfg, {}, epoch)
     best: tuple[float, _Builder] | None = None
+    shared = _Shared(model, rank)
     for by_eta in (False, True):
-        first = _build(model, cfg, rank, math.inf, by_eta)
+        first = _build(model, cfg, rank, math.inf, by_eta, shared)
         # The slowest region's entry rate: reserving more than that on a source only helps
         # nodes that do not decide the completion time.
         floor_rate = min(first.rate[e[0]] for e in first.entries.values())
-        for b in (first, _build(model, cfg, rank, max(floor_rate, 1.0), by_eta)):
+        for b in (first, _build(model, cfg, rank, max(floor_rate, 1.0), by_eta, shared)):
             score = b.completion_s
             if best is None or score < best[0] * (1 - 1e-9):
                 best = (score, b)
