@@ -41,10 +41,11 @@ import math
 import random
 
 import numpy as np
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from topology import fanout
 from topology.errors import ModelError
 from topology.model import NetworkModel
 from topology.refine import refine
@@ -240,7 +241,7 @@ class _Builder:
         free = self.cfg.max_degree - len(self.children[p])
         return max(0, min(free, int(spare / target + 1e-9)))
 
-    def fan_out(self, region: str, heads: list[str], members: list[str], target: float) -> None:
+    def fan_out(self, heads: list[str], members: list[str], target: float) -> None:
         """Attach ``members`` (strongest first) breadth first below ``heads``."""
         m = self.m
         queue: list[list[Any]] = [[h, self.slots(h, target)] for h in heads]
@@ -308,30 +309,51 @@ class _Builder:
         key = (region, tuple((h, self.rate.get(h, math.inf), self.reserved[h], len(self.children[h])) for h in heads))
         chosen = self.sh.fanouts.get(key)
         if chosen is None:
-            best: tuple[float, dict[str, str]] | None = None
-            member_set = set(members)
-            for div in _TARGET_DIVISORS:
-                for c in members:
-                    if c in self.parents:
-                        self.detach(c)
-                self.fan_out(region, heads, members, max(base / div, 1.0))
-                score = self.local_eval(heads, member_set)
-                if best is None or score < best[0] * (1 - 1e-9):
-                    best = (score, {c: self.parents[c] for c in members})
-            for c in members:
-                self.detach(c)
-            assert best is not None
-            chosen = self.sh.fanouts[key] = best[1]
+            chosen = self.sh.fanouts[key] = self.best_fan_out(heads, members, base)
         # Re-attach in BFS order so that children lists keep the breadth-first order.
         by_parent: dict[str, list[str]] = {}
         for c in members:
             by_parent.setdefault(chosen[c], []).append(c)
-        stack = list(heads)
-        while stack:
-            p = stack.pop(0)
+        order = list(heads)
+        for p in order:
             for c in by_parent.get(p, ()):
                 self.attach(c, p)
-                stack.append(c)
+                order.append(c)
+
+    def best_fan_out(self, heads: list[str], members: list[str], base: float) -> dict[str, str]:
+        """The fan-out (member -> parent) with the best local estimate over the target rates tried."""
+        cfg, a = self.cfg, self.sh.arrays
+        best: tuple[float, dict[str, str] | Callable[[], dict[str, str]]] | None = None
+        member_set = set(members)
+        # The closed form of topology.fanout applies while the members are bare.
+        bare = all(not self.children[c] and not self.reserved[c] for c in members)
+        hi = np.array([a.idx[h] for h in heads], dtype=np.int64)
+        mi = np.array([a.idx[c] for c in members], dtype=np.int64)
+        for div in _TARGET_DIVISORS:
+            target = max(base / div, 1.0)
+            parent = fanout.fan_out(a, hi, [self.slots(h, target) for h in heads], mi, target,
+                                    cfg.max_degree) if bare else None
+            trial: dict[str, str] | Callable[[], dict[str, str]]
+            if parent is not None:
+                score = fanout.worst_below(
+                    self.m, a, hi, np.array([self.rate.get(h, math.inf) for h in heads]),
+                    np.array([float(len(self.children[h])) for h in heads]), mi, parent,
+                    cfg.payload_bytes, cfg.chunk_bytes)
+                names = [*heads, *members]
+                trial = (lambda par=parent, nm=names: dict(zip(members, (nm[j] for j in par.tolist()))))
+            else:
+                for c in members:
+                    if c in self.parents:
+                        self.detach(c)
+                self.fan_out(heads, members, target)
+                score = self.local_eval(heads, member_set)
+                trial = {c: self.parents[c] for c in members}
+                for c in members:
+                    self.detach(c)
+            if best is None or score < best[0] * (1 - 1e-9):
+                best = (score, trial)
+        assert best is not None
+        return best[1] if isinstance(best[1], dict) else best[1]()
 
     def add_second_entry(self, region: str) -> bool:
         """Give ``region`` a second entry point; False when there is no candidate or source."""
@@ -460,10 +482,21 @@ def rank_fallbacks(model: NetworkModel, root: str, parents: Mapping[str, str], k
     for n in shallow_first:
         pool.setdefault(model.region_of(n), []).append(n)
     out: dict[str, list[str]] = {}
+    # A node without measured links ranks by its region, depth, parent, grandparent and downlink
+    # alone (siblings usually share all five): rank once per such key.
+    memo: dict[tuple[str, int, str, str | None, float], list[str]] = {}
     for v, p in parents.items():
+        spec = model.node(v)
+        gp = parents.get(p)
+        key = None if model.has_measurements(v) else (spec.region, depth[v], p, gp, spec.downlink_bps)
+        if key is not None:
+            hit = memo.get(key)
+            if hit is not None:
+                out[v] = list(hit)
+                continue
         d = depth[v]
         cands: list[str] = []
-        for source, limit in zip((pool[model.region_of(v)], shallow_first), _FALLBACK_POOL):
+        for source, limit in zip((pool[spec.region], shallow_first), _FALLBACK_POOL):
             taken = 0
             for u in source:
                 if depth[u] >= d or taken >= limit:
@@ -471,7 +504,6 @@ def rank_fallbacks(model: NetworkModel, root: str, parents: Mapping[str, str], k
                 if u != p and u not in cands:
                     cands.append(u)
                     taken += 1
-        gp = parents.get(p)
         if gp is not None and gp not in cands:
             cands.append(gp)
         ranked = sorted(
@@ -479,6 +511,8 @@ def rank_fallbacks(model: NetworkModel, root: str, parents: Mapping[str, str], k
             key=lambda u: (u != gp, -min(model.bandwidth(u, v), up[u] / (1 + len(children.get(u, ())))), depth[u], u),
         )
         out[v] = ranked[:k]
+        if key is not None:
+            memo[key] = out[v]
     return out
 
 
