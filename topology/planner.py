@@ -41,6 +41,7 @@ import math
 import random
 
 import numpy as np
+from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +50,7 @@ from topology import fanout
 from topology.errors import ModelError
 from topology.model import NetworkModel
 from topology.refine import refine
-from topology.tree import Plan, bfs_order, children_of, depths_of, estimate
+from topology.tree import Plan, bfs_order, children_of, completion, depths_of, estimate
 from topology.vector import arrays_of, layout, propagate
 
 _TARGET_DIVISORS = (1.0, 2.0, 4.0)
@@ -124,8 +125,9 @@ class _Builder:
         self.root = model.trainer
         self.rank = rank
         self.parents: dict[str, str] = {}
-        self.children: dict[str, list[str]] = {n: [] for n in model.node_ids}
-        self.reserved: dict[str, float] = {n: 0.0 for n in model.node_ids}
+        self.children: defaultdict[str, list[str]] = defaultdict(list)
+        self.reserved: dict[str, float] = {}
+        """Uplink reserved by the backbone, per source (absent: none)."""
         self.pipe_reserved: dict[tuple[str, str], float] = {}
         self.rate: dict[str, float] = {self.root: math.inf}
         self.lat: dict[str, float] = {self.root: 0.0}
@@ -154,7 +156,7 @@ class _Builder:
         if len(self.children[src]) >= self.cfg.max_degree:
             return 0.0
         r = min(self.rate[src], m.bandwidth(src, dst), m.node(dst).downlink_bps,
-                m.node(src).uplink_bps - self.reserved[src])
+                m.node(src).uplink_bps - self.reserved.get(src, 0.0))
         a, b = m.region_of(src), m.region_of(dst)
         cap = m.link_capacity(a, b)
         if cap is not None:
@@ -166,7 +168,7 @@ class _Builder:
         self.rate[dst] = rate
         self.lat[dst] = self.lat[src] + self.m.rtt(src, dst) / 2
         used = min(rate, reserve_cap)
-        self.reserved[src] += used
+        self.reserved[src] = self.reserved.get(src, 0.0) + used
         a, b = self.m.region_of(src), self.m.region_of(dst)
         if a != b:
             self.pipe_reserved[(a, b)] = self.pipe_reserved.get((a, b), 0.0) + used
@@ -224,7 +226,7 @@ class _Builder:
                 # Every source is saturated: attach the strongest remaining gateway to the
                 # source with the most spare uplink, accepting a shared (slower) link.
                 region, gws = next(iter(pending.items()))
-                s = max(self.sources, key=lambda x: (m.node(x).uplink_bps - self.reserved[x]) / (1 + len(self.children[x])))
+                s = max(self.sources, key=lambda x: (m.node(x).uplink_bps - self.reserved.get(x, 0.0)) / (1 + len(self.children[x])))
                 r = min(m.bandwidth(s, gws[0]), m.node(s).uplink_bps / (1 + len(self.children[s])))
                 best = (*self.score(r, s, gws[0]), region, s, gws[0])
             _, _, _, _, region, s, g = best
@@ -237,7 +239,7 @@ class _Builder:
     # ---- fan-out inside a region -------------------------------------------------------
 
     def slots(self, p: str, target: float) -> int:
-        spare = self.m.node(p).uplink_bps - self.reserved[p]
+        spare = self.m.node(p).uplink_bps - self.reserved.get(p, 0.0)
         free = self.cfg.max_degree - len(self.children[p])
         return max(0, min(free, int(spare / target + 1e-9)))
 
@@ -255,7 +257,7 @@ class _Builder:
                 # No relay has a free slot at this target: give one to whichever attached
                 # machine keeps the largest share, degree cap permitting.
                 open_ = [n for n in attached if len(self.children[n]) < self.cfg.max_degree] or attached
-                p = max(open_, key=lambda n: ((m.node(n).uplink_bps - self.reserved[n]) / (1 + len(self.children[n])), -self.rank[n]))
+                p = max(open_, key=lambda n: ((m.node(n).uplink_bps - self.reserved.get(n, 0.0)) / (1 + len(self.children[n])), -self.rank[n]))
                 queue.append([p, 1])
             # Prefer, among the next few open relays, the first whose measured link carries the target.
             pick, best_bw = qi, -1.0
@@ -306,7 +308,7 @@ class _Builder:
         for c in members:
             if c in self.parents:
                 self.detach(c)
-        key = (region, tuple((h, self.rate.get(h, math.inf), self.reserved[h], len(self.children[h])) for h in heads))
+        key = (region, tuple((h, self.rate.get(h, math.inf), self.reserved.get(h, 0.0), len(self.children[h])) for h in heads))
         chosen = self.sh.fanouts.get(key)
         if chosen is None:
             chosen = self.sh.fanouts[key] = self.best_fan_out(heads, members, base)
@@ -326,7 +328,7 @@ class _Builder:
         best: tuple[float, dict[str, str] | Callable[[], dict[str, str]]] | None = None
         member_set = set(members)
         # The closed form of topology.fanout applies while the members are bare.
-        bare = all(not self.children[c] and not self.reserved[c] for c in members)
+        bare = all(not self.children[c] and not self.reserved.get(c, 0.0) for c in members)
         hi = np.array([a.idx[h] for h in heads], dtype=np.int64)
         mi = np.array([a.idx[c] for c in members], dtype=np.int64)
         for div in _TARGET_DIVISORS:
@@ -391,26 +393,32 @@ def _build(model: NetworkModel, cfg: PlannerConfig, rank: Mapping[str, int], res
         b.build_region(region)
     if cfg.second_entries:
         tried: set[str] = set()
-        current = estimate(model, b.root, b.parents, cfg.payload_bytes, cfg.chunk_bytes, b.children)
+        current = completion(model, b.root, b.children, cfg.payload_bytes, cfg.chunk_bytes)
         for _ in range(len(model.region_names())):
-            worst = max(current.eta_s, key=lambda n: current.eta_s[n])
-            region = model.region_of(worst)
-            if region in tried or worst == b.root:
+            region = model.region_of(current[1])
+            if region in tried or current[1] == b.root:
                 break
             tried.add(region)
-            saved = (dict(b.parents), {k: list(v) for k, v in b.children.items()}, dict(b.reserved),
-                     dict(b.pipe_reserved), dict(b.rate), dict(b.lat), list(b.entries[region]))
+            # What add_second_entry may touch: the region's machines and the backbone's sources.
+            mine = shared.by_region[region]
+            saved = ({n: b.parents[n] for n in mine if n in b.parents},
+                     {n: list(b.children[n]) for n in (*mine, *b.sources)}, dict(b.reserved),
+                     dict(b.pipe_reserved), dict(b.rate), dict(b.lat), list(b.entries[region]), list(b.sources))
             if b.add_second_entry(region):
-                trial = estimate(model, b.root, b.parents, cfg.payload_bytes, cfg.chunk_bytes, b.children)
-                if trial.completion_s < current.completion_s * (1 - 1e-6):
+                trial = completion(model, b.root, b.children, cfg.payload_bytes, cfg.chunk_bytes)
+                if trial[0] < current[0] * (1 - 1e-6):
                     current = trial
                     continue
-            b.parents, b.children, b.reserved, b.pipe_reserved, b.rate, b.lat, entries = saved
+            for n in mine:
+                b.parents.pop(n, None)
+            b.parents.update(saved[0])
+            b.children.update(saved[1])
+            b.reserved, b.pipe_reserved, b.rate, b.lat, entries, b.sources = saved[2:]
             b.entries[region] = entries
             break
-        b.completion_s = current.completion_s
+        b.completion_s = current[0]
     else:
-        b.completion_s = estimate(model, b.root, b.parents, cfg.payload_bytes, cfg.chunk_bytes, b.children).completion_s
+        b.completion_s = completion(model, b.root, b.children, cfg.payload_bytes, cfg.chunk_bytes)[0]
     return b
 
 

@@ -269,6 +269,21 @@ def estimate(model: NetworkModel, root: str, parents: Mapping[str, str], payload
                     float(paths.eta[1:].max()) if len(below) else 0.0)
 
 
+def completion(model: NetworkModel, root: str, children: Mapping[str, list[str]], payload_bytes: int,
+               chunk_bytes: int) -> tuple[float, str]:
+    """:func:`estimate`'s completion time and the node that finishes last (first in breadth-first order)."""
+    from topology.vector import arrays_of, child_counts, layout, pipe_flow_matrix, propagate
+
+    a = arrays_of(model)
+    lay = layout(a, children, [root])
+    one = np.ones(1)
+    paths = propagate(model, a, lay, child_counts(a, lay), pipe_flow_matrix(a, lay), payload_bytes, chunk_bytes,
+                      one * math.inf, one * 0.0, one * 0.0)
+    paths.eta[0] = 0.0
+    j = int(np.argmax(paths.eta))
+    return (float(paths.eta[j]) if len(lay.nodes) > 1 else 0.0), a.ids[int(lay.nodes[j])]
+
+
 def estimate_walk(model: NetworkModel, root: str, parents: Mapping[str, str], payload_bytes: int,
                   chunk_bytes: int, children: Mapping[str, list[str]] | None = None) -> Estimate:
     """:func:`estimate`, one node at a time (the reference the array version is tested against)."""
