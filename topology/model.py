@@ -206,6 +206,10 @@ class NetworkModel:
         """Region name -> node ids in insertion order (the trainer's region included)."""
         return {r: list(ids) for r, ids in self._by_region.items()}
 
+    def nodes_in(self, region: str) -> list[str]:
+        """Node ids of one region in insertion order (empty for an unknown region)."""
+        return list(self._by_region.get(region, ()))
+
     def region_names(self) -> list[str]:
         return list(self._by_region)
 

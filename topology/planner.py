@@ -502,26 +502,33 @@ def rank_fallbacks(model: NetworkModel, root: str, parents: Mapping[str, str], k
             if hit is not None:
                 out[v] = list(hit)
                 continue
-        d = depth[v]
-        cands: list[str] = []
-        for source, limit in zip((pool[spec.region], shallow_first), _FALLBACK_POOL):
-            taken = 0
-            for u in source:
-                if depth[u] >= d or taken >= limit:
-                    break
-                if u != p and u not in cands:
-                    cands.append(u)
-                    taken += 1
-        if gp is not None and gp not in cands:
-            cands.append(gp)
-        ranked = sorted(
-            cands,
-            key=lambda u: (u != gp, -min(model.bandwidth(u, v), up[u] / (1 + len(children.get(u, ())))), depth[u], u),
-        )
-        out[v] = ranked[:k]
+        out[v] = rank_one(model, v, p, gp, depth, pool[spec.region], shallow_first, up, children, k)
         if key is not None:
             memo[key] = out[v]
     return out
+
+
+def rank_one(model: NetworkModel, v: str, p: str, gp: str | None, depth: Mapping[str, int],
+             region_pool: list[str], tree_pool: list[str], up: Mapping[str, float],
+             children: Mapping[str, list[str]], k: int) -> list[str]:
+    """One node's fallbacks (see :func:`rank_fallbacks`): pools are shallowest first."""
+    d = depth[v]
+    cands: list[str] = []
+    for source, limit in zip((region_pool, tree_pool), _FALLBACK_POOL):
+        taken = 0
+        for u in source:
+            if depth[u] >= d or taken >= limit:
+                break
+            if u != p and u not in cands:
+                cands.append(u)
+                taken += 1
+    if gp is not None and gp not in cands:
+        cands.append(gp)
+    ranked = sorted(
+        cands,
+        key=lambda u: (u != gp, -min(model.bandwidth(u, v), up[u] / (1 + len(children.get(u, ())))), depth[u], u),
+    )
+    return ranked[:k]
 
 
 def moved_nodes(old: Plan, new: Plan) -> list[str]:
@@ -529,4 +536,4 @@ def moved_nodes(old: Plan, new: Plan) -> list[str]:
     return [n for n, p in new.parents.items() if n in old.parents and old.parents[n] != p]
 
 
-__all__ = ["PlannerConfig", "finish_plan", "moved_nodes", "plan", "rank_fallbacks"]
+__all__ = ["PlannerConfig", "finish_plan", "moved_nodes", "plan", "rank_fallbacks", "rank_one"]
