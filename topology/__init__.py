@@ -4,6 +4,9 @@
 - :mod:`topology.synthetic`: seeded realistic models for tests and the scale study.
 - :mod:`topology.tree`: the :class:`~topology.tree.Plan` and the completion-time estimate it is scored by.
 - :mod:`topology.planner` / :mod:`topology.replan`: build a plan; repair it after joins and failures.
+- :mod:`topology.incremental`: :class:`~topology.incremental.Replanner`, the repair one change at a
+  time (failure, join, re-measured link, partitioned region) in time proportional to what it touches.
+- :mod:`topology.vector`, :mod:`topology.fanout`: the estimate and a region's fan-out over numpy arrays.
 - :mod:`topology.simulator`, :mod:`topology.baselines`: score trees by max-min fair flow simulation
   against the star, random and fixed-tier trees and the lower bounds.
 - :mod:`topology.viz`, :mod:`topology.report`: the picture and the text views.

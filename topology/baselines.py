@@ -93,21 +93,36 @@ def _edge_cap(model: NetworkModel, u: str, v: str) -> float:
 
 
 def _delay_paths(model: NetworkModel) -> dict[str, float]:
-    """Smallest one-way delay (half-RTT sum) from the trainer to every node (Dijkstra over all pairs)."""
-    ids = model.node_ids
-    dist = {model.trainer: 0.0}
-    heap = [(0.0, model.trainer)]
+    """A lower bound on the one-way delay (half-RTT sum) from the trainer to every node, from regions.
+
+    Dijkstra over the regions: a hop from region a to b costs the least half-RTT of any pair from
+    a to b (the region figure, or a measured pair below it); passing through a region is free (a
+    path may leave from the machine it entered by). Without measurements this is the exact
+    shortest delay over node paths (an intra-region hop only adds delay, so shortest paths use
+    none, except into the trainer's own region); with them it is never above it. Cost: regions
+    squared plus the measured pairs, so it serves 100,000 nodes.
+    """
+    t = model.trainer
+    names = model.region_names()
+    w = {(a, b): model.region_rtt(a, b) / 2 for a in names for b in names}
+    for m in model.measurements():
+        key = (model.region_of(m.src), model.region_of(m.dst))
+        w[key] = min(w[key], m.rtt_s / 2)
+    home = model.region_of(t)
+    dist = {home: 0.0}
+    heap = [(0.0, home)]
     while heap:
-        d, u = heapq.heappop(heap)
-        if d > dist.get(u, math.inf):
+        d, a = heapq.heappop(heap)
+        if d > dist.get(a, math.inf):
             continue
-        for v in ids:
-            if v != u:
-                nd = d + model.rtt(u, v) / 2
-                if nd < dist.get(v, math.inf):
-                    dist[v] = nd
-                    heapq.heappush(heap, (nd, v))
-    return dist
+        for b in names:
+            if b != a and d + w[(a, b)] < dist.get(b, math.inf):
+                dist[b] = d + w[(a, b)]
+                heapq.heappush(heap, (dist[b], b))
+    # A machine of the trainer's region: one hop inside it, or out and back.
+    back = min([w[(home, home)]] + [dist[b] + w[(b, home)] for b in names if b != home])
+    return {n: (0.0 if n == t else back if model.region_of(n) == home else dist[model.region_of(n)])
+            for n in model.node_ids}
 
 
 def tree_lower_bound(model: NetworkModel, payload_bytes: int) -> LowerBound:
@@ -123,6 +138,8 @@ def tree_lower_bound(model: NetworkModel, payload_bytes: int) -> LowerBound:
     thresholds and charged each bucket at its upper end: still a bound, but
     up to 6 % too optimistic once measured pairs made the values distinct.)
     """
+    if not model.measurements():
+        return _tree_lower_bound_by_region(model, payload_bytes)
     ids = model.node_ids
     t = model.trainer
     others = [v for v in ids if v != t]
@@ -146,6 +163,65 @@ def tree_lower_bound(model: NetworkModel, payload_bytes: int) -> LowerBound:
             if nb2 > kept.get(v, 0.0):
                 heapq.heappush(heap, (d + half_rtt, -nb2, v))
     per = {t: 0.0, **best}
+    return LowerBound(max(per.values()), per, rate)
+
+
+def _tree_lower_bound_by_region(model: NetworkModel, payload_bytes: int) -> LowerBound:
+    """:func:`tree_lower_bound` when no pair is measured, over regions instead of nodes (same value).
+
+    Without measurements a hop ``u -> v`` is capped by ``min(up(u), down(v))`` and the figures of
+    its two regions, so a best path enters each region it crosses through the machine with the
+    largest ``min(uplink, downlink)`` and reaches ``v`` directly from the region before (an extra
+    hop inside a region only lowers the bottleneck and adds delay). The same Pareto label search
+    then runs over regions, and each node is scored by its region and downlink.
+    """
+    t = model.trainer
+    bits = payload_bytes * 8.0
+    names = model.region_names()
+    home = model.region_of(t)
+    through = {r: max((min(model.node(n).uplink_bps, model.node(n).downlink_bps) for n in ids if n != t), default=0.0)
+               for r, ids in model.by_region().items()}
+
+    def hop(a: str, b: str) -> float:
+        cap = model.link_capacity(a, b)
+        bw = model.region_bandwidth(a, b)
+        return bw if cap is None else min(bw, cap)
+
+    # Labels (delay, bottleneck) ready to send out of a region; the trainer's own is its uplink.
+    fronts: dict[str, list[tuple[float, float]]] = {r: [] for r in names}
+    kept: dict[str, float] = {}
+    heap: list[tuple[float, float, str, bool]] = [(0.0, -model.node(t).uplink_bps, home, True)]
+    labels: list[tuple[str, float, float]] = []
+    while heap:
+        d, nb, a, at_trainer = heapq.heappop(heap)
+        b = -nb
+        if not at_trainer:
+            if b <= kept.get(a, 0.0):
+                continue
+            kept[a] = b
+        labels.append((a, d, b))
+        for c in names:
+            if c == a:
+                continue
+            nb2 = min(b, hop(a, c), through.get(c, 0.0))
+            if nb2 > kept.get(c, 0.0):
+                heapq.heappush(heap, (d + model.region_rtt(a, c) / 2, -nb2, c, False))
+    per: dict[str, float] = {t: 0.0}
+    rate: dict[str, float] = {}
+    memo: dict[tuple[str, float], tuple[float, float]] = {}
+    for v in model.node_ids:
+        if v == t:
+            continue
+        r, down = model.region_of(v), model.node(v).downlink_bps
+        got = memo.get((r, down))
+        if got is None:
+            got = (math.inf, 0.0)
+            for a, d, b in labels:
+                x = min(b, hop(a, r), down)
+                if x > 0 and bits / x + d + model.region_rtt(a, r) / 2 < got[0]:
+                    got = (bits / x + d + model.region_rtt(a, r) / 2, x)
+            memo[(r, down)] = got
+        per[v], rate[v] = got
     return LowerBound(max(per.values()), per, rate)
 
 

@@ -143,12 +143,7 @@ class NetworkModel:
                 _positive(rl.capacity_bps, f"region_links[{i}].capacity_bps")
             self.region_links[(rl.src, rl.dst)] = rl
         self._measured: dict[str, dict[str, tuple[float, float]]] = {}
-        self.graph = nx.DiGraph()
-        for n in self._spec.values():
-            self.graph.add_node(
-                n.id, region=n.region, role=n.role, uplink_bps=n.uplink_bps,
-                downlink_bps=n.downlink_bps, node_class=n.node_class,
-            )
+        self._graph: nx.DiGraph | None = None
         for i, m in enumerate(links):
             for end in ("src", "dst"):
                 if getattr(m, end) not in self._spec:
@@ -158,7 +153,10 @@ class NetworkModel:
             _positive(m.bandwidth_bps, f"links[{i}].bandwidth_bps")
             _non_negative(m.rtt_s, f"links[{i}].rtt_s")
             self._measured.setdefault(m.src, {})[m.dst] = (m.bandwidth_bps, m.rtt_s)
-            self.graph.add_edge(m.src, m.dst, bandwidth_bps=m.bandwidth_bps, rtt_s=m.rtt_s)
+        self._index()
+
+    def _index(self) -> None:
+        """Derived lookups; rebuilt by every constructor and by :meth:`_derive`."""
         self._by_region: dict[str, list[str]] = {}
         for n in self._spec.values():
             self._by_region.setdefault(n.region, []).append(n.id)
@@ -166,6 +164,22 @@ class NetworkModel:
         self._ends = {n.id: (n.uplink_bps, n.downlink_bps, n.region) for n in self._spec.values()}
         names = set(self._by_region) | set(self.regions)
         self._region_bw = {(a, b): self.region_bandwidth(a, b) for a in names for b in names}
+        self._region_rtt = {(a, b): self.region_rtt(a, b) for a in names for b in names}
+        self._measured_in: set[str] = {b for row in self._measured.values() for b in row}
+
+    @property
+    def graph(self) -> nx.DiGraph:
+        """The model as a networkx DiGraph (built on first use; see the class docstring)."""
+        if self._graph is None:
+            g = nx.DiGraph()
+            for n in self._spec.values():
+                g.add_node(n.id, region=n.region, role=n.role, uplink_bps=n.uplink_bps,
+                           downlink_bps=n.downlink_bps, node_class=n.node_class)
+            for a, row in self._measured.items():
+                for b, (bw, rtt) in row.items():
+                    g.add_edge(a, b, bandwidth_bps=bw, rtt_s=rtt)
+            self._graph = g
+        return self._graph
 
     # ---- nodes ---------------------------------------------------------------------------
 
@@ -191,6 +205,10 @@ class NetworkModel:
     def by_region(self) -> dict[str, list[str]]:
         """Region name -> node ids in insertion order (the trainer's region included)."""
         return {r: list(ids) for r, ids in self._by_region.items()}
+
+    def nodes_in(self, region: str) -> list[str]:
+        """Node ids of one region in insertion order (empty for an unknown region)."""
+        return list(self._by_region.get(region, ()))
 
     def region_names(self) -> list[str]:
         return list(self._by_region)
@@ -243,27 +261,67 @@ class NetworkModel:
             hit = row.get(dst)
             if hit is not None:
                 return hit[1]
-        return self.region_rtt(self._spec[src].region, self._spec[dst].region)
+        return self._region_rtt[(self._ends[src][2], self._ends[dst][2])]
 
-    # ---- membership changes (a new model; this one is unchanged) -------------------------
+    def has_measurements(self, node_id: str) -> bool:
+        """Whether any measured link starts or ends at ``node_id`` (else its links are region figures)."""
+        return node_id in self._measured or node_id in self._measured_in
+
+    # ---- changes (a new model; this one is unchanged) -------------------------------------
+    # Each derives the new model from this one's validated parts: the cost is a copy of the
+    # lookups (linear, no validation of what did not change, no networkx graph).
+
+    def _derive(self, spec: dict[str, NodeSpec], measured: dict[str, dict[str, tuple[float, float]]]) -> NetworkModel:
+        out = object.__new__(NetworkModel)
+        out.defaults, out.regions, out.region_links = self.defaults, self.regions, self.region_links
+        out._spec, out._measured, out._graph = spec, measured, None
+        trainers = [n.id for n in spec.values() if n.role == "trainer"] if self.trainer not in spec else [self.trainer]
+        if len(trainers) != 1:
+            raise ModelError("nodes", f"exactly one node must have role 'trainer', found {len(trainers)}")
+        out.trainer = trainers[0]
+        out._index()
+        return out
 
     def with_nodes(self, added: Iterable[NodeSpec], links: Iterable[Measurement] = ()) -> NetworkModel:
-        """This model plus ``added`` nodes (and measurements involving them)."""
-        return NetworkModel(
-            [*self._spec.values(), *added], [*self.measurements(), *links],
-            self.regions.values(), self.region_links.values(), self.defaults,
-        )
+        """This model plus ``added`` nodes (and measurements involving them).
+
+        A node already in the model is replaced by its new figures (a capacity change)."""
+        spec = dict(self._spec)
+        for i, n in enumerate(added):
+            _check_node(n, f"added[{i}]")
+            if n.role == "trainer" and n.id != self.trainer:
+                raise ModelError(f"added[{i}].role", "the model already has a trainer")
+            spec[n.id] = n
+        return self._derive(spec, self._with_links(spec, links))
+
+    def with_links(self, links: Iterable[Measurement]) -> NetworkModel:
+        """This model with ``links`` measured (replacing earlier measurements of the same pairs)."""
+        return self._derive(self._spec, self._with_links(self._spec, links))
+
+    def _with_links(self, spec: Mapping[str, NodeSpec], links: Iterable[Measurement]) -> dict[str, dict[str, tuple[float, float]]]:
+        measured = dict(self._measured)
+        for i, m in enumerate(links):
+            for end in ("src", "dst"):
+                if getattr(m, end) not in spec:
+                    raise ModelError(f"links[{i}].{end}", f"unknown node {getattr(m, end)!r}")
+            if m.src == m.dst:
+                raise ModelError(f"links[{i}].dst", "a link needs two distinct nodes")
+            _positive(m.bandwidth_bps, f"links[{i}].bandwidth_bps")
+            _non_negative(m.rtt_s, f"links[{i}].rtt_s")
+            measured[m.src] = {**measured.get(m.src, {}), m.dst: (m.bandwidth_bps, m.rtt_s)}
+        return measured
 
     def without_nodes(self, removed: Iterable[str]) -> NetworkModel:
         """This model less the ``removed`` nodes and every measurement touching them."""
         gone = set(removed)
         if self.trainer in gone:
             raise ValueError("the trainer cannot leave the model")
-        return NetworkModel(
-            [n for n in self._spec.values() if n.id not in gone],
-            [m for m in self.measurements() if m.src not in gone and m.dst not in gone],
-            self.regions.values(), self.region_links.values(), self.defaults,
-        )
+        spec = {k: v for k, v in self._spec.items() if k not in gone}
+        measured = {a: row for a, row in self._measured.items() if a not in gone}
+        for a, row in measured.items():
+            if not gone.isdisjoint(row):
+                measured[a] = {b: x for b, x in row.items() if b not in gone}
+        return self._derive(spec, {a: row for a, row in measured.items() if row})
 
     # ---- JSON ----------------------------------------------------------------------------
 

@@ -39,14 +39,19 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+
+import numpy as np
+from collections import defaultdict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from topology import fanout
 from topology.errors import ModelError
 from topology.model import NetworkModel
 from topology.refine import refine
-from topology.tree import Plan, bfs_order, children_of, depths_of, edge_share, estimate
+from topology.tree import Plan, bfs_order, children_of, completion, depths_of, estimate
+from topology.vector import arrays_of, layout, propagate
 
 _TARGET_DIVISORS = (1.0, 2.0, 4.0)
 # Fallback candidates considered per node: the shallowest machines of its region, then of the tree.
@@ -86,19 +91,43 @@ class PlannerConfig:
                 raise ModelError(name, f"must be a non-negative integer, got {v!r}")
 
 
+class _Shared:
+    """What every attempt of one :func:`plan` call shares: orderings, and the fan-outs already built.
+
+    A region's fan-out depends only on its heads' state (rate, reserved uplink, children), so
+    attempts whose backbones leave a region's heads alike reuse it (``fanouts``).
+    """
+
+    def __init__(self, model: NetworkModel, rank: Mapping[str, int]) -> None:
+        self.by_region = model.by_region()
+        root = model.trainer
+
+        def strength(n: str) -> tuple[float, float, int]:
+            s = model.node(n)
+            return (-s.uplink_bps, -s.downlink_bps, rank[n])
+
+        # Each region's machines (the trainer left out), strongest first.
+        self.strongest = {r: sorted((n for n in ids if n != root), key=strength) for r, ids in self.by_region.items()}
+        self.fanouts: dict[tuple[Any, ...], dict[str, str]] = {}
+        self.arrays = arrays_of(model)
+
+
 class _Builder:
     """Mutable tree under construction; one per attempt."""
 
-    def __init__(self, model: NetworkModel, cfg: PlannerConfig, rank: Mapping[str, int], by_eta: bool) -> None:
+    def __init__(self, model: NetworkModel, cfg: PlannerConfig, rank: Mapping[str, int], by_eta: bool,
+                 shared: _Shared) -> None:
         self.m = model
+        self.sh = shared
         self.by_eta = by_eta
         self.bits = cfg.payload_bytes * 8.0
         self.cfg = cfg
         self.root = model.trainer
         self.rank = rank
         self.parents: dict[str, str] = {}
-        self.children: dict[str, list[str]] = {n: [] for n in model.node_ids}
-        self.reserved: dict[str, float] = {n: 0.0 for n in model.node_ids}
+        self.children: defaultdict[str, list[str]] = defaultdict(list)
+        self.reserved: dict[str, float] = {}
+        """Uplink reserved by the backbone, per source (absent: none)."""
         self.pipe_reserved: dict[tuple[str, str], float] = {}
         self.rate: dict[str, float] = {self.root: math.inf}
         self.lat: dict[str, float] = {self.root: 0.0}
@@ -127,7 +156,7 @@ class _Builder:
         if len(self.children[src]) >= self.cfg.max_degree:
             return 0.0
         r = min(self.rate[src], m.bandwidth(src, dst), m.node(dst).downlink_bps,
-                m.node(src).uplink_bps - self.reserved[src])
+                m.node(src).uplink_bps - self.reserved.get(src, 0.0))
         a, b = m.region_of(src), m.region_of(dst)
         cap = m.link_capacity(a, b)
         if cap is not None:
@@ -139,7 +168,7 @@ class _Builder:
         self.rate[dst] = rate
         self.lat[dst] = self.lat[src] + self.m.rtt(src, dst) / 2
         used = min(rate, reserve_cap)
-        self.reserved[src] += used
+        self.reserved[src] = self.reserved.get(src, 0.0) + used
         a, b = self.m.region_of(src), self.m.region_of(dst)
         if a != b:
             self.pipe_reserved[(a, b)] = self.pipe_reserved.get((a, b), 0.0) + used
@@ -172,14 +201,13 @@ class _Builder:
     def backbone(self, reserve_cap: float) -> None:
         m, cfg = self.m, self.cfg
         gateways: dict[str, list[str]] = {}
-        for region, ids in m.by_region().items():
-            cands = sorted((n for n in ids if n != self.root), key=self.strength)
+        for region, cands in self.sh.strongest.items():
             if cands:
                 gateways[region] = cands[: cfg.gateways_per_region]
         # How well a gateway serves its own region: the median bandwidth to a sample of the
         # region's machines, capped by its uplink (measured links may be asymmetric).
         for region, gws in gateways.items():
-            sample = sorted((n for n in m.by_region()[region] if n != self.root), key=self.strength)[:16]
+            sample = self.sh.strongest[region][:16]
             for g in gws:
                 bws = sorted(m.bandwidth(g, x) for x in sample if x != g) or [m.node(g).uplink_bps]
                 self.serve[g] = min(m.node(g).uplink_bps, bws[len(bws) // 2])
@@ -198,7 +226,7 @@ class _Builder:
                 # Every source is saturated: attach the strongest remaining gateway to the
                 # source with the most spare uplink, accepting a shared (slower) link.
                 region, gws = next(iter(pending.items()))
-                s = max(self.sources, key=lambda x: (m.node(x).uplink_bps - self.reserved[x]) / (1 + len(self.children[x])))
+                s = max(self.sources, key=lambda x: (m.node(x).uplink_bps - self.reserved.get(x, 0.0)) / (1 + len(self.children[x])))
                 r = min(m.bandwidth(s, gws[0]), m.node(s).uplink_bps / (1 + len(self.children[s])))
                 best = (*self.score(r, s, gws[0]), region, s, gws[0])
             _, _, _, _, region, s, g = best
@@ -211,11 +239,11 @@ class _Builder:
     # ---- fan-out inside a region -------------------------------------------------------
 
     def slots(self, p: str, target: float) -> int:
-        spare = self.m.node(p).uplink_bps - self.reserved[p]
+        spare = self.m.node(p).uplink_bps - self.reserved.get(p, 0.0)
         free = self.cfg.max_degree - len(self.children[p])
         return max(0, min(free, int(spare / target + 1e-9)))
 
-    def fan_out(self, region: str, heads: list[str], members: list[str], target: float) -> None:
+    def fan_out(self, heads: list[str], members: list[str], target: float) -> None:
         """Attach ``members`` (strongest first) breadth first below ``heads``."""
         m = self.m
         queue: list[list[Any]] = [[h, self.slots(h, target)] for h in heads]
@@ -229,7 +257,7 @@ class _Builder:
                 # No relay has a free slot at this target: give one to whichever attached
                 # machine keeps the largest share, degree cap permitting.
                 open_ = [n for n in attached if len(self.children[n]) < self.cfg.max_degree] or attached
-                p = max(open_, key=lambda n: ((m.node(n).uplink_bps - self.reserved[n]) / (1 + len(self.children[n])), -self.rank[n]))
+                p = max(open_, key=lambda n: ((m.node(n).uplink_bps - self.reserved.get(n, 0.0)) / (1 + len(self.children[n])), -self.rank[n]))
                 queue.append([p, 1])
             # Prefer, among the next few open relays, the first whose measured link carries the target.
             pick, best_bw = qi, -1.0
@@ -254,68 +282,86 @@ class _Builder:
 
     def local_eval(self, heads: list[str], members: set[str]) -> float:
         """Worst estimate over ``members`` relative to their heads (heads' upstream is common to all trials)."""
-        cfg = self.cfg
-        bits, cbits = cfg.payload_bytes * 8.0, min(cfg.chunk_bytes, cfg.payload_bytes) * 8.0
-        worst = 0.0
-        state = {h: (self.rate.get(h, math.inf), 0.0, 0.0) for h in heads}
-        stack = list(heads)
-        while stack:
-            p = stack.pop()
-            rp, pp, lp = state[p]
-            for c in self.children[p]:
-                if c not in members:
-                    continue
-                s = edge_share(self.m, self.children, p, c, {})
-                r = min(rp, s)
-                pc, lc = pp + cbits / s, lp + self.m.rtt(p, c) / 2
-                state[c] = (r, pc, lc)
-                worst = max(worst, bits / r + pc - cbits / r + lc)
-                stack.append(c)
-        return worst
+        a = self.sh.arrays
+        lay = layout(a, self.children, heads, members)
+        n_children = np.zeros(len(a.ids))
+        for j in lay.nodes.tolist():
+            n_children[j] = len(self.children[a.ids[j]])
+        tops = len(heads)
+        paths = propagate(self.m, a, lay, n_children, None, self.cfg.payload_bytes, self.cfg.chunk_bytes,
+                          np.array([self.rate.get(h, math.inf) for h in heads]), np.zeros(tops), np.zeros(tops))
+        return float(paths.eta[tops:].max()) if len(lay.nodes) > tops else 0.0
 
     def build_region(self, region: str) -> None:
         """(Re)build the fan-out of ``region`` below its entries, trying a few target rates."""
         entries = self.entries.get(region, [])
         if not entries:
             return
-        for n in self.m.by_region()[region]:
+        for n in self.sh.by_region[region]:
             if n in self.parents and n not in entries and self.m.region_of(self.parents[n]) == region:
                 self.detach(n)
         heads = ([self.root] if self.m.region_of(self.root) == region else []) + entries
-        members = sorted((n for n in self.m.by_region()[region] if n not in heads), key=self.strength)
+        members = [n for n in self.sh.strongest[region] if n not in heads]
         if not members:
             return
         base = min(self.rate[e] for e in entries)
-        best: tuple[float, dict[str, str]] | None = None
-        member_set = set(members)
-        for div in _TARGET_DIVISORS:
-            for c in members:
-                if c in self.parents:
-                    self.detach(c)
-            self.fan_out(region, heads, members, max(base / div, 1.0))
-            score = self.local_eval(heads, member_set)
-            if best is None or score < best[0] * (1 - 1e-9):
-                best = (score, {c: self.parents[c] for c in members})
         for c in members:
-            self.detach(c)
-        assert best is not None
+            if c in self.parents:
+                self.detach(c)
+        key = (region, tuple((h, self.rate.get(h, math.inf), self.reserved.get(h, 0.0), len(self.children[h])) for h in heads))
+        chosen = self.sh.fanouts.get(key)
+        if chosen is None:
+            chosen = self.sh.fanouts[key] = self.best_fan_out(heads, members, base)
         # Re-attach in BFS order so that children lists keep the breadth-first order.
-        chosen = best[1]
         by_parent: dict[str, list[str]] = {}
         for c in members:
             by_parent.setdefault(chosen[c], []).append(c)
-        stack = list(heads)
-        while stack:
-            p = stack.pop(0)
+        order = list(heads)
+        for p in order:
             for c in by_parent.get(p, ()):
                 self.attach(c, p)
-                stack.append(c)
+                order.append(c)
+
+    def best_fan_out(self, heads: list[str], members: list[str], base: float) -> dict[str, str]:
+        """The fan-out (member -> parent) with the best local estimate over the target rates tried."""
+        cfg, a = self.cfg, self.sh.arrays
+        best: tuple[float, dict[str, str] | Callable[[], dict[str, str]]] | None = None
+        member_set = set(members)
+        # The closed form of topology.fanout applies while the members are bare.
+        bare = all(not self.children[c] and not self.reserved.get(c, 0.0) for c in members)
+        hi = np.array([a.idx[h] for h in heads], dtype=np.int64)
+        mi = np.array([a.idx[c] for c in members], dtype=np.int64)
+        for div in _TARGET_DIVISORS:
+            target = max(base / div, 1.0)
+            parent = fanout.fan_out(a, hi, [self.slots(h, target) for h in heads], mi, target,
+                                    cfg.max_degree) if bare else None
+            trial: dict[str, str] | Callable[[], dict[str, str]]
+            if parent is not None:
+                score = fanout.worst_below(
+                    self.m, a, hi, np.array([self.rate.get(h, math.inf) for h in heads]),
+                    np.array([float(len(self.children[h])) for h in heads]), mi, parent,
+                    cfg.payload_bytes, cfg.chunk_bytes)
+                names = [*heads, *members]
+                trial = (lambda par=parent, nm=names: dict(zip(members, (nm[j] for j in par.tolist()))))
+            else:
+                for c in members:
+                    if c in self.parents:
+                        self.detach(c)
+                self.fan_out(heads, members, target)
+                score = self.local_eval(heads, member_set)
+                trial = {c: self.parents[c] for c in members}
+                for c in members:
+                    self.detach(c)
+            if best is None or score < best[0] * (1 - 1e-9):
+                best = (score, trial)
+        assert best is not None
+        return best[1] if isinstance(best[1], dict) else best[1]()
 
     def add_second_entry(self, region: str) -> bool:
         """Give ``region`` a second entry point; False when there is no candidate or source."""
         m = self.m
         entries = self.entries[region]
-        cands = sorted((n for n in m.by_region()[region] if n not in entries and n != self.root), key=self.strength)
+        cands = [n for n in self.sh.strongest[region] if n not in entries]
         if len(cands) < 2:
             return False
         gateways = cands[: self.cfg.gateways_per_region]
@@ -339,33 +385,40 @@ def _ranks(model: NetworkModel, seed: int) -> dict[str, int]:
     return dict(zip(ids, order))
 
 
-def _build(model: NetworkModel, cfg: PlannerConfig, rank: Mapping[str, int], reserve_cap: float, by_eta: bool) -> _Builder:
-    b = _Builder(model, cfg, rank, by_eta)
+def _build(model: NetworkModel, cfg: PlannerConfig, rank: Mapping[str, int], reserve_cap: float, by_eta: bool,
+           shared: _Shared) -> _Builder:
+    b = _Builder(model, cfg, rank, by_eta, shared)
     b.backbone(reserve_cap)
     for region in model.region_names():
         b.build_region(region)
     if cfg.second_entries:
         tried: set[str] = set()
-        current = estimate(model, b.root, b.parents, cfg.payload_bytes, cfg.chunk_bytes, b.children)
+        current = completion(model, b.root, b.children, cfg.payload_bytes, cfg.chunk_bytes)
         for _ in range(len(model.region_names())):
-            worst = max(current.eta_s, key=lambda n: current.eta_s[n])
-            region = model.region_of(worst)
-            if region in tried or worst == b.root:
+            region = model.region_of(current[1])
+            if region in tried or current[1] == b.root:
                 break
             tried.add(region)
-            saved = (dict(b.parents), {k: list(v) for k, v in b.children.items()}, dict(b.reserved),
-                     dict(b.pipe_reserved), dict(b.rate), dict(b.lat), list(b.entries[region]))
+            # What add_second_entry may touch: the region's machines and the backbone's sources.
+            mine = shared.by_region[region]
+            saved = ({n: b.parents[n] for n in mine if n in b.parents},
+                     {n: list(b.children[n]) for n in (*mine, *b.sources)}, dict(b.reserved),
+                     dict(b.pipe_reserved), dict(b.rate), dict(b.lat), list(b.entries[region]), list(b.sources))
             if b.add_second_entry(region):
-                trial = estimate(model, b.root, b.parents, cfg.payload_bytes, cfg.chunk_bytes, b.children)
-                if trial.completion_s < current.completion_s * (1 - 1e-6):
+                trial = completion(model, b.root, b.children, cfg.payload_bytes, cfg.chunk_bytes)
+                if trial[0] < current[0] * (1 - 1e-6):
                     current = trial
                     continue
-            b.parents, b.children, b.reserved, b.pipe_reserved, b.rate, b.lat, entries = saved
+            for n in mine:
+                b.parents.pop(n, None)
+            b.parents.update(saved[0])
+            b.children.update(saved[1])
+            b.reserved, b.pipe_reserved, b.rate, b.lat, entries, b.sources = saved[2:]
             b.entries[region] = entries
             break
-        b.completion_s = current.completion_s
+        b.completion_s = current[0]
     else:
-        b.completion_s = estimate(model, b.root, b.parents, cfg.payload_bytes, cfg.chunk_bytes, b.children).completion_s
+        b.completion_s = completion(model, b.root, b.children, cfg.payload_bytes, cfg.chunk_bytes)[0]
     return b
 
 
@@ -376,12 +429,13 @@ def plan(model: NetworkModel, config: PlannerConfig | None = None, epoch: int = 
     if len(model) == 1:
         return finish_plan(model, cfg, {}, epoch)
     best: tuple[float, _Builder] | None = None
+    shared = _Shared(model, rank)
     for by_eta in (False, True):
-        first = _build(model, cfg, rank, math.inf, by_eta)
+        first = _build(model, cfg, rank, math.inf, by_eta, shared)
         # The slowest region's entry rate: reserving more than that on a source only helps
         # nodes that do not decide the completion time.
         floor_rate = min(first.rate[e[0]] for e in first.entries.values())
-        for b in (first, _build(model, cfg, rank, max(floor_rate, 1.0), by_eta)):
+        for b in (first, _build(model, cfg, rank, max(floor_rate, 1.0), by_eta, shared)):
             score = b.completion_s
             if best is None or score < best[0] * (1 - 1e-9):
                 best = (score, b)
@@ -436,26 +490,45 @@ def rank_fallbacks(model: NetworkModel, root: str, parents: Mapping[str, str], k
     for n in shallow_first:
         pool.setdefault(model.region_of(n), []).append(n)
     out: dict[str, list[str]] = {}
+    # A node without measured links ranks by its region, depth, parent, grandparent and downlink
+    # alone (siblings usually share all five): rank once per such key.
+    memo: dict[tuple[str, int, str, str | None, float], list[str]] = {}
     for v, p in parents.items():
-        d = depth[v]
-        cands: list[str] = []
-        for source, limit in zip((pool[model.region_of(v)], shallow_first), _FALLBACK_POOL):
-            taken = 0
-            for u in source:
-                if depth[u] >= d or taken >= limit:
-                    break
-                if u != p and u not in cands:
-                    cands.append(u)
-                    taken += 1
+        spec = model.node(v)
         gp = parents.get(p)
-        if gp is not None and gp not in cands:
-            cands.append(gp)
-        ranked = sorted(
-            cands,
-            key=lambda u: (u != gp, -min(model.bandwidth(u, v), up[u] / (1 + len(children.get(u, ())))), depth[u], u),
-        )
-        out[v] = ranked[:k]
+        key = None if model.has_measurements(v) else (spec.region, depth[v], p, gp, spec.downlink_bps)
+        if key is not None:
+            hit = memo.get(key)
+            if hit is not None:
+                out[v] = list(hit)
+                continue
+        out[v] = rank_one(model, v, p, gp, depth, pool[spec.region], shallow_first, up, children, k)
+        if key is not None:
+            memo[key] = out[v]
     return out
+
+
+def rank_one(model: NetworkModel, v: str, p: str, gp: str | None, depth: Mapping[str, int],
+             region_pool: list[str], tree_pool: list[str], up: Mapping[str, float],
+             children: Mapping[str, list[str]], k: int) -> list[str]:
+    """One node's fallbacks (see :func:`rank_fallbacks`): pools are shallowest first."""
+    d = depth[v]
+    cands: list[str] = []
+    for source, limit in zip((region_pool, tree_pool), _FALLBACK_POOL):
+        taken = 0
+        for u in source:
+            if depth[u] >= d or taken >= limit:
+                break
+            if u != p and u not in cands:
+                cands.append(u)
+                taken += 1
+    if gp is not None and gp not in cands:
+        cands.append(gp)
+    ranked = sorted(
+        cands,
+        key=lambda u: (u != gp, -min(model.bandwidth(u, v), up[u] / (1 + len(children.get(u, ())))), depth[u], u),
+    )
+    return ranked[:k]
 
 
 def moved_nodes(old: Plan, new: Plan) -> list[str]:
@@ -463,4 +536,4 @@ def moved_nodes(old: Plan, new: Plan) -> list[str]:
     return [n for n, p in new.parents.items() if n in old.parents and old.parents[n] != p]
 
 
-__all__ = ["PlannerConfig", "finish_plan", "moved_nodes", "plan", "rank_fallbacks"]
+__all__ = ["PlannerConfig", "finish_plan", "moved_nodes", "plan", "rank_fallbacks", "rank_one"]

@@ -88,7 +88,7 @@ def replan(old: Plan, model: NetworkModel, config: PlannerConfig | None = None,
             old_parent = old.parents.get(top)
             near = by_region.get(old.regions.get(old_parent, ""), []) if old_parent is not None else []
             cands = [u for u in (*sources, *near) if len(children[u]) < cfg.max_degree] or [root]
-        if top in anchor:
+        if top in anchor and len(children[anchor[top]]) < cfg.max_degree:
             cands.append(anchor[top])
         # First, parents that can take one more child without slowing the ones they have
         # (a saturated trainer uplink is then the last resort); then the best offer; then the

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from topology.errors import ModelError
 from topology.model import NetworkModel
 
@@ -247,7 +249,44 @@ def pipe_flows_of(model: NetworkModel, parents: Mapping[str, str]) -> dict[tuple
 
 def estimate(model: NetworkModel, root: str, parents: Mapping[str, str], payload_bytes: int,
              chunk_bytes: int, children: Mapping[str, list[str]] | None = None) -> Estimate:
-    """Score a tree with the pipelined completion-time model of the module docstring."""
+    """Score a tree with the pipelined completion-time model of the module docstring.
+
+    Runs over arrays (:mod:`topology.vector`); :func:`estimate_walk` is the same model node by node.
+    """
+    from topology.vector import arrays_of, child_counts, layout, pipe_flow_matrix, propagate
+
+    children = children if children is not None else children_of(parents, root)
+    a = arrays_of(model)
+    lay = layout(a, children, [root])
+    one = np.ones(1)
+    paths = propagate(model, a, lay, child_counts(a, lay), pipe_flow_matrix(a, lay), payload_bytes, chunk_bytes,
+                      one * math.inf, one * 0.0, one * 0.0)
+    ids = [a.ids[i] for i in lay.nodes.tolist()]
+    below = ids[1:]
+    eta = dict(zip(ids, paths.eta.tolist()))
+    eta[root] = 0.0
+    return Estimate(dict(zip(below, paths.share[1:].tolist())), dict(zip(ids, paths.rate.tolist())), eta,
+                    float(paths.eta[1:].max()) if len(below) else 0.0)
+
+
+def completion(model: NetworkModel, root: str, children: Mapping[str, list[str]], payload_bytes: int,
+               chunk_bytes: int) -> tuple[float, str]:
+    """:func:`estimate`'s completion time and the node that finishes last (first in breadth-first order)."""
+    from topology.vector import arrays_of, child_counts, layout, pipe_flow_matrix, propagate
+
+    a = arrays_of(model)
+    lay = layout(a, children, [root])
+    one = np.ones(1)
+    paths = propagate(model, a, lay, child_counts(a, lay), pipe_flow_matrix(a, lay), payload_bytes, chunk_bytes,
+                      one * math.inf, one * 0.0, one * 0.0)
+    paths.eta[0] = 0.0
+    j = int(np.argmax(paths.eta))
+    return (float(paths.eta[j]) if len(lay.nodes) > 1 else 0.0), a.ids[int(lay.nodes[j])]
+
+
+def estimate_walk(model: NetworkModel, root: str, parents: Mapping[str, str], payload_bytes: int,
+                  chunk_bytes: int, children: Mapping[str, list[str]] | None = None) -> Estimate:
+    """:func:`estimate`, one node at a time (the reference the array version is tested against)."""
     children = children if children is not None else children_of(parents, root)
     flows = pipe_flows_of(model, parents)
     bits, chunk_bits = payload_bytes * 8.0, min(chunk_bytes, payload_bytes) * 8.0

@@ -1,0 +1,366 @@
+"""Incremental re-planning: one change at a time, in time proportional to the part of the tree it touches.
+
+A :class:`Replanner` holds a plan, its model and, per node, the quantities of
+the completion estimate (edge share, path rate, chunk times, delay, arrival).
+Each change (:meth:`~Replanner.fail`, :meth:`~Replanner.join`,
+:meth:`~Replanner.link_changed`, :meth:`~Replanner.partition`) updates them
+where they change and nowhere else:
+
+- the edges whose share changes: those out of a parent that gained or lost a
+  child (its uplink is split differently), those on an inter-region pipe that
+  gained or lost an edge, and an edge whose pair was re-measured;
+- the subtrees below those edges (their path quantities follow);
+- the fallbacks of the nodes that moved or whose fallbacks name a node that
+  left or moved.
+
+Placement follows :func:`topology.replan.replan`: a node that lost its parent
+keeps its subtree and attaches, with it, under the attached node that offers
+the best rate (first one that can take a child without slowing the ones it
+has, then the best offer, the shallowest, the most uplink per child); few
+such tops go best offer first, so a promoted region entry is in place before
+the other orphans. Nodes whose parent is still there never move.
+
+Contract: after each change, ``plan`` is a tree over the model's nodes with
+every node except the root having one parent; ``moved`` (in the returned
+:class:`Change`) lists the nodes present before and after whose parent
+differs, and only nodes whose own parent left (or whose edge was re-measured,
+for :meth:`~Replanner.link_changed`) are in it. The estimate equals what
+:func:`topology.tree.estimate` computes for the same tree. Compared with a
+fresh :func:`topology.planner.plan`, a repaired tree may be somewhat slower;
+a periodic full re-plan in the background (its changes gossiped as moves)
+recovers that, see docs/TOPOLOGY.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from topology.model import Measurement, NetworkModel, NodeSpec
+from topology.planner import PlannerConfig, rank_one
+from topology.tree import Plan, edge_share, estimate
+
+# At most this many tops are placed best-offer-first (each costs a scan of its region's candidates).
+_PRIM_TOPS = 32
+# Shallowest nodes of the whole tree kept as the fallback pool (the planner takes 4 of them).
+_TREE_POOL = 64
+
+
+@dataclass(frozen=True)
+class Change:
+    plan: Plan
+    """The plan after the change (epoch one more than before)."""
+    moved: frozenset[str]
+    """Nodes present before and after whose parent changed: what has to be gossiped."""
+    touched: int
+    """Nodes whose estimate or fallbacks were recomputed (the cost of the change)."""
+
+
+class Replanner:
+    """The current plan and model, changed one event at a time; see the module docstring."""
+
+    def __init__(self, plan: Plan, model: NetworkModel, config: PlannerConfig | None = None) -> None:
+        self.cfg = config or PlannerConfig(payload_bytes=plan.payload_bytes or PlannerConfig.payload_bytes,
+                                           chunk_bytes=plan.chunk_bytes or PlannerConfig.chunk_bytes)
+        self.model = model
+        self.root = plan.root
+        self.epoch = plan.epoch
+        self.parents = dict(plan.parents)
+        self.children: dict[str, list[str]] = {n: [] for n in model.node_ids}
+        for c, p in self.parents.items():
+            self.children[p].append(c)
+        self.flows: dict[tuple[str, str], int] = {}
+        self.pipe_edges: dict[tuple[str, str], set[str]] = {}
+        for c, p in self.parents.items():
+            self._count_edge(c, p, +1)
+        est = estimate(model, self.root, self.parents, self.cfg.payload_bytes, self.cfg.chunk_bytes, self.children)
+        self.share = dict(est.edge_bps)
+        self.rate = dict(est.rate_bps)
+        self.eta = dict(est.eta_s)
+        self.pipe: dict[str, float] = {self.root: 0.0}
+        self.lat: dict[str, float] = {self.root: 0.0}
+        self.depth: dict[str, int] = {self.root: 0}
+        self.regions = {n: model.region_of(n) for n in model.node_ids}
+        self.roles = {n: model.node(n).role for n in model.node_ids}
+        self._loose: set[str] = set()
+        """Nodes of subtrees detached during a change (not candidates, no estimate) until placed."""
+        self._touched = 0
+        self._depth_moved: dict[str, int] = {}
+        """Nodes whose depth changed during the current change, with their depth before it."""
+        self._walk(self.root)
+        self.fallbacks = {n: list(plan.fallbacks.get(n, [])) for n in self.parents}
+        self.fb_users: dict[str, set[str]] = {}
+        for n, fbs in self.fallbacks.items():
+            for f in fbs:
+                self.fb_users.setdefault(f, set()).add(n)
+        self._touched = 0
+
+    # ---- the changes ------------------------------------------------------------------------
+
+    def fail(self, node: str) -> Change:
+        """``node`` failed or left: its children (with their subtrees) are placed again."""
+        return self.leave([node])
+
+    def leave(self, nodes: Iterable[str]) -> Change:
+        gone = [n for n in dict.fromkeys(nodes) if n in self.parents]
+        if self.root in gone:
+            raise ValueError("the trainer cannot leave the plan")
+        return self._apply(self.model.without_nodes(gone), gone, [], set())
+
+
+    def partition(self, region: str) -> Change:
+        """Every node of ``region`` became unreachable: they leave; nodes fed through them are placed again."""
+        if self.model.region_of(self.root) == region:
+            raise ValueError("the trainer's own region cannot be partitioned off")
+        return self.leave(self.model.nodes_in(region))
+
+    def join(self, spec: NodeSpec, links: Iterable[Measurement] = ()) -> Change:
+        """``spec`` joined (or came back): it is placed under the best offer; nobody else moves."""
+        if spec.id in self.model:
+            raise ValueError(f"{spec.id!r} is already in the plan")
+        return self._apply(self.model.with_nodes([spec], links), [], [spec.id], set())
+
+    def link_changed(self, src: str, dst: str, bandwidth_bps: float, rtt_s: float | None = None) -> Change:
+        """The pair ``src -> dst`` was measured again. If it is a plan edge, ``dst`` (with its subtree)
+        is placed again, its current parent among the candidates: it moves only to a better offer."""
+        rtt = self.model.rtt(src, dst) if rtt_s is None else rtt_s
+        model = self.model.with_links([Measurement(src, dst, bandwidth_bps, rtt)])
+        if self.parents.get(dst) != src:
+            self.model = model  # not a plan edge: the tree and its estimate are unchanged
+            self._touched = 0
+            return self._finish(set(), frozenset())
+        return self._apply(model, [], [], {dst})
+
+    # ---- machinery --------------------------------------------------------------------------
+
+    def _apply(self, model: NetworkModel, gone: list[str], joined: list[str], replace: set[str]) -> Change:
+        self._touched = 0
+        self._depth_moved = {}
+        gone_set = set(gone)
+        old_parent: dict[str, str] = {}
+        anchor: dict[str, str] = {}  # a top's nearest surviving ancestor: one of its candidates
+        stale: set[str] = set()  # edges (by child) whose share must be recomputed
+        # Detach with the old model (it still knows the regions of the nodes that leave).
+        for g in gone:
+            for c in self.children[g]:
+                if c not in gone_set:
+                    old_parent[c] = g
+                    a = self.parents[g]
+                    while a in gone_set:
+                        a = self.parents[a]
+                    anchor[c] = a
+        for n in replace:
+            old_parent[n] = anchor[n] = self.parents[n]
+        for t in old_parent:
+            stale |= self._detach(t)
+        for g in gone:
+            stale |= self._detach(g)
+        for g in gone:
+            for c in self.children.pop(g):
+                self.parents.pop(c)
+                self._count_edge(c, g, -1)
+            for d in (self.share, self.rate, self.eta, self.pipe, self.lat, self.depth, self.fallbacks,
+                      self.regions, self.roles):
+                d.pop(g, None)
+        self.model = model
+        for j in joined:
+            self.children[j] = []
+            self.regions[j], self.roles[j] = model.region_of(j), model.node(j).role
+        tops = [*old_parent, *joined]
+        self._loose = set()
+        for t in tops:
+            self._loose |= self._subtree(t)
+        self._refresh(stale - gone_set - self._loose)
+        placed = self._place(tops, anchor)
+        moved = frozenset(t for t, p in old_parent.items() if placed[t] != p)
+        # Fallbacks are recomputed where the contract (not the parent, shallower than the node) may
+        # break or the grandparent changed: the placed tops and their children, nodes that got
+        # shallower, and the users of a node that left or whose depth changed. A node that only got
+        # deeper keeps its fallbacks: they are still shallower than it.
+        redo: set[str] = set()
+        for t in placed:
+            redo.add(t)
+            redo.update(self.children[t])
+        for n in gone:
+            redo |= self.fb_users.pop(n, set())
+        for n, was in self._depth_moved.items():
+            if self.depth[n] < was:
+                redo.add(n)
+            redo |= self.fb_users.get(n, set())
+        return self._finish(redo - gone_set, moved)
+
+    def _finish(self, redo: set[str], moved: frozenset[str]) -> Change:
+        self._refallback(redo)
+        self.epoch += 1
+        plan = Plan(
+            root=self.root, parents=dict(self.parents), edge_bps=dict(self.share), eta_s=dict(self.eta),
+            est_completion_s=max(self.eta.values()), fallbacks=dict(self.fallbacks),
+            regions=dict(self.regions), roles=dict(self.roles),
+            payload_bytes=self.cfg.payload_bytes, chunk_bytes=self.cfg.chunk_bytes, epoch=self.epoch,
+        )
+        return Change(plan, moved, self._touched)
+
+    def _count_edge(self, c: str, p: str, sign: int) -> set[str]:
+        """Count edge ``p -> c`` on its pipe; the other edges of that pipe change share."""
+        a, b = self.model.region_of(p), self.model.region_of(c)
+        if a == b:
+            return set()
+        key = (a, b)
+        self.flows[key] = self.flows.get(key, 0) + sign
+        edges = self.pipe_edges.setdefault(key, set())
+        if sign > 0:
+            edges.add(c)
+        else:
+            edges.discard(c)
+        return set(edges) if self.model.link_capacity(a, b) is not None else set()
+
+    def _detach(self, c: str) -> set[str]:
+        p = self.parents.pop(c)
+        self.children[p].remove(c)
+        return self._count_edge(c, p, -1) | set(self.children[p])
+
+    def _attach(self, c: str, p: str) -> set[str]:
+        self.parents[c] = p
+        self.children[p].append(c)
+        return self._count_edge(c, p, +1) | set(self.children[p])
+
+    def _refresh(self, edges: set[str]) -> None:
+        """Recompute the shares of ``edges`` (by child) and the path quantities below them."""
+        live = [c for c in edges if c in self.parents and c not in self._loose]
+        for c in live:
+            self.share[c] = edge_share(self.model, self.children, self.parents[c], c, self.flows)
+        live.sort(key=lambda c: self.depth[self.parents[c]])
+        done: set[str] = set()
+        for c in live:
+            if c not in done:
+                done |= self._walk(c)
+
+    def _walk(self, top: str) -> set[str]:
+        """Path quantities of ``top`` (from its parent's; the root's are fixed) and everything below."""
+        m, bits = self.model, self.cfg.payload_bytes * 8.0
+        cbits = min(self.cfg.chunk_bytes, self.cfg.payload_bytes) * 8.0
+        order = [top]
+        for n in order:
+            if n != self.root:
+                p = self.parents[n]
+                s = self.share.get(n)
+                if s is None:
+                    s = self.share[n] = edge_share(m, self.children, p, n, self.flows)
+                r = min(self.rate[p], s)
+                pipe, lat, depth = self.pipe[p] + cbits / s, self.lat[p] + m.rtt(p, n) / 2, self.depth[p] + 1
+                if n != top and self.rate.get(n) == r and self.pipe.get(n) == pipe and self.lat.get(n) == lat \
+                        and self.depth.get(n) == depth:
+                    continue  # nothing changed on its path: its subtree keeps its figures
+                was = self.depth.get(n)
+                if was is not None and was != depth:
+                    self._depth_moved[n] = was
+                self.rate[n], self.pipe[n], self.lat[n], self.depth[n] = r, pipe, lat, depth
+                self.eta[n] = bits / r + pipe - cbits / r + lat
+            order.extend(self.children[n])
+        self._touched += len(order)
+        return set(order)
+
+    def _subtree(self, top: str) -> set[str]:
+        out, stack = {top}, [top]
+        while stack:
+            for c in self.children.get(stack.pop(), ()):
+                out.add(c)
+                stack.append(c)
+        return out
+
+    # ---- placement (as topology.replan) -----------------------------------------------------
+
+    def _offer(self, u: str, v: str) -> float:
+        m = self.model
+        su = m.node(u)
+        s = min(m.bandwidth(u, v), su.uplink_bps / (len(self.children[u]) + 1), m.node(v).downlink_bps)
+        a, b = su.region, m.region_of(v)
+        cap = m.link_capacity(a, b) if a != b else None
+        if cap is not None:
+            s = min(s, cap / (self.flows.get((a, b), 0) + 1))
+        return min(self.rate[u], s)
+
+    def _harms(self, u: str) -> bool:
+        share = self.model.node(u).uplink_bps / (len(self.children[u]) + 1)
+        return any(share < self.rate[c] * 0.999 for c in self.children[u])
+
+    def _candidates(self, top: str, anchor: dict[str, str], old_regions: dict[str, str]) -> list[str]:
+        m, cap = self.model, self.cfg.max_degree
+        region = m.region_of(top)
+        loose = self._loose
+        cands = [u for u in m.nodes_in(region) if u not in loose and len(self.children[u]) < cap]
+        if not cands:
+            sources = [self.root] + [c for es in self.pipe_edges.values() for c in es]
+            near = m.nodes_in(old_regions.get(top, "")) if top in old_regions else []
+            cands = [u for u in (*sources, *near) if u in self.depth and u not in loose
+                     and len(self.children[u]) < cap] or [self.root]
+        if top in anchor and anchor[top] in self.depth and len(self.children[anchor[top]]) < cap:
+            cands.append(anchor[top])
+        return cands
+
+    def _key(self, u: str, top: str) -> tuple[bool, float, int, float, str]:
+        return (not self._harms(u), self._offer(u, top), -self.depth[u], self.model.node(u).uplink_bps / (len(self.children[u]) + 1), u)
+
+    def _place(self, tops: list[str], anchor: dict[str, str]) -> dict[str, str]:
+        """Attach ``tops`` (with their subtrees) one at a time; see the module docstring."""
+        m = self.model
+        # The region each top's old parent was in: a region with nothing attached is fed from there.
+        old_regions = {t: self.regions.get(a, "") for t, a in anchor.items()}
+        remaining = sorted(tops, key=lambda n: (-m.node(n).uplink_bps, n))
+        placed: dict[str, str] = {}
+        while remaining:
+            if len(remaining) <= _PRIM_TOPS:
+                # Few tops (a failure): best offer first, so a promoted entry is in place before its
+                # region's other orphans; equal offers go to the top with the most uplink.
+                best = max(((max((self._key(u, t), u) for u in self._candidates(t, anchor, old_regions)), t)
+                            for t in remaining), key=lambda x: (x[0][0], m.node(x[1]).uplink_bps, x[1]))
+                (_, parent), top = best
+            else:
+                top = remaining[0]
+                _, parent = max((self._key(u, top), u) for u in self._candidates(top, anchor, old_regions))
+            remaining.remove(top)
+            placed[top] = parent
+            self._loose -= self._subtree(top)
+            self._refresh(self._attach(top, parent) | {top})
+        return placed
+
+    # ---- fallbacks --------------------------------------------------------------------------
+
+    def _refallback(self, nodes: set[str]) -> None:
+        k = self.cfg.fallbacks
+        if not nodes or k == 0:
+            return
+        m, depth = self.model, self.depth
+        up = _Uplinks(m)
+        tree_pool = sorted((n for n in depth if depth[n] <= 3), key=lambda n: (depth[n], -up[n], n))[:_TREE_POOL]
+        pools: dict[str, list[str]] = {}
+        for v in nodes:
+            if v not in self.parents:
+                continue
+            r = m.region_of(v)
+            if r not in pools:
+                pools[r] = sorted((n for n in m.nodes_in(r) if n in depth), key=lambda n: (depth[n], -up[n], n))[:64]
+            for f in self.fallbacks.get(v, []):
+                self.fb_users.get(f, set()).discard(v)
+            p = self.parents[v]
+            fbs = rank_one(m, v, p, self.parents.get(p), depth, pools[r], tree_pool, up, self.children, k)
+            self.fallbacks[v] = fbs
+            for f in fbs:
+                self.fb_users.setdefault(f, set()).add(v)
+        self._touched += len(nodes)
+
+
+class _Uplinks(dict[str, float]):
+    """Uplinks looked up on demand (``rank_one`` reads a few)."""
+
+    def __init__(self, model: NetworkModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def __missing__(self, n: str) -> float:
+        v = self.model.node(n).uplink_bps
+        self[n] = v
+        return v
+
+
+__all__ = ["Change", "Replanner"]
