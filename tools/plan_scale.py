@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 from topology.incremental import Replanner  # noqa: E402
 from topology.tree import estimate  # noqa: E402
 from topology.baselines import fixed_tiers_tree, flow_lower_bound, random_tree, star_tree, tree_lower_bound  # noqa: E402
-from topology.planner import PlannerConfig, moved_nodes, plan  # noqa: E402
+from topology.fallbacks import moved_nodes  # noqa: E402
+from topology.planner import PlannerConfig, plan  # noqa: E402
 from topology.replan import replan  # noqa: E402
 from topology.simulator import simulate  # noqa: E402
 from topology.synthetic import synthetic_model  # noqa: E402

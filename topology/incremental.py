@@ -37,7 +37,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from topology.model import Measurement, NetworkModel, NodeSpec
-from topology.planner import PlannerConfig, rank_one
+from topology.fallbacks import rank_one
+from topology.planner import PlannerConfig
 from topology.tree import Plan, edge_share, estimate
 
 # At most this many tops are placed best-offer-first (each costs a scan of its region's candidates).

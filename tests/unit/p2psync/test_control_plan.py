@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from p2psync.control.live_plan import LivePlanner, PlanMember
 from p2psync.transport.parents import ParentSet
-from topology.planner import moved_nodes
+from topology.fallbacks import moved_nodes
 
 
 def _members(n_rollout: int, relays: int = 2, regions: int = 1) -> list[PlanMember]:

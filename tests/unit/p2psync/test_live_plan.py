@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from p2psync.control.live_plan import LivePlanner, PlanMember
 from topology.model import Measurement, NetworkModel, NodeSpec, Region
-from topology.planner import moved_nodes
+from topology.fallbacks import moved_nodes
 from topology.tree import estimate
 
 GBPS = 1.25e8  # bytes/s in one Gbit/s

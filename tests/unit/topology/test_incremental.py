@@ -9,7 +9,8 @@ import pytest
 from tests.unit.topology.helpers import G
 from topology.incremental import Replanner
 from topology.model import NodeSpec
-from topology.planner import PlannerConfig, moved_nodes, plan
+from topology.fallbacks import moved_nodes
+from topology.planner import PlannerConfig, plan
 from topology.replan import replan
 from topology.synthetic import synthetic_model
 from topology.tree import Plan, estimate, estimate_walk

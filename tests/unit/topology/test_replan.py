@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from tests.unit.topology.helpers import G
 from topology.model import NodeSpec
-from topology.planner import PlannerConfig, moved_nodes, plan
+from topology.fallbacks import moved_nodes
+from topology.planner import PlannerConfig, plan
 from topology.replan import replan
 from topology.synthetic import synthetic_model
 
