@@ -18,7 +18,8 @@ Per step and rank: ``send_s`` (``send_weights``: extraction, encode, the exchang
 publish, until the node holds the version), ``extract_s`` (the cast and compare of its share);
 rank 0's ``PublishRecord``: ``payload_bytes`` (the delta), ``exchanged_bytes`` (what rank 0 received
 from the other ranks), changed elements. Per rank: the peak resident memory beyond what it held
-before ``trainer_init`` (``extra_bytes``) against its share in the rollout dtype (``share_bytes``);
+before ``trainer_init`` (``extra_bytes``; the training's gradients and AdamW moments exist by then:
+a warm-up step precedes it) against its share in the rollout dtype (``share_bytes``);
 rank 0 also holds the trainer node's copy of the whole model (its store), reported apart.
 
 What vLLM's own backends would send for the same step (computed, not run; vLLM 0.32's trainer
@@ -171,6 +172,10 @@ def _rank(rank: int, world: int, root: str, c: dict) -> None:
         for t in leaves:
             t.requires_grad_(True)
         opt = torch.optim.AdamW(leaves, lr=c["lr"])
+        g = torch.Generator().manual_seed(7 + rank)
+        for t in leaves:  # the training's own memory (gradients, AdamW's moments) before the baseline
+            t.grad = torch.empty_like(t).normal_(generator=g)
+        opt.step()
         cfg = None
         if rank == 0:
             Authority(rootp / "keys").node("trainer", "default", rootp / "t" / "tls")
@@ -196,11 +201,10 @@ def _rank(rank: int, world: int, root: str, c: dict) -> None:
             return out
 
         pub._extract = timed
-        g = torch.Generator().manual_seed(7 + rank)
         steps = []
         for _ in range(c["steps"]):
             for t in leaves:
-                t.grad = torch.randn(t.shape, generator=g)
+                t.grad.normal_(generator=g)  # in place: no new memory
             opt.step()
             t0 = time.perf_counter()
             engine.send_weights()
