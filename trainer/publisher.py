@@ -106,6 +106,13 @@ def _codes(torch_dtypes: Iterable[torch.dtype]) -> tuple[str, ...]:
     return tuple(sorted(codes))
 
 
+def _raising(exc: BaseException) -> Callable[[], Any]:
+    """An extraction that fails with ``exc`` (:meth:`Publisher.publish_sync`'s ``failure``)."""
+    def extract() -> Any:
+        raise exc
+    return extract
+
+
 class Publisher(ShardIO):
     """Publishes a model's weights after each optimizer step as signed deltas (see module docstring).
 
@@ -290,12 +297,17 @@ class Publisher(ShardIO):
         return version
 
     # --- per step -----------------------------------------------------------------------------
-    def publish_sync(self) -> int:
+    def publish_sync(self, *, failure: BaseException | None = None) -> int:
         """Start publishing the current weights as the next version; returns that version.
 
         Returns once the changes are extracted (with ``optimizer=``: at once; the optimizer's next
         step waits for extraction); encoding and publishing continue in the background.
         Raises :class:`PublishError` if an earlier version failed. Collective when sharded.
+
+        ``failure``: this rank cannot read its share of the version (e.g. the copy it reads from
+        failed to fill). Sharded, it still takes part in the version's exchange, as a rank whose
+        extraction raised ``failure``: every rank raises :class:`PublishError` and the node keeps
+        the previous version. Alone, ``failure`` is raised.
         """
         self._check()
         if self.version is None:
@@ -309,7 +321,9 @@ class Publisher(ShardIO):
             version = self.version + 1
             started = time.perf_counter()
             try:
-                extract = self._extract_full if self.full_weights else self._extract
+                extract: Callable[[], Any] = self._extract_full if self.full_weights else self._extract
+                if failure is not None:
+                    extract = _raising(failure)
                 if self._extractor is not None:
                     extracted = self._extractor.submit(extract)
                     self._extracting = extracted

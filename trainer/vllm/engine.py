@@ -24,6 +24,20 @@ through any node of the tree (``worker_init_info={"url": ...}``).
 Other ranks: no node, no client call; they iterate the source when rank 0 does (materialising is a
 collective), see :mod:`trainer.vllm.source`.
 
+Sharded trainers (a source with ``held_names()``: pipeline stages, expert splits; a ``ModuleSource``
+of DTensors, FSDP2 or FSDP2 over TP, at several ranks): every rank publishes what it holds through
+the Publisher's sharded path (:class:`~trainer.vllm.source.Sharded`; docs/TRAINER.md "Sharded
+trainers"), with no gather: rank 0 with the node, signing one manifest for the whole model, the
+others with ``node=None``, over a gloo group of the engine's. ``trainer_init`` and ``send_weights``
+are collectives of every rank; ``init_info.rank`` must be the rank in the default group. Each step
+of the init ends with an exchange, so that a refusal on any rank (rank 0's node config, a source's
+names, a tensor held by no rank or by two, a refused placement) raises on every rank, naming the
+field or the tensor, and nothing is left waiting. ``send_weights``: every rank publishes its share;
+once the node holds the version, rank 0 drives the client. A rank that fails mid-send (its source,
+its extraction) makes every rank raise :class:`~trainer.publish_record.PublishError`; the node
+keeps the previous version, vLLM is told nothing, and the engine publishes no more (shut it down
+and start again).
+
 Failure: anything wrong in the init info, the node's config or the source raises
 :class:`~trainer.vllm.info.InitInfoError` before a node starts; a failure after (the workers
 refused the init) stops what was started and raises. A refused update raises
@@ -44,8 +58,10 @@ from p2psync import config as p2p_config
 from p2psync import keys
 from p2psync.config import NodeConfig
 from p2psync.errors import ConfigError, P2PSyncError
+from trainer.publish_record import PublishError
 from trainer.vllm.info import InitInfoError, P2PSyncTrainerInitInfo
-from trainer.vllm.source import Extraction, Follower, SourceMirror, WholeModel, check_source, module_of
+from trainer.vllm.source import (Extraction, Follower, Sharded, SourceMirror, WholeModel, check_source, held_of,
+                                 is_sharded, module_of, published_names, sharded_module, table_of, world_size)
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +152,54 @@ def _prepared(info: P2PSyncTrainerInitInfo) -> tuple[NodeConfig, dict[str, Any]]
     return cfg, extra
 
 
-_SET_BY_ENGINE = ("model", "node", "loop", "dtype", "model_id", "solo", "optimizer", "group")
+_SET_BY_ENGINE = ("model", "node", "loop", "dtype", "model_id", "solo", "optimizer", "group", "held", "table")
+
+
+def _control_group() -> Any:
+    """A gloo group over every rank of the default group, for the engine's exchanges and the sharded
+    Publisher's (``None`` in a process of one rank)."""
+    if world_size() == 1:
+        return None
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
+def _agree(group: Any, error: BaseException | None, what: str = "") -> None:
+    """Every rank raises if any rank failed this step of the init: its own error, or one naming the rank
+    that failed (an :class:`InitInfoError` with that rank's field, else a :class:`P2PSyncError`)."""
+    mine = None if error is None else (getattr(error, "field", None), str(error), type(error).__name__)
+    everyone: list[Any] = [mine]
+    if group is not None:
+        import torch.distributed as dist
+
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+    if error is not None:
+        raise error
+    for r, e in enumerate(everyone):
+        if e is not None:
+            field, text, kind = e
+            if field is not None:
+                raise InitInfoError(field, f"rank {r}: {text.removeprefix(f'{field}: ')}")
+            raise P2PSyncError(f"rank {r} failed {what or 'trainer_init'}: {kind}: {text}")
+
+
+def _check_split(group: Any, names: list[str], held: set[str]) -> None:
+    """Every rank raises :class:`InitInfoError` naming the first tensor of the table that no rank's
+    ``held_names()`` names, or that two ranks' do (before any node starts)."""
+    everyone: list[Any] = [held]
+    if group is not None:
+        import torch.distributed as dist
+
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, held, group=group)
+    for name in names:
+        holders = [r for r, h in enumerate(everyone) if name in h]
+        if len(holders) != 1:
+            raise InitInfoError("source", f"{name}: " + (
+                "held by no rank (no rank's held_names() names it)" if not holders else
+                f"held by ranks {holders} (a tensor must be held by exactly one rank's held_names())"))
 
 
 class P2PSyncTrainerEngine(TrainerWeightTransferEngine[P2PSyncTrainerInitInfo]):
@@ -158,6 +221,8 @@ class P2PSyncTrainerEngine(TrainerWeightTransferEngine[P2PSyncTrainerInitInfo]):
         self.version: int | None = None
         self.worker_init: dict[str, Any] | None = None
         """The ``init_info`` sent to the workers (rank 0)."""
+        self.failed: PublishError | None = None
+        """The version ``send_weights`` raised for (nothing later is published)."""
 
     @classmethod
     def trainer_init(cls, init_info: P2PSyncTrainerInitInfo, *, client: Any, source: Any = None) -> Self:
@@ -166,6 +231,24 @@ class P2PSyncTrainerEngine(TrainerWeightTransferEngine[P2PSyncTrainerInitInfo]):
         init_info.check()
         check_source(source)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        group = _control_group()
+        error: BaseException | None = None
+        try:
+            sharded = is_sharded(source)
+        except InitInfoError as exc:
+            error, sharded = exc, False
+        _agree(group, error)
+        if group is not None:
+            import torch.distributed as dist
+
+            modes: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(modes, sharded, group=group)
+            if len(set(modes)) > 1:
+                raise InitInfoError("source", f"ranks {[r for r, m in enumerate(modes) if m]} hold a share of the "
+                                    f"model (held_names(), DTensors), ranks {[r for r, m in enumerate(modes) if not m]}"
+                                    " the whole model: every rank's source must be one or the other")
+        if sharded:
+            return engine._init_sharded(init_info, group)
         module = module_of(source)
         if not engine.is_sender:
             engine.extraction = Follower(source, iterate=module is None)
@@ -204,12 +287,98 @@ class P2PSyncTrainerEngine(TrainerWeightTransferEngine[P2PSyncTrainerInitInfo]):
                     engine.worker_init["url"])
         return engine
 
+    def _init_sharded(self, info: P2PSyncTrainerInitInfo, group: Any) -> Self:
+        """``trainer_init`` of every rank of a sharded trainer (see module doc); steps end in exchanges."""
+        import torch.distributed as dist
+
+        source: Any = self.source
+        rank = 0 if group is None else dist.get_rank(group)
+        cfg: NodeConfig | None = None
+        extra: dict[str, Any] = {}
+        dtype = getattr(torch, info.dtype)
+        options = dict(info.publisher_options or {})
+        overrides = dict(options.pop("dtype_overrides", None) or {})
+        module: torch.nn.Module | None = None
+        held: frozenset[str] | None = None
+        table = None
+        mirror: SourceMirror | None = None
+        error: BaseException | None = None
+        try:  # 1. the checks of every rank (rank 0: the node's config), before anything starts
+            if info.rank != rank:
+                raise InitInfoError("rank", f"is {info.rank} but this process is rank {rank} of the default "
+                                    "torch.distributed group; a sharded trainer's engine runs on every rank, rank 0 "
+                                    "with the node")
+            if self.is_sender:
+                cfg, extra = _prepared(info)
+            module = sharded_module(source)
+            if module is not None:
+                held = published_names(module, rank)
+            else:
+                metadata = list(source.metadata())
+                table = table_of(metadata, dtype, overrides)
+                mirror = SourceMirror(metadata, dtype, overrides, held=held_of(source))
+                overrides = {n: d for n, d in overrides.items() if n in mirror.held}
+        except Exception as exc:  # noqa: BLE001 - every rank raises (_agree)
+            error = exc
+        _agree(group, error)
+        if mirror is not None:
+            _check_split(group, [spec.name for spec in table or ()], set(mirror.held))
+        error = None
+        try:  # 2. the first pass of the source (a collective of its own), rank 0's node
+            if mirror is not None:
+                mirror.refresh(source)
+            if self.is_sender:
+                from trainer.background import BackgroundNode
+
+                if isinstance(info.node_config, BackgroundNode):
+                    self.background = info.node_config
+                else:
+                    assert cfg is not None
+                    self.background = BackgroundNode(cfg).start()
+                    self.owns_node = True
+        except Exception as exc:  # noqa: BLE001 - every rank raises (_agree)
+            error = exc
+        try:
+            _agree(group, error)
+            from trainer.publisher import Publisher
+
+            bg = self.background
+            read = mirror if mirror is not None else module
+            assert read is not None
+            pub = Publisher(read, bg.node if bg else None,
+                            loop=bg.loop if bg else None, dtype=dtype, model_id=info.model_id, group=group,
+                            held=held, table=table, dtype_overrides=overrides, **options)
+            self.extraction = Sharded(pub, None if mirror is None else (lambda: mirror.refresh(source)))
+            self.version = self.extraction.start()  # 3. version 0: a bad share raises on every rank
+            error = None
+            if self.is_sender:  # 4. vLLM's workers (rank 0), and every rank learns how it went
+                assert cfg is not None and bg is not None
+                self.worker_init = worker_init(cfg, bg.node.address, self.version, {**extra})
+                try:
+                    self.client.init_weight_transfer_engine(self.worker_init)
+                except Exception as exc:
+                    error = WorkersRefused("init", self.version, _detail(exc))
+                    error.__cause__ = exc
+            _agree(group, error, "init_weight_transfer_engine")
+        except BaseException:
+            self._abandon()
+            raise
+        if self.is_sender:
+            logger.info("p2psync: vLLM's workers initialised at version %s from %s (%d sharded ranks)",
+                        self.version, self.worker_init["url"] if self.worker_init else None,
+                        1 if group is None else dist.get_world_size(group))
+        return self
+
     def send_weights(self) -> None:
         """Publish the source's current weights as the next version and bring vLLM's workers to it (see
-        module doc). Called on every rank; only rank 0 publishes and calls the client."""
+        module doc). Called on every rank; only rank 0 calls the client (and, unless sharded, publishes)."""
         if self.extraction is None:
             raise P2PSyncError("send_weights after shutdown (or before trainer_init)")
-        version = self.extraction.publish()
+        try:
+            version = self.extraction.publish()
+        except PublishError as exc:
+            self.failed = exc
+            raise
         if not self.is_sender or version is None:
             return
         self.version = version
@@ -232,6 +401,10 @@ class P2PSyncTrainerEngine(TrainerWeightTransferEngine[P2PSyncTrainerInitInfo]):
         try:
             if extraction is not None:
                 extraction.close()
+        except PublishError as exc:
+            if self.failed is None or exc.version != self.failed.version:
+                raise
+            logger.info("p2psync: shut down after version %d failed (raised by send_weights)", exc.version)
         finally:
             if self.owns_node and self.background is not None:
                 self.background.stop()

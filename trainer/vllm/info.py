@@ -38,8 +38,10 @@ class P2PSyncTrainerInitInfo(TrainerInitInfo):
     """Trainer-side init info of the ``p2psync`` backend (vLLM's ``TrainerInitInfo``; ``rank`` keyword-only).
 
     Rank 0 runs (or attaches to) the trainer node of ``node_config``, publishes the source's weights
-    on it and tells vLLM's workers where to pull from; every other rank only keeps the source's
-    collectives in step (:class:`trainer.vllm.engine.P2PSyncTrainerEngine`).
+    on it and tells vLLM's workers where to pull from; every other rank keeps the source's
+    collectives in step, or, in a sharded trainer, publishes what it holds through rank 0
+    (:class:`trainer.vllm.engine.P2PSyncTrainerEngine`). ``rank``: the rank in the default
+    ``torch.distributed`` group (checked when sharded).
     """
 
     backend: ClassVar[str] = BACKEND

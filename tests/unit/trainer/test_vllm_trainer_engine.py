@@ -166,6 +166,7 @@ def test_an_unusable_init_is_refused_before_anything_starts(tmp_path):
     cases = [
         (P2PSyncTrainerInitInfo(node_config=good, rank=0, worker_init_info=tls), None, "source"),
         (P2PSyncTrainerInitInfo(node_config=good, rank=0, worker_init_info=tls), object(), "source"),
+        # held_names() leaving tensors to no rank (this one is the only one): refused before the node starts
         (P2PSyncTrainerInitInfo(node_config=good, rank=0, worker_init_info=tls), SplitSource(model), "source"),
         (P2PSyncTrainerInitInfo(node_config=str(tmp_path / "missing.toml"), rank=0, worker_init_info=tls),
          ModuleSource(model), "node_config"),
