@@ -42,6 +42,12 @@ through the placement's positions. Then:
   those it owns, the fingerprint sums are the group's, and every step is voted
   so that the ranks apply or refuse together.
 
+A tensor vLLM keeps in a wider dtype than the checkpoint's (a ``float32`` router of a
+``bfloat16`` checkpoint: its placement's ``cast``) is bound through its positions: reads give
+the checkpoint's words back from the live ones (checked exact), writes widen the new words as
+vLLM's load does (:mod:`rollout.engines.vllm.placement.casts`); decode, fingerprint and audit
+see only the checkpoint's words.
+
 Parameters the model does not compute with (size-0 weights of layers whose
 matmul was repacked, e.g. by oneDNN on CPU, or layers whose matmul closes over a
 packed copy) are refused with :class:`UnwritableParameter` when binding: writing

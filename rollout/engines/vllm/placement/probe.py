@@ -40,7 +40,10 @@ replayed on probes or refused naming the layer
 repacking are moved element by element once per kind and shifted by whole
 blocks. Vocabulary tensors that ``load_weights`` hands untouched to vLLM's stock
 embedding loader are placed by that loader's rule, not probed
-(:mod:`rollout.engines.vllm.placement.vocab`).
+(:mod:`rollout.engines.vllm.placement.vocab`). A parameter kept in another dtype than its
+checkpoint tensor's (a ``float32`` router) is placed with the conversion recorded
+(``Placement.cast``) when it is an exact widening, else refused naming the tensor
+(:mod:`rollout.engines.vllm.placement.casts`).
 """
 
 from __future__ import annotations
