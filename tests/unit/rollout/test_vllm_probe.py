@@ -112,6 +112,44 @@ def test_a_loader_that_does_not_copy_each_element_once_is_refused_naming_the_ten
     assert _bits(m) == before
 
 
+class _Router(torch.nn.Module):
+    """A MoE router kept in ``float32`` for a ``bfloat16`` checkpoint (GLM-4-MoE's gate and correction
+    bias): the loader copies (``Tensor.copy_`` widens), or (``mode``) computes, or narrows."""
+
+    def __init__(self, mode: str = "copy") -> None:
+        super().__init__()
+        self.gate = torch.nn.Parameter(torch.zeros(4, H), requires_grad=False)
+        self.bias = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16 if mode == "narrowed" else torch.float32),
+                                       requires_grad=False)
+        self.mode = mode
+
+    def load_weights(self, weights):
+        for name, t in weights:
+            param = {"router.weight": self.gate, "router.bias": self.bias}[name]
+            param.data.copy_(t.float() * 0.5 + 0.25 if self.mode == "computed" and name == "router.bias" else t)
+
+
+ROUTER = [TensorSpec("router.weight", "BF16", (4, H)), TensorSpec("router.bias", "BF16", (4,))]
+
+
+def test_a_loader_that_widens_a_copy_is_placed_with_the_cast_recorded(read_back):
+    m = _Router()
+    places = derive(m, ROUTER)
+    assert {n: (pl.param, pl.simple(), pl.cast) for n, pl in places.items()} == {
+        "router.weight": ("gate", 0, "float32"), "router.bias": ("bias", 0, "float32")}
+    assert not m.gate.any() and not m.bias.any()  # nothing written
+
+
+@pytest.mark.parametrize("mode, spec, message", [
+    ("computed", ROUTER, "router.bias: vLLM's loader computes the values of bias"),
+    ("narrowed", [ROUTER[0], TensorSpec("router.bias", "F32", (4,))],
+     "router.bias: vLLM's loader narrows it from float32 to bfloat16"),
+])
+def test_a_conversion_that_is_not_an_exact_widening_is_refused_naming_the_tensor(mode, spec, message):
+    with pytest.raises(LayoutError, match=message):
+        derive(_Router(mode), spec)
+
+
 @pytest.mark.parametrize("layout", ["row-major", "transposed", "blocked", "offset rows", "every other"])
 def test_compress_finds_one_block_wherever_there_is_one(layout):
     """The compiled factorisation against the layouts vLLM's loaders produce; the element map it gives

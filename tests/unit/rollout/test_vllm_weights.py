@@ -13,7 +13,7 @@ from p2psync.artifact import build_manifest
 from p2psync.codec.encode import CodecOptions, encode_delta
 from p2psync.errors import CodecError, FingerprintMismatch, TensorTableMismatch, WrongBase
 from p2psync.state import ModelState
-from rollout.engines.vllm.placement.rules import place
+from rollout.engines.vllm.placement.rules import LayoutError, place
 from rollout.engines.vllm.apply.weights import LiveWeights, UnwritableParameter
 from rollout_helpers import live_snapshot
 
@@ -130,6 +130,65 @@ def test_unknown_names_and_unwritable_parameters_are_refused():
     model.model.layers[0].mlp.up_proj.cpu_linear = lambda x, w, b: x @ handle  # closes over a packed copy
     with pytest.raises(UnwritableParameter, match="packed"):
         LiveWeights(model, old.specs)
+
+
+WIDENED = ("model.layers.0.input_layernorm.weight", "model.layers.0.mlp.gate_proj.weight")
+"""Parameters turned ``float32`` (as vLLM keeps some MoE routers) under the ``bfloat16`` table's tensors."""
+
+
+def _widen(model: torch.nn.Module) -> None:
+    for n in WIDENED:
+        module = model.get_submodule(n.rsplit(".", 1)[0])
+        module.weight = torch.nn.Parameter(module.weight.detach().float(), requires_grad=False)
+
+
+def _live32(model: torch.nn.Module, name: str) -> np.ndarray:
+    return dict(model.named_parameters())[name].detach().reshape(-1).view(torch.int32).numpy().view(np.uint32)
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["host-words", "segment-copies"])
+def test_a_float32_parameter_of_a_bfloat16_tensor_takes_the_widened_words(in_place):
+    """The live words are the checkpoint's widened as ``Tensor.copy_`` widens them (NaN payloads
+    included); the fingerprint and the audit are the checkpoint's; a refused delta writes nothing."""
+    model = _model()
+    old = live_snapshot(model)
+    _widen(model)
+    live = LiveWeights(model, old.specs)
+    live.host_memory = in_place
+    assert {pl.name: pl.cast for pl in live.places if pl is not None and pl.cast} == dict.fromkeys(WIDENED, "float32")
+    assert live.fingerprint == old.fingerprint == live.audit()
+    new, m, chunks = _delta(old)
+    changes, _ = live.decode(m, chunks)
+    with pytest.raises(FingerprintMismatch):  # a refused delta: every float32 word as it was
+        live.commit(changes, "0" * 32)
+    assert all(np.array_equal(_live32(model, n), old.words(n).astype(np.uint32) << 16) for n in WIDENED)
+    assert live.audit() == old.fingerprint
+    assert live.apply_delta(m, chunks) == new.fingerprint
+    for n in WIDENED:
+        widened = torch.from_numpy(new.words(n).view(np.int16)).view(torch.bfloat16).float()  # vLLM's load
+        assert np.array_equal(_live32(model, n), widened.view(torch.int32).numpy().view(np.uint32))
+        assert np.array_equal(_live32(model, n), new.words(n).astype(np.uint32) << 16)
+        assert np.array_equal(live.read(n), new.words(n))
+    assert sorted(_words(model, new)) == sorted(WIDENED)  # every other tensor bit-exact as bfloat16
+    assert live.audit() == new.fingerprint
+
+
+def test_a_float32_word_that_is_no_widening_fails_the_audit_naming_the_tensor():
+    model = _model()
+    old = live_snapshot(model)
+    _widen(model)
+    live = LiveWeights(model, old.specs)
+    model.model.layers[0].input_layernorm.weight.data[3] += 1e-6  # low 16 bits set
+    with pytest.raises(LayoutError, match="model.layers.0.input_layernorm.weight: a live float32 word"):
+        live.audit()
+
+
+def test_a_parameter_narrower_than_its_tensor_is_refused_naming_it():
+    model = _model()
+    old = live_snapshot(model)
+    specs = [type(s)(s.name, "F32", s.shape) if s.name == WIDENED[0] else s for s in old.specs]
+    with pytest.raises(LayoutError, match=f"{WIDENED[0]}: vLLM's loader narrows it from float32 to bfloat16"):
+        LiveWeights(model, specs)
 
 
 def _qkv(rank: int, tp: int, heads: int = 4, kv: int = 2, hd: int = 8):

@@ -69,6 +69,12 @@ class Committer:
     def _mem(self, i: int) -> np.ndarray:
         raise NotImplementedError
 
+    def checkpoint_words(self, i: int, live: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def live_words(self, i: int, words: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
     def group_sums(self, sums: list[tuple[int, int]]) -> list[tuple[int, int]]:
         raise NotImplementedError
 
@@ -138,7 +144,7 @@ class Committer:
                     lanes: list[tuple[int, int] | None], arena: slabs.Arena) -> None:
         t, local, glob, new = item
         words = self._mem(t)
-        new = np.ascontiguousarray(new).view(words.dtype)
+        new = self.live_words(t, new).view(words.dtype)  # converted where vLLM keeps another dtype
         seed = np.uint64(self.seeds[t])
         if local is None:  # a strided block: map, keep, write, hash in one pass
             mp = self._maps[t]
@@ -151,11 +157,12 @@ class Committer:
             old = arena.array(new.shape[0], words.dtype)
             undo[j] = old  # set before the write: a failure part-way is taken back whole
             a, b = wordops.scatter_logged(words, local, new, old, seed)
-        else:  # mapped: positions in memory are not the hashed ones
+        else:  # mapped (positions in memory are not the hashed ones) or converted: hashed as checkpoint words
             old = words[local]
             undo[j] = old
             wordops.scatter(words, local, new)
-            a, b = wordops.hash_change(glob, old, words[local], seed)
+            a, b = wordops.hash_change(glob, self.checkpoint_words(t, old), self.checkpoint_words(t, words[local]),
+                                       seed)
         lanes[j] = (int(a), int(b)) if self.counts(t) else (0, 0)
 
     def counts(self, t: int) -> bool:
@@ -174,11 +181,11 @@ class Committer:
         idx = torch.from_numpy(local).to(self.device)
         old = flat.index_select(0, idx)
         undo[j] = (idx, old)
-        flat.index_copy_(0, idx, torch.from_numpy(np.ascontiguousarray(new).view(np_signed(new))).to(self.device))
+        flat.index_copy_(0, idx, torch.from_numpy(self.live_words(t, new)).to(self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        back = to_host(flat.index_select(0, idx)).view(self.word_types[t])
-        a, b = wordops.hash_change(glob, to_host(old).view(self.word_types[t]), back, np.uint64(self.seeds[t]))
+        back = self.checkpoint_words(t, to_host(flat.index_select(0, idx)))
+        a, b = wordops.hash_change(glob, self.checkpoint_words(t, to_host(old)), back, np.uint64(self.seeds[t]))
         lanes[j] = (int(a), int(b)) if self.counts(t) else (0, 0)
 
     def _undo(self, items: list[Item], undo: list[Any]) -> None:

@@ -42,6 +42,12 @@ through the placement's positions. Then:
   those it owns, the fingerprint sums are the group's, and every step is voted
   so that the ranks apply or refuse together.
 
+A tensor vLLM keeps in a wider dtype than the checkpoint's (a ``float32`` router of a
+``bfloat16`` checkpoint: its placement's ``cast``) is bound through its positions: reads give
+the checkpoint's words back from the live ones (checked exact), writes widen the new words as
+vLLM's load does (:mod:`rollout.engines.vllm.placement.casts`); decode, fingerprint and audit
+see only the checkpoint's words.
+
 Parameters the model does not compute with (size-0 weights of layers whose
 matmul was repacked, e.g. by oneDNN on CPU, or layers whose matmul closes over a
 packed copy) are refused with :class:`UnwritableParameter` when binding: writing
@@ -68,6 +74,7 @@ from rollout.engines.vllm.apply import kernels
 from rollout.engines.vllm.apply.commit import Committer, np_signed, sum_add, to_host
 from rollout.engines.vllm.placement.rules import LayoutError
 from rollout.engines.vllm.placement.boxes import Placement
+from rollout.engines.vllm.placement.casts import Cast, cast_for
 from rollout.engines.vllm.placement.probe import placements
 from rollout.engines.vllm.apply.ranks import RankGroup, RankRefused, Solo, together
 
@@ -122,14 +129,21 @@ class LiveWeights(Committer):
         self.offset: list[int | None] = []
         """Each tensor's offset in its parameter when held whole and contiguous (the fast path)."""
         self.flat: list[torch.Tensor] = []
+        self.casts: list[Cast | None] = []
+        """Each tensor's dtype conversion where vLLM keeps it in another dtype (a ``float32`` router
+        of a ``bfloat16`` checkpoint): the live words are the converted checkpoint words; reads give
+        the checkpoint's words back and writes convert (:mod:`rollout.engines.vllm.placement.casts`)."""
         for spec, place in zip(self.specs, self.places):
             if place is None:
+                self.casts.append(None)
                 self.offset.append(None)
                 self.flat.append(torch.empty(0, dtype=torch.int16))
                 continue
             p = params[place.param]
-            if p.dtype != dtypes.from_code(spec.dtype).torch_dtype():
+            cast = cast_for(spec.name, dtypes.from_code(spec.dtype).torch_dtype(), p.dtype)
+            if (None if cast is None else cast.target) != place.cast:
                 raise TensorTableMismatch(retyped=[spec.name])
+            self.casts.append(cast)
             layer = model.get_submodule(place.param.rsplit(".", 1)[0]) if "." in place.param else model
             why = packed_reason(layer, p)
             if why is not None:
@@ -139,7 +153,7 @@ class LiveWeights(Committer):
             if not p.data.is_contiguous():
                 raise LayoutError(f"{spec.name}: parameter {place.param} is not contiguous")
             words = p.data.reshape(-1).view(getattr(torch, _SIGNED[p.element_size()]))
-            off = place.simple()
+            off = place.simple() if cast is None else None  # a converted tensor: through its positions
             self.offset.append(off)
             self.flat.append(words[off:off + spec.numel] if off is not None else words)
         self._roles()
@@ -162,13 +176,16 @@ class LiveWeights(Committer):
         and write with torch's index ops."""
         self.word_types = [dtypes.from_code(s.dtype).word for s in self.specs]
         """Each tensor's unsigned word type (the integer view the codec decodes and hashes)."""
+        self.live_types = [w if c is None else c.live for w, c in zip(self.word_types, self.casts)]
+        """Each tensor's unsigned live word type (its parameter's; the checkpoint's unless converted)."""
         self._maps: list[tuple[int, np.ndarray, np.ndarray] | None] = []
         """Tensors held whole as one strided block (an expert in a repacked ``w13_weight``, a transposed
         weight) in host memory: ``(base, checkpoint strides, parameter strides)``. A range is copied out
         by a compiled gather, changes are written by one compiled pass that maps, keeps, writes and
         hashes (:mod:`rollout.engines.vllm.apply.kernels`)."""
         for i, pl in enumerate(self.places):
-            bm = pl.block_map() if self.host_memory and pl is not None and self.offset[i] is None else None
+            bm = (pl.block_map() if self.host_memory and pl is not None and self.offset[i] is None
+                  and self.casts[i] is None else None)
             if bm is not None and pl is not None and pl.strided(self._mem(i)) is None:
                 bm = None  # the block does not lie inside its parameter: placed position by position
             self._maps.append(None if bm is None else
@@ -188,6 +205,10 @@ class LiveWeights(Committer):
         if self.group.size > 1:
             counted = self.group.sum_u64(counted)
         self.sharded = [any(m[k] == "2" for m in every) for k in range(len(self.specs))]
+        converted = [s.name for s, c, sh in zip(self.specs, self.casts, self.sharded) if c is not None and sh]
+        if converted:  # the ranges rebuilt with the group are exchanged as checkpoint words
+            raise LayoutError(f"{converted[0]}: vLLM converts its dtype at load and shards it over the ranks; "
+                              "a converted tensor is placed only where every rank holds it whole or not at all")
         wrong = [(s.name, c, s.numel) for s, c in zip(self.specs, counted) if c != s.numel]
         if wrong:
             name, c, n = wrong[0]
@@ -199,17 +220,31 @@ class LiveWeights(Committer):
     # --- reading ------------------------------------------------------------------------
     def _mem(self, i: int) -> np.ndarray:
         """The words of tensor ``i``'s binding (its slice, or its whole parameter) as unsigned host
-        words: a view in host memory (only called there)."""
-        return self.flat[i].numpy().view(self.word_types[i])
+        live words: a view in host memory (only called there)."""
+        return self.flat[i].numpy().view(self.live_types[i])
+
+    def checkpoint_words(self, i: int, live: np.ndarray) -> np.ndarray:
+        """Live words of tensor ``i`` (host) as the checkpoint's words: the same words, or those a
+        conversion widened (checked exact)."""
+        cast = self.casts[i]
+        if cast is None:
+            return live.view(self.word_types[i])
+        return cast.to_checkpoint(live, self.specs[i].name)
+
+    def live_words(self, i: int, words: np.ndarray) -> np.ndarray:
+        """Checkpoint words of tensor ``i`` as the words its parameter holds for them (signed)."""
+        cast = self.casts[i]
+        w = np.ascontiguousarray(words) if cast is None else cast.to_live(words)
+        return w.view(np_signed(w))
 
     def _gather(self, i: int, dst: np.ndarray) -> np.ndarray:
-        """Unsigned host copies of the words at positions ``dst`` of tensor ``i``'s binding."""
+        """Unsigned host copies of the checkpoint words at positions ``dst`` of tensor ``i``'s binding."""
         if self.host_memory:
-            return self._mem(i)[dst]
+            return self.checkpoint_words(i, self._mem(i)[dst])
         import torch
 
         got = self.flat[i].index_select(0, torch.from_numpy(dst).to(self.device))
-        return to_host(got).view(self.word_types[i])
+        return self.checkpoint_words(i, to_host(got))
 
     def host_words(self, i: int, start: int, stop: int) -> np.ndarray:
         """Checkpoint words ``[start, stop)`` of tensor ``i``, all held here, as unsigned host words
@@ -223,7 +258,7 @@ class LiveWeights(Committer):
             assert place is not None
             run = place.run()
             if run is not None and run[0] <= start and stop <= run[0] + run[2]:  # rows of a slice
-                return to_host(self.flat[i][run[1] + start - run[0]:run[1] + stop - run[0]]).view(self.word_types[i])
+                return self.checkpoint_words(i, to_host(self.flat[i][run[1] + start - run[0]:run[1] + stop - run[0]]))
             which, dst = place.local(np.arange(start, stop, dtype=np.int64))
             if which.shape[0] != stop - start:
                 raise LayoutError(f"{self.specs[i].name}: words [{start}, {stop}) are not all held by this rank")
@@ -395,9 +430,8 @@ class LiveWeights(Committer):
                 self.flat[i].copy_(torch.from_numpy(w.view(np_signed(w))).to(self.device))
                 continue
             for ck, dst in place.chunks(_HOST_RANGE):
-                part = np.ascontiguousarray(w[ck])
                 self.flat[i].index_copy_(0, torch.from_numpy(dst).to(self.device),
-                                         torch.from_numpy(part.view(np_signed(part))).to(self.device))
+                                         torch.from_numpy(self.live_words(i, w[ck])).to(self.device))
         got = self.audit()
         if got != manifest.target_fingerprint:
             raise FingerprintMismatch(manifest.target_fingerprint, got)

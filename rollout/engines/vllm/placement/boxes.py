@@ -67,6 +67,9 @@ class Placement:
     families: list[Family]
     counted: bool = True
     """This rank's words count towards the fingerprint (False: another rank holds the same copy)."""
+    cast: str | None = None
+    """The parameter's dtype where vLLM's loader converts the checkpoint's into it (``float32`` for a
+    ``bfloat16`` router; :mod:`rollout.engines.vllm.placement.casts`); None: the same dtype."""
     numel: int = field(init=False)
     held: int = field(init=False)
 
@@ -208,14 +211,15 @@ class Placement:
         return f"{self.shape}|" + "|".join(parts)
 
     def describe(self) -> str:
-        return f"{self.name} -> {self.param}: " + "; ".join(
+        cast = f" (as {self.cast})" if self.cast else ""
+        return f"{self.name} -> {self.param}{cast}: " + "; ".join(
             f"{f.ck.shape[0]} x {[(s, cs, ds) for s, cs, ds in f.dims]}" for f in self.families)
 
 
 def same(a: Placement, b: Placement) -> bool:
     """``a`` and ``b`` hold the same elements at the same positions of the same parameter, in the same
     compressed form."""
-    return (a.param == b.param and a.shape == b.shape and len(a.families) == len(b.families)
+    return (a.param == b.param and a.shape == b.shape and a.cast == b.cast and len(a.families) == len(b.families)
             and all(f.dims == g.dims and np.array_equal(f.ck, g.ck) and np.array_equal(f.dst, g.dst)
                     for f, g in zip(a.families, b.families)))
 

@@ -32,7 +32,7 @@ from rollout.engines.vllm.placement.boxes import Family, Placement
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 """Bumped whenever what a placement means, or how it is derived, changes."""
 
 
@@ -98,7 +98,7 @@ def load(key: str, specs: Sequence[Any]) -> dict[str, Placement] | None:
                                z[f"d{i}_{j}"].astype(np.int64)) for j, dims in enumerate(pl["families"])]
                 if shapes.get(pl["name"]) != tuple(pl["shape"]):
                     return None
-                out[pl["name"]] = Placement(pl["name"], pl["param"], tuple(pl["shape"]), fams)
+                out[pl["name"]] = Placement(pl["name"], pl["param"], tuple(pl["shape"]), fams, cast=pl.get("cast"))
             return out
     except (OSError, ValueError, KeyError, TypeError) as exc:
         logger.warning("p2psync: placement cache %s unreadable (%s): derived again", path, exc)
@@ -114,7 +114,8 @@ def save(key: str, places: dict[str, Placement]) -> None:
     head: dict[str, Any] = {"format": FORMAT, "key": key, "placements": []}
     for i, pl in enumerate(places.values()):
         head["placements"].append({"name": pl.name, "param": pl.param, "shape": list(pl.shape),
-                                   "families": [[list(x) for x in f.dims] for f in pl.families]})
+                                   "families": [[list(x) for x in f.dims] for f in pl.families],
+                                   "cast": pl.cast})
         for j, fam in enumerate(pl.families):
             arrays[f"c{i}_{j}"] = fam.ck
             arrays[f"d{i}_{j}"] = fam.dst

@@ -40,7 +40,10 @@ replayed on probes or refused naming the layer
 repacking are moved element by element once per kind and shifted by whole
 blocks. Vocabulary tensors that ``load_weights`` hands untouched to vLLM's stock
 embedding loader are placed by that loader's rule, not probed
-(:mod:`rollout.engines.vllm.placement.vocab`).
+(:mod:`rollout.engines.vllm.placement.vocab`). A parameter kept in another dtype than its
+checkpoint tensor's (a ``float32`` router) is placed with the conversion recorded
+(``Placement.cast``) when it is an exact widening, else refused naming the tensor
+(:mod:`rollout.engines.vllm.placement.casts`).
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from p2psync.state import TensorSpec
 from rollout.engines.vllm.placement import cache
 from rollout.engines.vllm.placement.rules import LayoutError
 from rollout.engines.vllm.placement.boxes import Family, Placement, compress, compress_runs, expand_runs, same
-from rollout.engines.vllm.placement.readback import PASS_IDS, Readback, Runs
+from rollout.engines.vllm.placement.readback import PASS_IDS, ComputedValues, Readback, Runs
 from rollout.engines.vllm.placement.repack import expert_block, layer_of, moe_experts, post_load, repacked, transformed_reason
 from rollout.engines.vllm.placement.vocab import guard, vocab_rows
 
@@ -114,6 +117,7 @@ def derive(model: Any, specs: Sequence[TensorSpec], rules: bool = True) -> dict[
                 if sig is not None and sig not in templates:
                     templates[sig] = (key, got)
             out.update(got)
+    record_casts(specs, params, out)
     global LAST_DERIVE_S
     LAST_DERIVE_S = time.perf_counter() - t0
     logger.info("p2psync: placement of %d tensors derived from vLLM's loaders in %.2f s (%d of %d layers "
@@ -210,7 +214,8 @@ def _expert_step(pa: Placement | None, pb: Placement | None, apart: int) -> int 
 
 
 def _shifted(pl: Placement, name: str, delta: int) -> Placement:
-    return Placement(name, pl.param, pl.shape, [Family(f.dims, f.ck, f.dst + delta) for f in pl.families], pl.counted)
+    return Placement(name, pl.param, pl.shape, [Family(f.dims, f.ck, f.dst + delta) for f in pl.families], pl.counted,
+                     pl.cast)
 
 
 def _norm(name: str, key: int | None) -> str:
@@ -287,12 +292,42 @@ def _reuse(model: Any, params: dict[str, Any], batch: list[TensorSpec], key: int
     return pred
 
 
+def record_casts(specs: Sequence[TensorSpec], params: dict[str, Any], places: dict[str, Placement]) -> None:
+    """Set each placement's ``cast`` where its parameter's dtype is not the checkpoint tensor's: the
+    probe's ids landed there as copies (a computed value is refused by the readback), so vLLM's load
+    is a dtype conversion of the copy; raises :class:`LayoutError` naming the tensor for a conversion
+    whose checkpoint words cannot be read back from the live ones
+    (:func:`rollout.engines.vllm.placement.casts.cast_for`)."""
+    from p2psync import dtypes
+    from rollout.engines.vllm.placement.casts import cast_for, dtype_name
+
+    for s in specs:
+        pl = places.get(s.name)
+        if pl is None:
+            continue
+        cast = cast_for(s.name, dtypes.from_code(s.dtype).torch_dtype(), params[pl.param].dtype)
+        pl.cast = None if cast is None else dtype_name(params[pl.param].dtype)
+
+
 class _Outside(Exception):
     """The loader wrote outside the batch's parameters (into a guard)."""
 
 
 def _probe(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: list[str]
            ) -> dict[str, tuple[str, Runs]]:
+    """:func:`_probe_once`; where a loader computes values, the batch's tensors are probed one at a
+    time to name the one it computes from (the word read back names it only when it is an id)."""
+    try:
+        return _probe_once(model, params, batch, probed)
+    except ComputedValues:
+        if len(batch) > 1:
+            for s in batch:
+                _probe_once(model, params, [s], probed)
+        raise
+
+
+def _probe_once(model: Any, params: dict[str, Any], batch: list[TensorSpec], probed: list[str]
+                ) -> dict[str, tuple[str, Runs]]:
     """Feed ``batch`` through ``model.load_weights`` with ``probed`` parameters as probes (module doc);
     per tensor held: its parameter and its elements' runs in it as loaded.
 
@@ -410,6 +445,7 @@ def placements(model: Any, specs: Sequence[TensorSpec], params: dict[str, Any], 
             out[s.name] = from_piece(piece, shape)
         if unknown:
             raise TensorTableMismatch(unknown=unknown)
+        record_casts(specs, params, out)
         return out
     layout = hash(tuple((n, p.data_ptr(), tuple(p.shape)) for n, p in params.items()))
     key = (id(model), group.rank, table_hash(list(specs)), layout)
@@ -421,6 +457,7 @@ def placements(model: Any, specs: Sequence[TensorSpec], params: dict[str, Any], 
             cache.save(disk, derived)
         else:
             logger.info("p2psync: placement of %d tensors read from the placement cache (%s)", len(derived), disk)
+            record_casts(specs, params, derived)
         for pl in derived.values():
             why = transformed_reason(model, pl.param)
             if why is not None:

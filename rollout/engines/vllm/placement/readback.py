@@ -33,6 +33,11 @@ _MAX_RUNS = 1 << 18
 load) are found by a scatter of its ids instead."""
 
 
+class ComputedValues(LayoutError):
+    """A probe read back a word that is not an element id: the loader computes values (the tensor
+    named is a guess from the word when the pass fed several)."""
+
+
 class Readback:
     """The runs of one batch's probes (``names``), gathered pass by pass (:meth:`read`), then placed
     per tensor (:meth:`placed`)."""
@@ -104,10 +109,10 @@ class Readback:
         """The name of the tensor whose elements include ``element`` (of the batch)."""
         return self.batch[int(np.searchsorted(self.bases, element, side="right")) - 1].name
 
-    def _computed(self, name: str, v: np.ndarray, bad: int, lo: int) -> LayoutError:
+    def _computed(self, name: str, v: np.ndarray, bad: int, lo: int) -> ComputedValues:
         total = int(self.bases[-1])
         guess = min(max(lo + int(v[bad]) - 1, 0), total - 1) if np.isfinite(v[bad]) else lo
-        return LayoutError(f"{self._owner(guess)}: vLLM's loader computes the values of {name} from the "
+        return ComputedValues(f"{self._owner(guess)}: vLLM's loader computes the values of {name} from the "
                            "checkpoint (not a copy of its elements); it cannot be updated in place")
 
     def _twice(self, element: int, first: str, again: str) -> LayoutError:

@@ -439,11 +439,15 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
           when the update began. An artifact
           committed from a stage has ``staged`` true, ``staged_s`` (the stage's seconds, beside
           generation) and ``fetch_s`` 0;
-        - ``staging``: ``{"version", "done"}`` of a stage in progress or kept for its commit, or None."""
+        - ``staging``: ``{"version", "done"}`` of a stage in progress or kept for its commit, or None;
+        - ``converted``: checkpoint tensors vLLM keeps in another dtype here, with that dtype
+          (``{"model.layers.1.mlp.gate.weight": "float32"}`` for a float32 router of a bf16
+          checkpoint; :mod:`rollout.engines.vllm.placement.casts`)."""
         live = self.live
+        converted = {pl.name: pl.cast for pl in live.places if pl is not None and pl.cast} if live else {}
         return {"version": self.version, "fingerprint": live.fingerprint if live else None,
                 "rank": self.group.rank, "ranks": self.group.size, "timing": dict(self.timing),
-                "staging": self.stager.state()}
+                "staging": self.stager.state(), "converted": converted}
 
     def audit(self) -> str | None:
         return self.live.audit() if self.live else None
