@@ -86,6 +86,10 @@ class _InitInfo(msgspec.Struct, forbid_unknown_fields=True):
     tls_dir: Text = ""
 
 
+INIT_KEYS: tuple[str, ...] = _InitInfo.__struct_fields__
+"""The keys ``init_info`` may carry (the trainer-side engine's list is checked against it)."""
+
+
 class _UpdateInfo(msgspec.Struct, forbid_unknown_fields=True):
     """``update_info`` as it comes."""
 
