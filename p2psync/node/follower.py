@@ -40,6 +40,9 @@ from typing import TYPE_CHECKING, Any
 from p2psync.codec.decode import Applier
 from p2psync.errors import ChunkHashMismatch, CodecError, P2PSyncError, PeerUnreachable
 from p2psync.node.priority import FORWARD_WAIT
+
+STORE_RETRY_S = 2.0
+"""Seconds between attempts to store the next version after the data dir refused a write."""
 from p2psync.store import ArtifactInfo, VersionStore, plan_catchup
 from p2psync.transport.client import PeerClient, cancel_quietly
 from p2psync.transport.tls import Tls
@@ -170,8 +173,16 @@ class Follower:
                 moved.cancel()  # at once: if we are being cancelled, the next await re-raises
                 await cancel_quietly(watch)
                 await cancel_quietly(moved)
-            if watch.done() and not watch.cancelled() and isinstance(watch.exception(), PeerUnreachable):
-                up.failed(url, watch.exception())  # type: ignore[arg-type]
+                if watch.done() and not watch.cancelled():
+                    watch.exception()  # looked at below; also when a stop cancels us in the same moment
+            exc = watch.exception() if watch.done() and not watch.cancelled() else None
+            if isinstance(exc, PeerUnreachable):
+                up.failed(url, exc)
+            elif isinstance(exc, OSError):  # storing a pushed manifest or chunk failed: not the parent's fault
+                self.log.error("cannot store what %s pushed in %s (%s); re-opening the stream in %.0f s",
+                               url, self.config.data_dir, exc, STORE_RETRY_S)
+                self.metrics.inc("p2psync_store_errors_total")
+                await asyncio.sleep(STORE_RETRY_S)
 
     async def _watch(self, url: str) -> None:
         lim = self.config.limits
@@ -273,6 +284,14 @@ class Follower:
                 self.upstream_cat = None
                 await self._poll()
                 await asyncio.sleep(lim.retry_after)
+            except OSError as exc:
+                # The data dir refused a write (full disk, quota, read-only): nothing half-written is
+                # kept (the store writes by rename) and the applied version stays; keep serving it and
+                # try again, rather than stopping the node over what freed space will fix.
+                self.log.error("catch-up to version %s: cannot store it in %s (%s); trying again in %.0f s",
+                               cat.head, self.config.data_dir, exc, STORE_RETRY_S)
+                self.metrics.inc("p2psync_store_errors_total")
+                await asyncio.sleep(STORE_RETRY_S)
 
     async def _poll(self) -> None:
         url = await self.upstream.pick()
