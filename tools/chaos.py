@@ -261,19 +261,19 @@ class Soak:
     # ---- faults ----------------------------------------------------------------------------
 
     def fill_disk(self, name: str) -> Path:
+        """Fill the node's tmpfs data dir to the last byte (unbuffered writes, bounded in count)."""
         filler = self.work / name / "filler"
-        with open(filler, "wb") as f:
-            block = b"\0" * (1 << 20)
-            for _ in range(DISK_MB * 4):  # bounded: more than the tmpfs holds
-                try:
-                    f.write(block)
-                    f.flush()
-                except OSError:
-                    break
-            with contextlib.suppress(OSError):  # the last partial block
-                for _ in range(1 << 12):
-                    f.write(b"\0" * 256)
-                    f.flush()
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for size in (1 << 20, 4096, 1):
+                block = b"\0" * size
+                for _ in range((DISK_MB << 20) // size if size > 1 else 4096):
+                    try:
+                        os.write(fd, block)
+                    except OSError:
+                        break
+        finally:
+            os.close(fd)
         return filler
 
     def link_faults(self, faults: list[Fault]) -> dict:
@@ -483,7 +483,8 @@ class Soak:
 
 def passed(r: dict) -> bool:
     return (r["wrong_bits"] == 0 and r["revoked_received_after"] == 0 and r["leases_double_held"] == 0
-            and r["results_accepted_twice"] == 0 and r["versions_lost"] == 0 and r["not_converged"] == 0)
+            and r["results_accepted_twice"] == 0 and r["versions_lost"] == 0 and r["not_converged"] == 0
+            and not r["unexpected_exits"])
 
 
 def main(argv: list[str] | None = None) -> int:
