@@ -407,14 +407,24 @@ class Follower:
         await self.replica.commit(manifest, applier=applier, order=order)
 
     async def _take_pushed(self, art: Any, submit_held: Any) -> None:
-        """Decode pushed chunks as they arrive, until all are here or the push stalls for
-        ``limits.stall_timeout`` (then the rest is pulled)."""
+        """Decode pushed chunks as they arrive, until all are here or no chunk of this artifact
+        arrived for ``limits.stall_timeout`` (then the rest is pulled).
+
+        Stalled means no chunk of *this* artifact: the stream may go on pushing newer versions
+        (a parent that lost the connection it was pushing this one on does not push it again),
+        and those must not keep this node waiting for chunks that will never come."""
         n = len(art.manifest.chunks)
+        loop = asyncio.get_running_loop()
+        stall = self.config.limits.stall_timeout
+        held, since = len(art.held), loop.time()
         while True:
             await submit_held()
             if len(art.held) >= n:
                 break
-            if not await self._pushes.wait(self.config.limits.stall_timeout):
+            if len(art.held) > held:
+                held, since = len(art.held), loop.time()
+            left = since + stall - loop.time()
+            if left <= 0 or not await self._pushes.wait(left):
                 self.log.warning("push of %s stalled at %d of %d chunks; pulling the rest",
                                  art.manifest.artifact_id, len(art.held), n)
                 break
