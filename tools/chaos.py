@@ -105,6 +105,7 @@ class Soak:
         self.publish_errors: list[str] = []
         self.unexpected_exits: list[dict] = []
         self.episodes: list[dict] = []
+        self.link_seen: dict = {}
         machines = self.cfg.machines()
         by_region = {r.name: [m.id for m in machines if m.region == r.name and m.role != "trainer"]
                      for r in self.cfg.regions}
@@ -311,8 +312,11 @@ class Soak:
         if links:
             self.tb.set_link_faults(links)  # type: ignore[union-attr]
         self.stop.wait(hold)
-        if links:
-            rec["link_counters"] = self.tb.set_link_faults({})  # type: ignore[union-attr]
+        if links:  # what the delay line did to packets during this episode
+            now = self.tb.set_link_faults({})  # type: ignore[union-attr]
+            rec["link_counters"] = {k: now[k] - self.link_seen.get(k, 0) for k in
+                                    ("forwarded", "fault_dropped", "reordered", "corrupted")}
+            self.link_seen = now
         if filler is not None:
             filler.unlink()
         restarted = [f.target for f in faults if f.kind in ("kill", "restart_trainer")]
@@ -428,6 +432,7 @@ class Soak:
             "not_converged": sum(1 for e in self.episodes if e["converged_s"] is None) + (final_s is None),
             "final_converged_s": final_s, "final_laggards": final_why,
             "wrong_bits": len(led.wrong), "wrong_bits_detail": sorted(map(list, led.wrong))[:20],
+            "bad_chunks": led.bad_chunks_total(),
             "revoked": led.revoked, "revoked_upto": led.revoked_upto,
             "revoked_received_after": len(led.revoked_seen),
             "leases_double_held": len(led.double_held), "lease_snapshots": led.lease_snapshots,
@@ -445,7 +450,12 @@ class Soak:
                 "leases_double_held": "distinct work ids listed under two holders in one snapshot of the "
                                       "coordinator's lease table (GET /v1/control/status, each poll round); "
                                       "results_accepted_twice: work ids whose result the coordinator accepted "
-                                      "twice (the trainer job's log)",
+                                      "twice (the trainer job's log). The lease table is not on disk: a restarted "
+                                      "trainer starts an empty one and submits new work ids, and the old holders' "
+                                      "calls are refused (404)",
+                "bad_chunks": "chunks that failed verification against the signed manifest at their receiver "
+                              "(every node's status; refused, never stored or served): what got through TCP and "
+                              "TLS wrong would show here",
                 "versions_lost": "versions the trainer held before a SIGKILL and not when it answered again "
                                  "with its weights loaded, plus published versions it never reached",
                 "converged_after_heal_s": "from the heal of an episode's faults until a status round shows every "

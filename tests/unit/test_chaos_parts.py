@@ -79,3 +79,10 @@ def test_ledger_counts_wrong_bits_revoked_data_double_leases_and_lost_versions()
     led.publishing(5, "fp5")
     led.withdrawn(5)
     assert 5 not in led.truth and led.latest == 4
+
+
+def test_ledger_sums_bad_chunks_across_a_nodes_restarts():
+    led = Ledger()
+    for n in (1, 3, 0, 2):  # 3 counted, the node restarted, 2 more
+        led.observe({"r": {"version": None, "bad_chunks": n}})
+    assert led.bad_chunks_total() == 5

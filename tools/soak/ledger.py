@@ -41,6 +41,9 @@ class Ledger:
     _restart: tuple[int, int] | None = None
     """(restart index, version before the kill) until the restarted trainer reports its weights."""
     restarts: int = 0
+    bad_chunks: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Per node (chunks counted by earlier processes, the last count seen): chunks that failed
+    verification against the signed manifest (``bad_chunks`` of its status; a restart resets it)."""
 
     def publishing(self, version: int, fingerprint: str) -> None:
         """``version`` is about to be published with ``fingerprint`` (before any node can see it)."""
@@ -65,6 +68,9 @@ class Ledger:
             if "error" in s:
                 continue
             v, fp = s.get("version"), s.get("fingerprint")
+            earlier, last = self.bad_chunks.get(name, (0, 0))
+            now = int(s.get("bad_chunks", 0))
+            self.bad_chunks[name] = (earlier + last, now) if now < last else (earlier, now)
             if v is not None and self.truth.get(v) != fp:
                 self.wrong.add((name, v, str(fp)))
             if name == self.trainer and s.get("loaded") and v is not None:
@@ -108,6 +114,9 @@ class Ledger:
             elif s.get("version") is None or s["version"] < target or self.truth.get(s["version"]) != s.get("fingerprint"):
                 out[name] = {"version": s.get("version"), "head": s.get("head"), "parent": s.get("parent")}
         return out
+
+    def bad_chunks_total(self) -> int:
+        return sum(a + b for a, b in self.bad_chunks.values())
 
     def versions_lost(self, trainer_final: int | None) -> int:
         """Lost across restarts, plus published versions the trainer never reached by the end."""
