@@ -469,6 +469,10 @@ class Soak:
         }
 
     def close(self) -> None:
+        # The clean-up runs to its end: a second SIGTERM (``timeout`` forwards the one it got) or
+        # Ctrl-C must not leave namespaces, node processes or the tmpfs behind. Every step is bounded.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.stop.set()
         if self.observer is not None and self.observer.poll() is None:
             with contextlib.suppress(OSError):
