@@ -171,10 +171,12 @@ class Follower:
                 await asyncio.wait({watch, moved}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 moved.cancel()  # at once: if we are being cancelled, the next await re-raises
+                if watch.done() and not watch.cancelled():
+                    # Looked at below, but a stop cancelling us now re-raises in the next await first:
+                    # looked at here, so that asyncio does not log it as never retrieved.
+                    watch.exception()
                 await cancel_quietly(watch)
                 await cancel_quietly(moved)
-                if watch.done() and not watch.cancelled():
-                    watch.exception()  # looked at below; also when a stop cancels us in the same moment
             exc = watch.exception() if watch.done() and not watch.cancelled() else None
             if isinstance(exc, PeerUnreachable):
                 up.failed(url, exc)
