@@ -1,7 +1,7 @@
 """Chaos soak on the emulated WAN (root): a trainer publishes continuously while faults hit at random.
 
-    .venv/bin/python tools/chaos.py --json docs/benchmarks/chaos.json      # default: 13 nodes, 3 regions, ~15 min
-    .venv/bin/python tools/chaos.py --short --json /tmp/chaos.json         # CI: 7 nodes, 3 regions, <= 3 min
+    .venv/bin/python tools/chaos.py --json docs/benchmarks/chaos.json      # default: 12 nodes + trainer, 3 regions, ~15 min
+    .venv/bin/python tools/chaos.py --short --json /tmp/chaos.json         # CI: 6 nodes + trainer, 3 regions, <= 3 min
 
 Builds a testbed (``p2psync.testbed``: a namespace per machine, a router per region, the
 delay line between regions), starts a ``p2psync node`` per machine over mutual TLS with gossip
@@ -465,6 +465,8 @@ class Soak:
             "episodes_detail": self.episodes,
             "machine": f"{platform.node()} ({os.cpu_count()} cores, {platform.platform()})",
             "date": time.strftime("%Y-%m-%d"),
+            "commit": subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                     text=True, check=False).stdout.strip(),
             "command": " ".join(["tools/chaos.py", *sys.argv[1:]]),
         }
 
