@@ -16,6 +16,7 @@ Artifact file (what ``p2psync delta encode`` writes)::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -388,6 +389,7 @@ class FileWriter:
         self._next += 1
 
     def __exit__(self, exc_type: Any, *exc: object) -> None:
+        done = False
         try:
             if exc_type is None and self._next != len(self.manifest.chunks):
                 raise CodecError(f"{self._next} of {len(self.manifest.chunks)} chunks written")
@@ -395,14 +397,14 @@ class FileWriter:
                 self._f.flush()
                 os.fsync(self._f.fileno())
             self._f.close()
-        except BaseException:
-            self._f.close()
-            self._tmp.unlink(missing_ok=True)
-            raise
-        if exc_type is not None:
-            self._tmp.unlink(missing_ok=True)
-            return
-        os.replace(self._tmp, self.path)
+            if exc_type is None:
+                os.replace(self._tmp, self.path)
+                done = True
+        finally:
+            if not done:  # whatever failed (a full disk fails the close's flush too), no temporary stays
+                with contextlib.suppress(OSError):
+                    self._f.close()
+                self._tmp.unlink(missing_ok=True)
 
 
 class ArtifactFile:

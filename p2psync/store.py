@@ -174,13 +174,18 @@ class VersionStore:
 
     # --- writing ---------------------------------------------------------------------------
     def _write(self, path: Path, data: bytes | memoryview) -> None:
+        """Write by rename; a failed write (a full disk) leaves neither the file nor its temporary."""
         tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if self.fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
     def add_manifest(self, manifest: Manifest) -> StoredArtifact:
         """Record a verified manifest (idempotent). Raises :class:`SignatureError` if it does not verify."""

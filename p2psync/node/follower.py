@@ -50,6 +50,9 @@ from p2psync.transport.parents import ParentSet
 from p2psync.transport.push import CatalogueFrame, ChunkFrame, ManifestFrame, Pushes, PushUnsupported, read_stream
 from p2psync.transport.view import HeadSignal
 
+STORE_RETRY_S = 2.0
+"""Seconds between attempts to store the next version after the data dir refused a write."""
+
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
@@ -169,10 +172,20 @@ class Follower:
                 await asyncio.wait({watch, moved}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 moved.cancel()  # at once: if we are being cancelled, the next await re-raises
+                if watch.done() and not watch.cancelled():
+                    # Looked at below, but a stop cancelling us now re-raises in the next await first:
+                    # looked at here, so that asyncio does not log it as never retrieved.
+                    watch.exception()
                 await cancel_quietly(watch)
                 await cancel_quietly(moved)
-            if watch.done() and not watch.cancelled() and isinstance(watch.exception(), PeerUnreachable):
-                up.failed(url, watch.exception())  # type: ignore[arg-type]
+            exc = watch.exception() if watch.done() and not watch.cancelled() else None
+            if isinstance(exc, PeerUnreachable):
+                up.failed(url, exc)
+            elif isinstance(exc, OSError):  # storing a pushed manifest or chunk failed: not the parent's fault
+                self.log.error("cannot store what %s pushed in %s (%s); re-opening the stream in %.0f s",
+                               url, self.config.data_dir, exc, STORE_RETRY_S)
+                self.metrics.inc("p2psync_store_errors_total")
+                await asyncio.sleep(STORE_RETRY_S)
 
     async def _watch(self, url: str) -> None:
         lim = self.config.limits
@@ -277,6 +290,14 @@ class Follower:
                 await self._poll()
                 await asyncio.sleep(Backoff(first=lim.retry_after, cap=max(lim.retry_after, 30.0)).delay(interrupted))
                 interrupted += 1
+            except OSError as exc:
+                # The data dir refused a write (full disk, quota, read-only): nothing half-written is
+                # kept (the store writes by rename) and the applied version stays; keep serving it and
+                # try again, rather than stopping the node over what freed space will fix.
+                self.log.error("catch-up to version %s: cannot store it in %s (%s); trying again in %.0f s",
+                               cat.head, self.config.data_dir, exc, STORE_RETRY_S)
+                self.metrics.inc("p2psync_store_errors_total")
+                await asyncio.sleep(STORE_RETRY_S)
 
     async def _poll(self) -> None:
         url = await self.upstream.pick()
@@ -392,14 +413,24 @@ class Follower:
         await self.replica.commit(manifest, applier=applier, order=order)
 
     async def _take_pushed(self, art: Any, submit_held: Any) -> None:
-        """Decode pushed chunks as they arrive, until all are here or the push stalls for
-        ``limits.stall_timeout`` (then the rest is pulled)."""
+        """Decode pushed chunks as they arrive, until all are here or no chunk of this artifact
+        arrived for ``limits.stall_timeout`` (then the rest is pulled).
+
+        Stalled means no chunk of *this* artifact: the stream may go on pushing newer versions
+        (a parent that lost the connection it was pushing this one on does not push it again),
+        and those must not keep this node waiting for chunks that will never come."""
         n = len(art.manifest.chunks)
+        loop = asyncio.get_running_loop()
+        stall = self.config.limits.stall_timeout
+        held, since = len(art.held), loop.time()
         while True:
             await submit_held()
             if len(art.held) >= n:
                 break
-            if not await self._pushes.wait(self.config.limits.stall_timeout):
+            if len(art.held) > held:
+                held, since = len(art.held), loop.time()
+            left = since + stall - loop.time()
+            if left <= 0 or not await self._pushes.wait(left):
                 self.log.warning("push of %s stalled at %d of %d chunks; pulling the rest",
                                  art.manifest.artifact_id, len(art.held), n)
                 break

@@ -72,9 +72,12 @@ class PublishDir:
         self._refused: dict[Path, tuple[int, int, int]] = {}
         self._said: dict[Path, str] = {}
 
-    def _note(self, path: Path, reason: str, level: int = logging.INFO) -> None:
-        if self._said.get(path) != reason:
-            self._said[path] = reason
+    def _note(self, path: Path, reason: str, level: int = logging.INFO, same: str | None = None) -> None:
+        """Log ``reason`` unless the last line about ``path`` said the same (``same``: what counts as
+        the same reason when the text carries a figure that moves, like the trainer's version)."""
+        tag = same or reason
+        if self._said.get(path) != tag:
+            self._said[path] = tag
             self.origin.log.log(level, "publish-dir: %s %s", path.name, reason)
 
     def _refuse(self, path: Path, key: tuple[int, int, int], reason: str, level: int = logging.WARNING) -> None:
@@ -133,8 +136,10 @@ class PublishDir:
             held, fingerprint = replica.version, replica.fingerprint
             if held is not None and target <= held:
                 if seen.artifact_id not in origin.store.artifacts and self._said.get(path) != "published":
+                    # Once per file: not again with every version the trainer moves on (a restarted
+                    # trainer's folder holds every file it published, each skipped here).
                     self._note(path, f"skipped: version {target} is not newer than the trainer's version {held}",
-                               logging.WARNING)
+                               logging.WARNING, same="not newer")
                 continue
             if blocker is not None:
                 self._note(path, f"waits: version {target} comes after {blocker.name}, which waits")

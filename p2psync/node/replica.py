@@ -117,7 +117,12 @@ class Replica:
         await self.settle()
         if (self.config.store.checkpoint_on_exit and self.state is not None and self.version is not None
                 and self.checkpointed != self.version):
-            await asyncio.to_thread(self.checkpoint)
+            try:
+                await asyncio.to_thread(self.checkpoint)
+            except OSError as exc:  # a full disk: the last checkpoint stays, and the deltas after it replay
+                self.metrics.inc("p2psync_housekeeping_errors_total")
+                self.log.error("checkpoint of version %s at exit failed (%s); the node restarts from its "
+                               "last checkpoint and the deltas it holds", self.version, exc)
 
     def shutdown_pool(self) -> None:
         for pool in self._pools.values():

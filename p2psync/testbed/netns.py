@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from p2psync.testbed.config import TestbedConfig, from_dict
+from p2psync.testbed.delay import LinkFaults
 from p2psync.testbed.errors import TestbedError
 
 logger = logging.getLogger(__name__)
@@ -287,6 +288,9 @@ def down(name: str, state_dir: Path | None = None) -> list[str]:
         if left:
             raise TestbedError(f"could not remove namespaces {left}; see `ip netns pids` for what holds them")
         state_path(name, state_dir).unlink(missing_ok=True)
+        control = control_path(name, state_dir)
+        control.unlink(missing_ok=True)
+        control.with_name(control.name + ".stats").unlink(missing_ok=True)
         return gone
 
 
@@ -322,7 +326,8 @@ def up(cfg: TestbedConfig, state_dir: Path | None = None, log_dir: Path | None =
                 if not os.path.exists("/dev/net/tun"):
                     raise TestbedError("the inter-region delays need /dev/net/tun (`modprobe tun`), "
                                        "or set every latency to 0")
-                state["delay_pid"] = _start_delay_line(cfg, spec, log_dir or path.parent)
+                state["delay_pid"] = _start_delay_line(cfg, spec, log_dir or path.parent,
+                                                       control_path(name, state_dir))
                 write_state(path, state)
                 for cmd in delay_routing(cfg):
                     _run(cmd)
@@ -335,12 +340,54 @@ def up(cfg: TestbedConfig, state_dir: Path | None = None, log_dir: Path | None =
         return state
 
 
-def _start_delay_line(cfg: TestbedConfig, spec: dict, log_dir: Path) -> int:
+def control_path(name: str, state_dir: Path | None = None) -> Path:
+    """The delay line's fault control file (re-read on SIGHUP; its counters in ``<path>.stats``)."""
+    return (state_dir or STATE_DIR) / f"{name}-faults.json"
+
+
+def set_link_faults(name: str, faults: dict[tuple[str, str], LinkFaults], state_dir: Path | None = None,
+                    seed: int | None = None, timeout: float = 5.0) -> dict:
+    """Put ``faults`` (keyed by (source region, destination region); one direction each) in force on testbed
+    ``name``'s delay line, replacing all others (``{}`` heals every link); returns the line's counters once
+    it confirmed the change. TestbedError when there is no delay line or it did not confirm in ``timeout``."""
+    st = read_state(name, state_dir)
+    if st is None or not st.get("delay_pid"):
+        raise TestbedError(f"testbed {name!r} has no delay line (no latency between its regions)")
+    cfg, pid = config_of(st), int(st["delay_pid"])
+    if not (_alive(pid) and _is_delay_line(pid, name)):
+        raise TestbedError(f"the delay line of testbed {name!r} (pid {pid}) is gone")
+    path = control_path(name, state_dir)
+    stats = path.with_name(path.name + ".stats")
+    try:
+        serial = int(json.loads(stats.read_text()).get("serial", 0)) + 1
+    except (OSError, ValueError):
+        serial = 1
+    data: dict = {"serial": serial, "faults": [[cfg.region_index(a) + 1, cfg.region_index(b) + 1, f.to_json()]
+                                               for (a, b), f in faults.items()]}
+    if seed is not None:
+        data["seed"] = seed
+    write_state(path, data)
+    os.kill(pid, signal.SIGHUP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            got = json.loads(stats.read_text())
+            if got.get("serial") == serial:
+                return got
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.02)
+    raise TestbedError(f"the delay line of testbed {name!r} did not confirm the faults within {timeout:.0f} s")
+
+
+def _start_delay_line(cfg: TestbedConfig, spec: dict, log_dir: Path, control: Path) -> int:
     repo = str(Path(__file__).resolve().parents[2])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([repo, *filter(None, [os.environ.get("PYTHONPATH")])])}
     log_dir.mkdir(parents=True, exist_ok=True)
+    control.unlink(missing_ok=True)  # a new line starts with no faults
+    control.with_name(control.name + ".stats").unlink(missing_ok=True)
     argv = ["ip", "netns", "exec", cfg.core_namespace, sys.executable, "-m", "p2psync.testbed.delay",
-            "--spec", json.dumps(spec), "--testbed", cfg.name]
+            "--spec", json.dumps(spec), "--testbed", cfg.name, "--control", str(control)]
     with open(log_dir / f"{cfg.name}-delay.log", "ab") as log:  # the child keeps its own descriptor
         p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
     assert p.stdout is not None

@@ -10,6 +10,7 @@ caller's clock).
 
     python -m p2psync.testbed.observe --token T --version 3 --timeout 60 NAME=URL ...
     python -m p2psync.testbed.observe --token T --warm --timeout 60 NAME=URL ...
+    python -m p2psync.testbed.observe --token T --poll 1 --timeout 900 [--leases NAME] NAME=URL ...
 
 Prints "ready" once every node delivered its first catalogue (act then:
 publish), then one JSON object: per node ``announced`` (first catalogue that
@@ -19,7 +20,15 @@ catalogue listing it complete), ``applied`` (first catalogue at that version or
 later), ``version`` and ``fingerprint`` as last seen; ``timed_out`` lists the
 nodes that did not get there. ``--warm`` instead waits until every node's codec
 is warm (its ``/metrics`` list ``p2psync_codec_warm_seconds``) and prints the nodes
-that are not.
+that are not. ``--poll S`` instead asks every node's ``GET /v1/status`` every S
+seconds (one kept connection per node, all at once) and prints one JSON line per
+round, ``{"t": ..., "nodes": {name: status or {"error": why}}, "leases": ...}``
+(``leases``: the ``--leases`` node's ``GET /v1/control/status``, the
+coordinator's lease table), until ``--timeout`` or its stdin closes.
+``--head-as DIR --as-id ID`` asks every node's ``GET /v1/head`` once with the
+node certificate in DIR (node ID's) and prints what each answered: an HTTP
+status, or ``"cut"`` when the node closed the connection (how a revoked node is
+refused).
 """
 
 from __future__ import annotations
@@ -116,6 +125,94 @@ def warm(urls: dict[str, str], token: str, timeout: float, interval: float = 0.2
     return sorted(cold)
 
 
+def _get(conns: dict, name: str, url: str, path: str, token: str, context: ssl.SSLContext | None,
+         timeout: float) -> dict:
+    """``GET url+path`` as JSON over the connection kept for ``name`` (opened again after any error)."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    conn = conns.get(name)
+    if conn is None:
+        conn = (http.client.HTTPSConnection(u.hostname or "", u.port, timeout=timeout, context=context)
+                if u.scheme == "https" else http.client.HTTPConnection(u.hostname or "", u.port, timeout=timeout))
+        conns[name] = conn
+    try:
+        conn.request("GET", path, headers={"Authorization": f"Bearer {token}"})
+        r = conn.getresponse()
+        body = r.read()
+        if r.status != 200:
+            raise OSError(f"HTTP {r.status}: {body[:100]!r}")
+        return json.loads(body)
+    except BaseException:
+        conns.pop(name, None)
+        conn.close()
+        raise
+
+
+def poll(urls: dict[str, str], token: str, interval: float, timeout: float, leases: str | None = None,
+         context: ssl.SSLContext | None = None, out=sys.stdout, stop: threading.Event | None = None) -> None:
+    """Every ``interval`` s until ``timeout`` (or ``stop``): one line of every node's status (see the module doc)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    conns: dict[str, object] = {}
+    ask = max(0.5, min(5.0, 2 * interval))
+    jobs = [(n, u, "/v1/status") for n, u in urls.items()]
+    if leases:
+        jobs.append(("leases", urls[leases], "/v1/control/status"))
+
+    def one(job: tuple[str, str, str]) -> tuple[str, dict]:
+        name, url, path = job
+        try:
+            return name, _get(conns, name, url, path, token, context, ask)
+        except (OSError, ValueError) as exc:
+            return name, {"error": f"{type(exc).__name__}: {exc}"[:200]}
+
+    deadline = time.monotonic() + timeout
+    with ThreadPoolExecutor(len(jobs), thread_name_prefix="poll") as pool:
+        while time.monotonic() < deadline and not (stop is not None and stop.is_set()):
+            t0 = time.monotonic()
+            got = dict(pool.map(one, jobs))
+            line = {"t": t0, "nodes": {n: got[n] for n in urls}, "leases": got.get("leases")}
+            try:
+                out.write(json.dumps(line) + "\n")
+                out.flush()
+            except (BrokenPipeError, ValueError):  # the reader went away
+                return
+            time.sleep(max(0.0, interval - (time.monotonic() - t0)))
+
+
+def head_as(urls: dict[str, str], token: str, tls_dir: str, node_id: str, timeout: float = 10.0) -> dict[str, object]:
+    """What each node answers ``GET /v1/head`` presenting node ``node_id``'s certificate (see the module doc)."""
+    import urllib.error
+
+    from p2psync.transport.tls import Tls
+
+    ctx = Tls.for_client(tls_dir).client_context
+    out: dict[str, object] = {}
+
+    def one(name: str, url: str) -> None:
+        req = urllib.request.Request(url + "/v1/head", headers={"Authorization": f"Bearer {token}",
+                                                                "X-P2PSync-Node": node_id})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout, context=ctx) as r:
+                out[name] = r.status
+        except urllib.error.HTTPError as exc:
+            out[name] = exc.code
+        except (ssl.SSLError, ConnectionError):
+            out[name] = "cut"
+        except (urllib.error.URLError, OSError) as exc:
+            reason = getattr(exc, "reason", exc)
+            out[name] = "cut" if isinstance(reason, (ssl.SSLError, ConnectionError)) else f"error: {reason}"
+
+    threads = [threading.Thread(target=one, args=(n, u), daemon=True) for n, u in urls.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 5)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--token", required=True)
@@ -124,12 +221,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=120.0)
     ap.add_argument("--interval", type=float, default=0.01, help="ignored (the observer follows event streams)")
     ap.add_argument("--tls-dir", default="", help="client certificate folder for https nodes")
+    ap.add_argument("--poll", type=float, default=0.0, help="print every node's status every POLL seconds")
+    ap.add_argument("--leases", default="", help="with --poll: the node whose lease table to print too")
+    ap.add_argument("--head-as", default="", metavar="DIR", help="ask every node's /v1/head once as node --as-id")
+    ap.add_argument("--as-id", default="", help="with --head-as: the node id the certificate in DIR names")
     ap.add_argument("nodes", nargs="+", metavar="NAME=URL")
     a = ap.parse_args(argv)
     urls = dict(n.split("=", 1) for n in a.nodes)
     from p2psync.transport.tls import Tls
 
     ctx = Tls.for_client(a.tls_dir or None).client_context
+    if a.head_as:
+        print(json.dumps(head_as(urls, a.token, a.head_as, a.as_id, a.timeout)), flush=True)
+        return 0
+    if a.poll:
+        stop = threading.Event()
+
+        def eof() -> None:  # the caller closed our stdin (or died): stop
+            sys.stdin.read()
+            stop.set()
+
+        threading.Thread(target=eof, name="stdin-eof", daemon=True).start()
+        poll(urls, a.token, a.poll, a.timeout, a.leases or None, context=ctx, stop=stop)
+        return 0
     if a.warm:
         print(json.dumps({"cold": warm(urls, a.token, a.timeout, context=ctx)}), flush=True)
         return 0

@@ -11,6 +11,7 @@ from typing import Any
 
 import p2psync.testbed.netns as netns
 from p2psync.testbed.config import Machine, TestbedConfig
+from p2psync.testbed.delay import LinkFaults
 from p2psync.testbed.errors import TestbedError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,6 +56,11 @@ class Testbed:
 
     def down(self) -> list[str]:
         return netns.down(self.cfg.name, self.state_dir)
+
+    def set_link_faults(self, faults: Mapping[tuple[str, str], LinkFaults], seed: int | None = None) -> dict:
+        """Put ``faults`` on the WAN (keyed by (source region, destination region), one direction each),
+        replacing all others; ``{}`` heals every link. Returns the delay line's counters once in force."""
+        return netns.set_link_faults(self.cfg.name, dict(faults), self.state_dir, seed=seed)
 
     def __enter__(self) -> Testbed:
         return self

@@ -191,7 +191,7 @@ async def serve_stream(server: Responder, request: web.Request) -> web.StreamRes
                 if heads.seq != seq:
                     continue  # the catalogue moved while we pushed: say so at once
             await heads.wait(seq, limits.sse_keepalive)
-    except ConnectionResetError:
+    except ConnectionError:  # reset, broken pipe, or aiohttp's 'Connection lost' while draining
         pass  # the child went away
     except TimeoutError:
         server.cut(request)

@@ -151,7 +151,7 @@ class Server:
                     payload = ": keepalive\n\n"
                 await self.write(resp, payload.encode())
                 await heads.wait(seq, self.limits.sse_keepalive)
-        except ConnectionResetError:
+        except ConnectionError:  # reset, broken pipe, or aiohttp's 'Connection lost' while draining
             pass  # the child went away; nothing else to do for it
         except TimeoutError:
             self.cut(request)
@@ -249,7 +249,7 @@ class Server:
             for off in range(0, len(body), _WRITE_PIECE):
                 await self.write(resp, body[off:off + _WRITE_PIECE])
             await resp.write_eof()
-        except ConnectionResetError:
+        except ConnectionError:  # reset, broken pipe, or aiohttp's 'Connection lost' while draining
             return resp  # the child went away; it resumes elsewhere with Range
         except TimeoutError:
             self.cut(request)  # it stopped reading; it may resume elsewhere with Range

@@ -148,3 +148,37 @@ def test_p2psync_tree_over_the_wan_is_bit_exact(state_dir, tmp_path):
             ns.stop()
         assert seen["timed_out"] == []
         assert {n: r["fingerprint"] for n, r in seen["nodes"].items()} == {n: wl.fingerprints[2] for n in ns.urls}
+
+
+@pytest.mark.timeout(90)
+def test_link_faults_partition_and_heal_at_run_time(state_dir):
+    from p2psync.testbed.delay import LinkFaults
+
+    cfg = from_dict(_small(NAME))
+    with Testbed.up(cfg, state_dir) as tb:
+        dst = tb.machines["b-0"]
+        server = tb.spawn("b-0", [sys.executable, "-m", "p2psync.testbed.probe", "serve", "--host", dst.ip],
+                          stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout.readline().strip() == "ready"
+
+            def rtt(timeout: float) -> subprocess.CompletedProcess:
+                return tb.run("trainer", [sys.executable, "-m", "p2psync.testbed.probe", "rtt", "--host", dst.ip,
+                                          "--count", "3"], capture_output=True, text=True, timeout=timeout)
+
+            assert rtt(60).returncode == 0
+            # A partition a -> b (one direction is enough to stop TCP): nothing gets through ...
+            got = tb.set_link_faults({("a", "b"): LinkFaults(drop=1.0)})
+            assert got["faults"] == [[1, 2, {"drop": 1.0}]]
+            with pytest.raises(subprocess.TimeoutExpired):
+                rtt(5)
+            assert tb.set_link_faults({})["fault_dropped"] > 0
+            # ... and healed, the link works again, with its delay.
+            healed = rtt(60)
+            assert healed.returncode == 0 and min(json.loads(healed.stdout)["rtt_ms"]) >= 40.0
+            # 20 % loss each way slows TCP but loses nothing; extra delay adds to the round trip.
+            tb.set_link_faults({("a", "b"): LinkFaults(drop=0.2, delay_s=0.05), ("b", "a"): LinkFaults(drop=0.2)})
+            lossy = rtt(60)
+            assert lossy.returncode == 0 and min(json.loads(lossy.stdout)["rtt_ms"]) >= 90.0
+        finally:
+            Testbed.stop([server])

@@ -245,3 +245,113 @@ def test_wan_report_gives_median_and_spread_of_holds_and_applied_over_interleave
     assert met["tree within 0.6x of the star (delta, holds)"]  # 0.3 / 0.6
     assert met[">= 50x faster than full-weight unicast"]  # 30 / 0.3
     assert not met["delta to the last machine within 1.5x of the lower bound"]  # 0.3 s against 0.171 s
+
+
+def _tcp(src: str, dst: str, payload: bytes) -> bytes:
+    """An IPv4 TCP segment with correct IP and TCP checksums."""
+    from p2psync.testbed.delay import _fold
+
+    def csum(data: bytes) -> int:
+        if len(data) % 2:
+            data += b"\0"
+        return ~_fold(sum(struct.unpack(f"!{len(data) // 2}H", data))) & 0xFFFF
+
+    s, d = ipaddress.IPv4Address(src).packed, ipaddress.IPv4Address(dst).packed
+    tcp = bytearray(struct.pack("!HHIIBBHHH", 40000, 7070, 1, 0, 5 << 4, 0x18, 65535, 0, 0) + payload)
+    struct.pack_into("!H", tcp, 16, csum(s + d + struct.pack("!BBH", 0, 6, len(tcp)) + bytes(tcp)))
+    ip = bytearray(struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp), 1, 0, 64, 6, 0, s, d))
+    struct.pack_into("!H", ip, 10, csum(bytes(ip)))
+    return bytes(ip + tcp)
+
+
+def _tcp_checksum_ok(packet: bytes) -> bool:
+    from p2psync.testbed.delay import _fold
+
+    tcp = packet[20:]
+    pseudo = packet[12:20] + struct.pack("!BBH", 0, 6, len(tcp))
+    data = pseudo + tcp + (b"\0" if len(tcp) % 2 else b"")
+    return _fold(sum(struct.unpack(f"!{len(data) // 2}H", data))) == 0xFFFF
+
+
+BASE = 0x0A630000  # 10.99.0.0
+
+
+def test_delay_line_partition_drops_one_direction_only_and_heals():
+    from p2psync.testbed.delay import LinkFaults
+
+    line = DelayLine(BASE, {(1, 2): 0.01, (2, 1): 0.01}, faults={(1, 2): LinkFaults(drop=1.0)})
+    there, back = _packet("10.99.1.2", "10.99.2.2"), _packet("10.99.2.2", "10.99.1.2")
+    assert not any(line.push(there, 0.0) for _ in range(100))
+    assert line.push(back, 0.0)
+    assert line.fault_dropped == 100 and line.dropped == 0  # counted apart from queue overflow
+    assert line.pop_due(1.0) == [back]
+    line.set_faults({})
+    assert line.push(there, 2.0) and line.pop_due(2.01) == [there]
+
+
+def test_delay_line_loss_is_the_share_asked_and_repeats_with_the_seed():
+    from p2psync.testbed.delay import LinkFaults
+
+    def run(seed: int) -> list[bool]:
+        line = DelayLine(BASE, {}, faults={(1, 3): LinkFaults(drop=0.2)}, seed=seed)
+        return [line.push(_packet("10.99.1.2", "10.99.3.2"), float(i)) for i in range(5000)]
+
+    a = run(7)
+    assert 0.17 < a.count(False) / len(a) < 0.23
+    assert run(7) == a and run(8) != a
+    # Pairs without faults and traffic outside the testbed pass untouched.
+    line = DelayLine(BASE, {}, faults={(1, 3): LinkFaults(drop=1.0)})
+    assert line.push(_packet("10.99.3.2", "10.99.1.2"), 0.0) and line.push(_packet("10.98.1.2", "10.98.3.2"), 0.0)
+
+
+def test_delay_line_reorder_holds_packets_so_later_ones_overtake_them():
+    from p2psync.testbed.delay import LinkFaults
+
+    line = DelayLine(BASE, {(1, 2): 0.010}, faults={(1, 2): LinkFaults(reorder=0.3, reorder_s=0.050, delay_s=0.005)},
+                     seed=1)
+    sent = [_packet("10.99.1.2", "10.99.2.2", 60 + i) for i in range(200)]
+    for i, p in enumerate(sent):
+        assert line.push(p, now=i * 0.001)
+    assert line.pop_due(0.0149) == []  # 10 ms delay + 5 ms extra before anything leaves
+    out = line.pop_due(10.0)
+    assert sorted(out, key=len) == sent  # nothing lost or duplicated
+    assert out != sent  # but not in the order sent
+    assert 40 < line.reordered < 80
+    late = [i for i, p in enumerate(out) if len(p) - 60 < max(len(q) - 60 for q in out[:i + 1])]
+    assert late  # a packet left after one sent later
+
+
+def test_delay_line_corrupts_tcp_payload_with_a_valid_checksum():
+    from p2psync.testbed.delay import LinkFaults, corrupt_tcp_payload
+
+    payload = bytes(range(256)) * 4 + b"x"  # odd length: the last byte is half a 16-bit word
+    p = _tcp("10.99.1.2", "10.99.2.2", payload)
+    assert _tcp_checksum_ok(p)
+    import random
+
+    rng = random.Random(3)
+    for _ in range(300):  # every position, even and odd, and the trailing odd byte
+        bad = corrupt_tcp_payload(p, rng)
+        assert bad is not None and len(bad) == len(p)
+        assert bad[:20] == p[:20] and bad[20:36] == p[20:36]  # IP header and TCP ports, seq... untouched
+        diff = [i for i in range(40, len(p)) if bad[i] != p[i]]
+        assert len(diff) == 1  # one payload byte flipped
+        assert _tcp_checksum_ok(bad)  # so the kernel delivers it and the receiver's TLS must catch it
+    assert corrupt_tcp_payload(_tcp("10.99.1.2", "10.99.2.2", b""), rng) is None  # a bare ACK: nothing to flip
+    assert corrupt_tcp_payload(_packet("10.99.1.2", "10.99.2.2"), rng) is None  # not TCP
+    line = DelayLine(BASE, {}, faults={(1, 2): LinkFaults(corrupt=1.0)})
+    assert line.push(p, 0.0)
+    (out,) = line.pop_due(0.0)
+    assert out != p and _tcp_checksum_ok(out) and line.corrupted == 1
+
+
+def test_link_faults_refuse_nonsense_and_round_trip():
+    from p2psync.testbed.delay import LinkFaults
+
+    with pytest.raises(ValueError, match="drop"):
+        LinkFaults(drop=1.5)
+    with pytest.raises(ValueError, match="delay_s"):
+        LinkFaults(delay_s=-1)
+    f = LinkFaults(drop=0.1, reorder=0.2, reorder_s=0.03, corrupt=0.01, delay_s=0.2)
+    assert LinkFaults.from_json(json.loads(json.dumps(f.to_json()))) == f
+    assert LinkFaults().to_json() == {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 
 import pytest
@@ -257,3 +258,60 @@ def test_a_relay_gives_up_on_a_snapshot_the_trainer_failed_to_sign(tmp_path):
             await tr.close()
 
     asyncio.run(go())
+
+
+def test_a_relay_whose_disk_is_full_stays_up_and_catches_up_once_space_is_freed(tmp_path, caplog, monkeypatch):
+    """Found by the chaos soak (tools/chaos.py, disk_full): a write refused by the data dir crashed the
+    relay's follow task and stopped the node. Now it keeps its version and serving, leaves no temporary
+    file behind, says why, tries again, and exits cleanly even when its exit checkpoint cannot be written."""
+    priv, cfg, common = _setup(tmp_path, snapshot_interval=0, checkpoint_interval=0)
+    states = _states()
+    arts = _artifacts(priv, states)
+    full = threading.Event()
+
+    async def go():
+        tr = await Node.create(cfg)
+        relay = await Node.create(_relay_cfg(tmp_path, common, tr))
+        real_replace = os.replace
+
+        def replace(src, dst):  # the relay's temporary file was written; making it the file fails
+            if full.is_set() and str(dst).startswith(str(tmp_path / "relay")):
+                raise OSError(28, "No space left on device")
+            return real_replace(src, dst)
+
+        monkeypatch.setattr(os, "replace", replace)
+        try:
+            await tr.publish(*arts[0])
+            await asyncio.wait_for(relay.wait_version(0), 20)
+            full.set()
+            await tr.publish(*arts[1])
+            for _ in range(200):
+                if relay.metrics.total("p2psync_store_errors_total") >= 2:
+                    break
+                await asyncio.sleep(0.05)
+            assert relay.metrics.total("p2psync_store_errors_total") >= 2  # tried, and tried again
+            assert relay.version == 0 and _same(relay.state, states[0])
+            assert relay.status()["version"] == 0  # still up and answering
+            assert not list((tmp_path / "relay").rglob("*.tmp"))
+
+            def no_room(state, version):
+                raise OSError(28, "No space left on device")
+
+            relay.store.save_state = no_room  # room for artifacts again, not for its checkpoints
+            full.clear()
+            await asyncio.wait_for(relay.wait_version(1), 20)
+            assert _same(relay.state, states[1])
+            await relay.settle()
+            errors = relay.metrics.total("p2psync_housekeeping_errors_total")
+        finally:
+            full.clear()
+            await relay.close()
+            await tr.close()
+        assert relay.metrics.total("p2psync_housekeeping_errors_total") == errors + 1  # the exit checkpoint
+
+    with caplog.at_level(logging.ERROR, logger="p2psync"):
+        asyncio.run(go())
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "cannot store" in text and "No space left" in text
+    assert "checkpoint of version 1 at exit failed" in text
+    assert "crashed" not in text
