@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 from p2psync.codec.decode import Applier
 from p2psync.errors import ChunkHashMismatch, CodecError, P2PSyncError, PeerUnreachable
 from p2psync.node.priority import FORWARD_WAIT
+from p2psync.node.snapshots import names_snapshot, rebuild_snapshot
 from p2psync.retry import Backoff
 from p2psync.store import ArtifactInfo, VersionStore, plan_catchup
 from p2psync.transport.client import PeerClient, cancel_quietly
@@ -269,7 +270,7 @@ class Follower:
             cat = self.upstream_cat
             version = self.replica.version
             if (cat is not None and self.config.materialise and version is not None
-                    and version not in self._rebuilt and _snapshot_named(cat, version)):
+                    and version not in self._rebuilt and names_snapshot(cat, version)):
                 self._rebuilt.add(version)
                 self._after_apply(self._materialise(version), version)  # beside the next catch-up
                 continue
@@ -315,7 +316,7 @@ class Follower:
             latest = self.upstream_cat or cat  # it may list a snapshot signed while we fetched
             first = None
             version = self.replica.version
-            if self.config.materialise and version is not None and _snapshot_named(latest, version):
+            if self.config.materialise and version is not None and names_snapshot(latest, version):
                 self._rebuilt.add(version)
                 first = self._materialise(version)
             self._after_apply(first, version if first is not None else None)
@@ -460,25 +461,8 @@ class Follower:
             self.log.warning("snapshot manifest for version %d names another fingerprint; ignored", version)
             return
 
-        def rebuild() -> bool:
-            # Chunk by chunk, each verified against the signed manifest as it is stored: a few
-            # chunks of memory whatever the model's size. A difference removes what was stored.
-            from p2psync.artifact import snapshot_chunks_to
-            from p2psync.codec.encode import CodecOptions
-
-            assert self.replica.state is not None
-            self.store.add_manifest(m)
-            try:
-                snapshot_chunks_to(self.replica.state, m, CodecOptions(chunk_size=m.chunk_size, zstd_level=0),
-                                   lambda i, c: self.store.put_chunk(m.artifact_id, i, c), verify=False)
-            except BaseException as exc:
-                self.store.remove(m.artifact_id)
-                if isinstance(exc, P2PSyncError):
-                    return False
-                raise
-            return True
-
-        if await asyncio.to_thread(rebuild):
+        assert self.replica.state is not None
+        if await asyncio.to_thread(rebuild_snapshot, self.store, self.replica.state, m):
             self.metrics.inc("p2psync_snapshots_materialised_total")
             self.log.info("materialised signed snapshot %s from local weights", m.artifact_id)
             self.heads.bump()
@@ -510,7 +494,3 @@ class Follower:
             if self._upstream_seen.seq == seq:
                 await self._poll()  # nothing heard: the push stream may be down
 
-
-def _snapshot_named(cat: Catalogue, version: int) -> bool:
-    """``cat`` lists a signed snapshot manifest of ``version``, or one being made."""
-    return version in cat.snapshot_manifests or version in cat.snapshots_pending
