@@ -59,23 +59,31 @@ class Assembly(ShardIO):
     _error: PublishError | None
 
     def _finish(self, p: Pending) -> None:
-        """Collect this rank's share of version ``p``, exchange, and on rank 0 sign and publish.
+        """Collect this rank's share of version ``p``, exchange, and on rank 0 sign and publish (a delta,
+        or with ``full_weights`` a full snapshot).
 
         Sharded: every rank takes part in the exchange of every version it handed off, failed or not
         (a failed rank sends an error part), and rank 0 broadcasts the outcome, so that every rank
         stops at the same version and no rank waits for a part that never comes; a version any rank
         failed is not published (the node keeps the previous one)."""
-        if self.full_weights:
-            self._finish_full(p)
-            return
+        own: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+        def collect() -> tuple[Part, float, float]:
+            return self._collect_full(p) if self.full_weights else self._collect_delta(p, own)
+
+        def publish(parts: list[Part], extract_s: float, t_enc: float) -> None:
+            if self.full_weights:
+                self._publish_full(p, parts, extract_s, t_enc)
+            else:
+                self._publish_delta(p, parts, own, extract_s, t_enc)
+
         try:
             if self._error is not None:
                 return
             part: Part | None = None
-            own: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
             try:
                 try:
-                    part, extract_s, t_enc = self._collect_delta(p, own)
+                    part, extract_s, t_enc = collect()
                 finally:
                     self._base_ready.set()  # the next extraction may start (against the updated copy)
             except BaseException as exc:  # noqa: BLE001 - sent to rank 0, raised to the training loop
@@ -95,7 +103,7 @@ class Assembly(ShardIO):
                     outcome = "; ".join(failed)
                 else:
                     try:
-                        self._publish_delta(p, parts, own, extract_s, t_enc)
+                        publish(parts, extract_s, t_enc)
                     except BaseException as exc:  # noqa: BLE001 - every rank learns it through the outcome
                         if self._world == 1:
                             raise
@@ -161,48 +169,6 @@ class Assembly(ShardIO):
                     for i, xs in own.items()}
         self._hand_off(p.version, p.version - 1, art, p.started, extract_s, t_enc, mine)
         self._full_sums = target
-
-    def _finish_full(self, p: Pending) -> None:
-        """As :meth:`_finish`, for a full snapshot of the weights (``full_weights``)."""
-        try:
-            if self._error is not None:
-                return
-            try:
-                try:
-                    part, extract_s, t_enc = self._collect_full(p)
-                finally:
-                    self._base_ready.set()
-            except BaseException as exc:  # noqa: BLE001 - sent to rank 0, raised to the training loop
-                if self._world == 1:
-                    raise
-                self._error = PublishError(p.version, exc)
-                part = Part([], {}, {}, SegmentStats(), error=f"rank {self._rank}: {exc!r}")
-                extract_s = t_enc = 0.0
-            parts = self._gather(part)
-            outcome: str | None = None
-            cause: BaseException | None = None
-            if self._rank == 0:
-                assert parts is not None
-                failed = [q.error for q in parts if q.error is not None]
-                if failed:
-                    outcome = "; ".join(failed)
-                else:
-                    try:
-                        self._publish_full(p, parts, extract_s, t_enc)
-                    except BaseException as exc:  # noqa: BLE001 - every rank learns it through the outcome
-                        if self._world == 1:
-                            raise
-                        outcome, cause = f"rank 0: {exc!r}", exc
-            outcome = self._broadcast(outcome)
-            if outcome is not None:
-                raise PublishError(p.version, cause or P2PSyncError(outcome))
-        except BaseException as exc:  # noqa: BLE001 - kept and raised to the training loop
-            if self._error is None:
-                self._error = exc if isinstance(exc, PublishError) else PublishError(p.version, exc)
-            logger.error("publishing version %d failed: %r", p.version, exc)
-            self._base_ready.set()
-        finally:
-            self._pending_slots.release()
 
     def _collect_full(self, p: Pending) -> tuple[Part, float, float]:
         pieces, extract_s = p.extracted.result()
