@@ -34,7 +34,8 @@ child wants pushed; 0 = announcements only) answers ``200`` with
   ``&warm=W`` (bytes): right after the first catalogue, at most W bytes in all
   (capped by the parent's ``limits.stream_warmup_bytes``), frames of at most
   ``MAX_PADDING_FRAME`` bytes, cut short when the catalogue changes (a delta
-  never waits behind padding). A parent that does not know ``warm`` ignores it.
+  never waits behind padding) and resumed after that catalogue (and the delta it
+  pushes) until W bytes in all. A parent that does not know ``warm`` ignores it.
 
 TCP windows. A new connection's windows start small: the sender's congestion
 window at ten segments, and the receiver's advertised window at a few segments,
@@ -182,10 +183,11 @@ async def serve_stream(server: Responder, request: web.Request) -> web.StreamRes
                     text = cat.dumps().encode()
                     await server.write(resp, _header(CATALOGUE, len(text)) + text)
                     if warm:
+                        # Padding gives way to a catalogue that moved (and to the delta it may push)
+                        # and resumes after it, until the child has all it asked for.
                         opened = seq
-                        await _pad(server, resp, warm, lambda: heads.seq != opened,
-                                   request.transport.get_extra_info("socket") if request.transport else None)
-                        warm = 0
+                        warm -= await _pad(server, resp, warm, lambda: heads.seq != opened,
+                                           request.transport.get_extra_info("socket") if request.transport else None)
                     for m in pushing:
                         await _push_chunks(server, resp, m)
                 if heads.seq != seq:
