@@ -87,6 +87,21 @@ class Piece:
         return flat
 
 
+def hold_at(root: torch.nn.Module, name: str, t: torch.Tensor) -> None:
+    """Register ``t`` as a buffer of ``root`` under the dotted ``name`` (a checkpoint name), making
+    the submodules on its path, so that ``root``'s state dict lists it under that name (what the
+    publisher reads from a module that mirrors a stream or a source of named tensors)."""
+    *path, leaf = name.split(".")
+    owner = root
+    for part in path:
+        sub = owner._modules.get(part)
+        if sub is None:
+            sub = torch.nn.Module()
+            owner.add_module(part, sub)
+        owner = sub
+    owner.register_buffer(leaf, t)
+
+
 def _is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     try:
         from torch.distributed.tensor import DTensor

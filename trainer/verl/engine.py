@@ -36,6 +36,7 @@ from verl.checkpoint_engine.base import CheckpointEngine, CheckpointEngineRegist
 
 from p2psync import config as node_config
 from p2psync.errors import ConfigError
+from trainer.pieces import hold_at
 
 logger = logging.getLogger(__name__)
 
@@ -80,15 +81,7 @@ class NamedWeights(torch.nn.Module):
                 aliases[key] = name
             held = self._cast(name, t).cpu().clone()
             self.table[name] = held
-            *path, leaf = name.split(".")
-            owner: torch.nn.Module = self
-            for part in path:
-                sub = owner._modules.get(part)
-                if sub is None:
-                    sub = torch.nn.Module()
-                    owner.add_module(part, sub)
-                owner = sub
-            owner.register_buffer(leaf, held)
+            hold_at(self, name, held)
 
     def _cast(self, name: str, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from trainer.pieces import hold_at
 from trainer.vllm.info import InitInfoError
 
 
@@ -157,16 +158,8 @@ class SourceMirror(torch.nn.Module):
                 continue
             out = overrides.get(name, dtype) if meta.dtype.is_floating_point else meta.dtype
             t = torch.empty(tuple(meta.shape), dtype=out)
-            *path, leaf = name.split(".")
-            owner: torch.nn.Module = self
             try:
-                for part in path:
-                    child = owner._modules.get(part)
-                    if child is None:
-                        child = torch.nn.Module()
-                        owner.add_module(part, child)
-                    owner = child
-                owner.register_buffer(leaf, t)
+                hold_at(self, name, t)
             except (KeyError, TypeError) as exc:
                 raise InitInfoError("source", f"cannot hold {name!r} under its name: {exc}") from None
             self.held[name] = t
