@@ -1,7 +1,7 @@
 """Chaos soak on the emulated WAN (root): a trainer publishes continuously while faults hit at random.
 
     .venv/bin/python tools/chaos.py --json docs/benchmarks/chaos.json      # default: 12 nodes + trainer, 3 regions, ~15 min
-    .venv/bin/python tools/chaos.py --short --json /tmp/chaos.json         # CI: 6 nodes + trainer, 3 regions, <= 3 min
+    .venv/bin/python tools/chaos.py --short --json /tmp/chaos.json         # CI: 6 nodes + trainer, 3 regions, <= 2.25 min
 
 Builds a testbed (``p2psync.testbed``: a namespace per machine, a router per region, the
 delay line between regions), starts a ``p2psync node`` per machine over mutual TLS with gossip
@@ -436,10 +436,10 @@ class Soak:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--short", action="store_true", help="CI mode: 2 machines a region, <= 3 minutes")
+    ap.add_argument("--short", action="store_true", help="CI mode: 2 machines a region, <= 2.25 minutes")
     ap.add_argument("--json", help="write the result here")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--minutes", type=float, help="whole run, set-up included (default 15; --short 3)")
+    ap.add_argument("--minutes", type=float, help="whole run, set-up included (default 15; --short 2.25)")
     ap.add_argument("--nodes-per-region", type=int, help="default 4 (--short 2): 3 regions")
     ap.add_argument("--publish-every", type=float, default=3.0, help="seconds between versions")
     ap.add_argument("--publish-cli", action="store_true",
@@ -449,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--poll", type=float, default=1.0, help="seconds between status rounds")
     ap.add_argument("--hold-min", type=float, help="shortest fault, s (default 4; --short 3)")
     ap.add_argument("--hold-max", type=float, help="longest fault, s (default 10; --short 5)")
-    ap.add_argument("--final-reserve", type=float, help="seconds kept for the end (default 60; --short 40)")
+    ap.add_argument("--final-reserve", type=float, help="seconds kept for the end (default 60; --short 35)")
     ap.add_argument("--name", default=f"ch{os.getpid() % 10**5}", help="testbed name (namespace prefix)")
     ap.add_argument("--state-dir", type=Path, default=None)
     ap.add_argument("--workdir", default=None, help="parent of the run's temporary folder")
@@ -457,9 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the work dir (node logs) after the run")
     a = ap.parse_args(argv)
     short = a.short
-    for k, default, short_default in (("minutes", 15.0, 3.0), ("nodes_per_region", 4, 2), ("bound", 120.0, 60.0),
+    for k, default, short_default in (("minutes", 15.0, 2.25), ("nodes_per_region", 4, 2), ("bound", 120.0, 60.0),
                                       ("hold_min", 4.0, 3.0), ("hold_max", 10.0, 5.0),
-                                      ("final_reserve", 60.0, 40.0)):
+                                      ("final_reserve", 60.0, 35.0)):
         if getattr(a, k) is None:
             setattr(a, k, short_default if short else default)
     if os.geteuid() != 0:

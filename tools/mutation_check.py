@@ -7,7 +7,8 @@ For every test file given (default: every ``tests/unit/**/test_*.py``) this tool
    when it imports none directly): a comparison turned around (``<`` to ``>=``, ``==`` to ``!=``,
    ``in`` to ``not in``), ``and``/``or`` swapped, ``+``/``-`` swapped, an ``if``/``while`` condition
    negated, an integer constant moved by one, ``True``/``False`` swapped, a ``return`` of a value
-   made ``return None``; never inside a compiled (numba) kernel, a log or an error message;
+   made ``return None``; never inside a compiled (numba) kernel, a log or an error message, and no
+   constant of a module-level setting or an argument's default (a correct program survives those);
 3. runs the file against each mutant (the module rewritten in place, restored after; its
    modification time too, so numba's cache of the other kernels stays valid) and counts the
    mutant killed when the run fails or times out.
@@ -75,10 +76,21 @@ def _excluded_lines(tree: ast.Module) -> set[int]:
     return out
 
 
+def _settings(tree: ast.Module) -> set[int]:
+    """ids of the nodes under module-level assignments and argument defaults: constants there are
+    settings (a chunk size, a default timeout) whose change a correct program survives."""
+    roots: list[ast.AST] = [n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arguments):
+            roots += [d for d in (*node.defaults, *node.kw_defaults) if d is not None]
+    return {id(n) for r in roots for n in ast.walk(r)}
+
+
 def sites(source: str, lines: set[int]) -> list[tuple[int, int, str]]:
     """``(node index in ast.walk order, line, description)`` of every mutation site on ``lines``."""
     tree = ast.parse(source)
     skip = _excluded_lines(tree)
+    settings = _settings(tree)
     out = []
     for k, node in enumerate(ast.walk(tree)):
         line = getattr(node, "lineno", None)
@@ -92,7 +104,9 @@ def sites(source: str, lines: set[int]) -> list[tuple[int, int, str]]:
             out.append((k, line, f"{type(node.op).__name__} swapped"))
         elif isinstance(node, (ast.If, ast.While)):
             out.append((k, line, f"{type(node).__name__} condition negated"))
-        elif (isinstance(node, ast.Constant) and type(node.value) is int and not isinstance(node.value, bool)):
+        elif isinstance(node, ast.Constant) and id(node) in settings:
+            continue
+        elif isinstance(node, ast.Constant) and type(node.value) is int:
             out.append((k, line, f"constant {node.value} -> {node.value + 1}"))
         elif isinstance(node, ast.Constant) and isinstance(node.value, bool):
             out.append((k, line, f"{node.value} -> {not node.value}"))
