@@ -63,7 +63,7 @@ def _excluded_lines(tree: ast.Module) -> set[int]:
     """Lines not to mutate: compiled kernels, raise statements and log calls (their text only)."""
     out: set[int] = set()
     for node in ast.walk(tree):
-        span = None
+        span: ast.stmt | ast.expr | None = None
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _jitted(node):
             span = node
         elif isinstance(node, (ast.Raise, ast.Assert)):
@@ -130,7 +130,7 @@ def mutate(source: str, index: int) -> str:
         node.test = ast.UnaryOp(op=ast.Not(), operand=node.test)
     elif isinstance(node, ast.Constant) and isinstance(node.value, bool):
         node.value = not node.value
-    elif isinstance(node, ast.Constant):
+    elif isinstance(node, ast.Constant) and isinstance(node.value, int):
         node.value = node.value + 1
     elif isinstance(node, ast.Return):
         node.value = ast.Constant(value=None)
