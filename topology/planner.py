@@ -55,6 +55,10 @@ from topology.tree import Plan, bfs_order, children_of, completion, depths_of, e
 from topology.vector import arrays_of, layout, propagate
 
 _TARGET_DIVISORS = (1.0, 2.0, 4.0)
+# Narrower relays inside a region, tried at the entry's rate: a hop costs one chunk time at the
+# relay's uplink share (uplink / children), so a deeper tree of narrow relays can finish sooner
+# (the sum of the degrees along the path, not their product, is what the chunk times add up to).
+_NARROW_DEGREES = (3, 4)
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,9 @@ class _Builder:
         self.pipe_reserved: dict[tuple[str, str], float] = {}
         self.rate: dict[str, float] = {self.root: math.inf}
         self.lat: dict[str, float] = {self.root: 0.0}
+        self.pipe: dict[str, float] = {self.root: 0.0}
+        """Chunk times along the backbone path to each source (the hop cost of cut-through)."""
+        self.cbits = min(cfg.chunk_bytes, cfg.payload_bytes) * 8.0
         self.entries: dict[str, list[str]] = {}
         self.sources: list[str] = [self.root]
         self.serve: dict[str, float] = {}
@@ -166,6 +173,7 @@ class _Builder:
         self.attach(dst, src)
         self.rate[dst] = rate
         self.lat[dst] = self.lat[src] + self.m.rtt(src, dst) / 2
+        self.pipe[dst] = self.pipe[src] + self.cbits / rate
         used = min(rate, reserve_cap)
         self.reserved[src] = self.reserved.get(src, 0.0) + used
         a, b = self.m.region_of(src), self.m.region_of(dst)
@@ -194,7 +202,7 @@ class _Builder:
         lat = self.lat[s] + self.m.rtt(s, g) / 2
         up = self.serve.get(g, 0.0)
         if self.by_eta:
-            return (-(self.bits / r + lat), r, up, -self.rank[g])
+            return (-(self.bits / r + self.pipe[s] + lat), r, up, -self.rank[g])
         return (r, -lat, up, -self.rank[g])
 
     def backbone(self, reserve_cap: float) -> None:
@@ -237,13 +245,14 @@ class _Builder:
 
     # ---- fan-out inside a region -------------------------------------------------------
 
-    def slots(self, p: str, target: float) -> int:
+    def slots(self, p: str, target: float, degree: int | None = None) -> int:
         spare = self.m.node(p).uplink_bps - self.reserved.get(p, 0.0)
-        free = self.cfg.max_degree - len(self.children[p])
+        free = min(self.cfg.max_degree, degree or self.cfg.max_degree) - len(self.children[p])
         return max(0, min(free, int(spare / target + 1e-9)))
 
-    def fan_out(self, heads: list[str], members: list[str], target: float) -> None:
-        """Attach ``members`` (strongest first) breadth first below ``heads``."""
+    def fan_out(self, heads: list[str], members: list[str], target: float, degree: int) -> None:
+        """Attach ``members`` (strongest first) breadth first below ``heads``, each member relaying to
+        at most ``degree`` others."""
         m = self.m
         queue: list[list[Any]] = [[h, self.slots(h, target)] for h in heads]
         queue = [q for q in queue if q[1] > 0] or [[heads[-1], 1]]
@@ -275,7 +284,7 @@ class _Builder:
             queue[pick][1] -= 1
             self.attach(c, p)
             attached.append(c)
-            k = self.slots(c, target)
+            k = self.slots(c, target, degree)
             if k > 0:
                 queue.append([c, k])
 
@@ -330,10 +339,12 @@ class _Builder:
         bare = all(not self.children[c] and not self.reserved.get(c, 0.0) for c in members)
         hi = np.array([a.idx[h] for h in heads], dtype=np.int64)
         mi = np.array([a.idx[c] for c in members], dtype=np.int64)
-        for div in _TARGET_DIVISORS:
+        trials = [(div, cfg.max_degree) for div in _TARGET_DIVISORS]
+        trials += [(1.0, d) for d in _NARROW_DEGREES if d < cfg.max_degree]
+        for div, degree in trials:
             target = max(base / div, 1.0)
             parent = fanout.fan_out(a, hi, [self.slots(h, target) for h in heads], mi, target,
-                                    cfg.max_degree) if bare else None
+                                    degree) if bare else None
             trial: dict[str, str] | Callable[[], dict[str, str]]
             if parent is not None:
                 score = fanout.worst_below(
@@ -346,7 +357,7 @@ class _Builder:
                 for c in members:
                     if c in self.parents:
                         self.detach(c)
-                self.fan_out(heads, members, target)
+                self.fan_out(heads, members, target, degree)
                 score = self.local_eval(heads, member_set)
                 trial = {c: self.parents[c] for c in members}
                 for c in members:
