@@ -8,9 +8,11 @@ How a plan is built (each step scored with :func:`topology.tree.estimate`):
 1. **Backbone.** Every region gets one entry node (chosen among its
    ``gateways_per_region`` strongest machines) attached to a *source*: the
    trainer or the entry of a region already attached. Regions are attached
-   greedily, widest path first (highest rate, then lowest path RTT), so a
-   region is chained behind another when that inter-region link beats what
-   the trainer's uplink can still give it. Each attachment reserves the rate
+   greedily, widest path first (highest rate, then lowest path RTT), or
+   earliest estimated arrival first (payload time, the chunk times of the
+   hops so far and the path delay), so a region is chained behind another
+   when that inter-region link beats what the trainer's uplink can still
+   give it. Each attachment reserves the rate
    it uses on the source's uplink and on the inter-region pipe, so later
    attachments see what is left.
 2. **Fan-out inside a region.** Starting from the entry (and, in the
@@ -18,8 +20,10 @@ How a plan is built (each step scored with :func:`topology.tree.estimate`):
    strongest uplink first, so strong machines become relays near the top and
    weak ones leaves. A relay takes ``floor(spare uplink / target rate)``
    children (at most ``max_degree``), with the target rate the entry's rate;
-   halved targets (more fan-out, less depth) are tried too and the best
-   local estimate wins.
+   halved targets (more fan-out, less depth) and narrow relays (3 or 4
+   children: each hop costs one chunk time at the relay's uplink share, so
+   a deeper tree of narrow relays can finish sooner) are tried too and the
+   best local estimate wins.
 3. **Second entry points.** While the region that finishes last can be
    improved by giving it a second entry (its next strongest machine, attached
    to the best remaining source, the region's machines split between the two
