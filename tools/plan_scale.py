@@ -126,6 +126,7 @@ def scale_run(nodes: int, cfg: PlannerConfig, repeats: int) -> dict:
                            "subtree": len(_subtree(ch, victim)), "moved": len(change.moved), "touched": change.touched,
                            "replan_s": statistics.median(rcpu), "replan_wall_s": statistics.median(rwall),
                            "est_after": change.plan.est_completion_s}
+    events = _events(p, m, cfg, repeats)
     tb = tree_lower_bound(m, cfg.payload_bytes).completion_s
     fb = flow_lower_bound(m, cfg.payload_bytes).completion_s
     star = estimate(m, m.trainer, star_tree(m), cfg.payload_bytes, cfg.chunk_bytes).completion_s
@@ -134,7 +135,9 @@ def scale_run(nodes: int, cfg: PlannerConfig, repeats: int) -> dict:
     return {
         "nodes": len(m), "regions": regions, "per_region": per,
         "plan_s": statistics.median(cpu), "plan_s_all": cpu, "plan_wall_s": wall,
-        "replan_s": main["replan_s"], "replan_moved": main["moved"], "failures": failures,
+        "replan_s": {"failure": main["replan_s"], **{k: e["replan_s"] for k, e in events.items()}},
+        "replan_moved": {"failure": main["moved"], **{k: e["moved"] for k, e in events.items()}},
+        "failures": failures, "events": events,
         "est_s": p.est_completion_s, "tree_bound_s": tb, "flow_bound_s": fb,
         "est_vs_bound": p.est_completion_s / tb, "est_vs_flow_bound": p.est_completion_s / fb,
         "star_est_s": star, "fixed_tiers_est_s": tiers, "max_depth": max(depth.values()),
@@ -143,6 +146,38 @@ def scale_run(nodes: int, cfg: PlannerConfig, repeats: int) -> dict:
         "load_avg_1m": os.getloadavg()[0], "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def _events(p, m, cfg: PlannerConfig, repeats: int) -> dict:
+    """A join, one plan edge's bandwidth collapsing, and the busiest region cut off, each re-planned
+    incrementally (median CPU seconds, nodes moved)."""
+    from topology.model import NodeSpec
+
+    ch = p.children()
+    fed = {}
+    for c, x in p.parents.items():
+        if p.regions[c] != p.regions[x] and x != p.root:
+            fed[p.regions[x]] = fed.get(p.regions[x], 0) + 1
+    cut = max((r for r in fed if r != m.region_of(m.trainer)), key=lambda r: (fed[r], r), default=None)
+    edge = max((c for c, x in p.parents.items() if ch[c] and x != p.root and p.regions[c] == p.regions[x]),
+               key=lambda c: (len(ch[c]), c))
+    kinds = {
+        "join": lambda r: r.join(NodeSpec("joiner", m.region_names()[-1], "rollout", 10e9, 10e9)),
+        "link": lambda r: r.link_changed(p.parents[edge], edge, 1e6),
+        "partition": lambda r: r.partition(cut if cut is not None else m.region_names()[-1]),
+    }
+    out = {}
+    for kind, run in kinds.items():
+        cpu, change = [], None
+        for _ in range(repeats):
+            r = Replanner(p, m, cfg)
+            c0 = time.process_time()
+            change = run(r)
+            cpu.append(time.process_time() - c0)
+        assert change is not None
+        out[kind] = {"replan_s": statistics.median(cpu), "moved": len(change.moved), "touched": change.touched,
+                     "est_after": change.plan.est_completion_s}
+    return out
 
 
 def _subtree(ch: dict, top: str) -> set:

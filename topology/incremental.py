@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from topology.model import Measurement, NetworkModel, NodeSpec
 from topology.fallbacks import rank_one
+from topology.offers import Key, NodeTable
 from topology.planner import PlannerConfig
 from topology.tree import Plan, edge_share, estimate
 
@@ -45,6 +46,8 @@ from topology.tree import Plan, edge_share, estimate
 _PRIM_TOPS = 32
 # Shallowest nodes of the whole tree kept as the fallback pool (the planner takes 4 of them).
 _TREE_POOL = 64
+# Shallowest nodes of a region kept as its fallback pool (the planner takes 8 of them).
+_REGION_POOL = 64
 
 
 @dataclass(frozen=True)
@@ -83,8 +86,15 @@ class Replanner:
         self.depth: dict[str, int] = {self.root: 0}
         self.regions = {n: model.region_of(n) for n in model.node_ids}
         self.roles = {n: model.node(n).role for n in model.node_ids}
-        self._loose: set[str] = set()
-        """Nodes of subtrees detached during a change (not candidates, no estimate) until placed."""
+        self._detached: set[str] = set()
+        """Tops detached during a change, until placed: their subtrees are loose (not candidates)."""
+        self._above: dict[str, str | None] = {}
+        """Per node seen during a change: the detached top above it (None: attached); see _is_loose."""
+        self._table = NodeTable(model)
+        self._pools: dict[str, list[str]] = {}
+        """Per region, its shallowest nodes (fallback candidates); dropped when a node of it moves."""
+        self._tree_pool: list[str] | None = None
+        """The shallowest nodes of the tree; dropped when a node at depth <= 3 moves, leaves or joins."""
         self._touched = 0
         self._depth_moved: dict[str, int] = {}
         """Nodes whose depth changed during the current change, with their depth before it."""
@@ -94,6 +104,12 @@ class Replanner:
         for n, fbs in self.fallbacks.items():
             for f in fbs:
                 self.fb_users.setdefault(f, set()).add(n)
+        # The fallback pools of every region, in one pass (a change then rebuilds only those it touches).
+        ups, depth = self._table.up, self.depth
+        for n in sorted(depth, key=lambda n: (depth[n], -ups[self._table.ix[n]], n)):
+            pool = self._pools.setdefault(self.regions[n], [])
+            if len(pool) < _REGION_POOL:
+                pool.append(n)
         self._touched = 0
 
     # ---- the changes ------------------------------------------------------------------------
@@ -126,6 +142,7 @@ class Replanner:
         is placed again, its current parent among the candidates: it moves only to a better offer."""
         rtt = self.model.rtt(src, dst) if rtt_s is None else rtt_s
         model = self.model.with_links([Measurement(src, dst, bandwidth_bps, rtt)])
+        self._table.measured(src, dst)
         if self.parents.get(dst) != src:
             self.model = model  # not a plan edge: the tree and its estimate are unchanged
             self._touched = 0
@@ -138,6 +155,7 @@ class Replanner:
         self._touched = 0
         self._depth_moved = {}
         gone_set = set(gone)
+        changed_regions = {self.regions[g] for g in gone}
         old_parent: dict[str, str] = {}
         anchor: dict[str, str] = {}  # a top's nearest surviving ancestor: one of its candidates
         stale: set[str] = set()  # edges (by child) whose share must be recomputed
@@ -167,27 +185,42 @@ class Replanner:
         for j in joined:
             self.children[j] = []
             self.regions[j], self.roles[j] = model.region_of(j), model.node(j).role
+        if joined:
+            self._table.add(model, [*joined, *(x for j in joined for x in self._measured_peers(model, j))])
         tops = [*old_parent, *joined]
-        self._loose = set()
-        for t in tops:
-            self._loose |= self._subtree(t)
-        self._refresh(stale - gone_set - self._loose)
+        self._detached, self._above = set(tops), {}
+        self._refresh(stale - gone_set)
         placed = self._place(tops, anchor)
+        self._detached, self._above = set(), {}
         moved = frozenset(t for t, p in old_parent.items() if placed[t] != p)
-        # Fallbacks are recomputed where the contract (not the parent, shallower than the node) may
-        # break or the grandparent changed: the placed tops and their children, nodes that got
-        # shallower, and the users of a node that left or whose depth changed. A node that only got
-        # deeper keeps its fallbacks: they are still shallower than it.
+        # Fallbacks are recomputed where the grandparent changed (the placed tops and their children)
+        # or a fallback left, and wherever the contract (each fallback shallower than the node, not
+        # its parent) no longer holds: nodes that got shallower and the users of a node whose depth
+        # changed are checked, and most pass (a subtree that moves up keeps its fallbacks when
+        # they moved up with it).
         redo: set[str] = set()
         for t in placed:
             redo.add(t)
             redo.update(self.children[t])
         for n in gone:
             redo |= self.fb_users.pop(n, set())
+        changed = [*self._depth_moved, *joined]
+        changed_regions.update(self.regions[n] for n in changed)
+        for r in changed_regions:
+            self._pools.pop(r, None)
+        pool = set(self._tree_pool or ())
+        if gone_set & pool or any(self.depth[n] <= 3 or n in pool for n in changed):
+            self._tree_pool = None
+        check: set[str] = set()
         for n, was in self._depth_moved.items():
             if self.depth[n] < was:
+                check.add(n)
+            check |= self.fb_users.get(n, set())
+        depth, parents = self.depth, self.parents
+        for n in check - redo - gone_set:
+            dn, p = depth[n], parents[n]
+            if any(f == p or depth.get(f, dn) >= dn for f in self.fallbacks.get(n, ())):
                 redo.add(n)
-            redo |= self.fb_users.get(n, set())
         return self._finish(redo - gone_set, moved)
 
     def _finish(self, redo: set[str], moved: frozenset[str]) -> Change:
@@ -227,7 +260,7 @@ class Replanner:
 
     def _refresh(self, edges: set[str]) -> None:
         """Recompute the shares of ``edges`` (by child) and the path quantities below them."""
-        live = [c for c in edges if c in self.parents and c not in self._loose]
+        live = [c for c in edges if c in self.parents and not self._is_loose(c)]
         for c in live:
             self.share[c] = edge_share(self.model, self.children, self.parents[c], c, self.flows)
         live.sort(key=lambda c: self.depth[self.parents[c]])
@@ -261,13 +294,26 @@ class Replanner:
         self._touched += len(order)
         return set(order)
 
-    def _subtree(self, top: str) -> set[str]:
-        out, stack = {top}, [top]
-        while stack:
-            for c in self.children.get(stack.pop(), ()):
-                out.add(c)
-                stack.append(c)
-        return out
+    def _is_loose(self, n: str) -> bool:
+        """Whether ``n`` hangs below a detached top. Each node's top is found once per change (a walk
+        up, remembered for every node on it); placing a top attaches every node remembered below it."""
+        above, path = self._above, []
+        while n not in above:
+            p = self.parents.get(n)
+            if p is None:  # the root, or a detached top
+                above[n] = None if n == self.root else n
+                break
+            path.append(n)
+            n = p
+        top = above[n]
+        for x in path:
+            above[x] = top
+        return top is not None and top in self._detached
+
+    @staticmethod
+    def _measured_peers(model: NetworkModel, n: str) -> list[str]:
+        return [x for x in model.node_ids if model.is_measured(n, x) or model.is_measured(x, n)] \
+            if model.has_measurements(n) else []
 
     # ---- placement (as topology.replan) -----------------------------------------------------
 
@@ -285,21 +331,33 @@ class Replanner:
         share = self.model.node(u).uplink_bps / (len(self.children[u]) + 1)
         return any(share < self.rate[c] * 0.999 for c in self.children[u])
 
-    def _candidates(self, top: str, anchor: dict[str, str], old_regions: dict[str, str]) -> list[str]:
-        m, cap = self.model, self.cfg.max_degree
-        region = m.region_of(top)
-        loose = self._loose
-        cands = [u for u in m.nodes_in(region) if u not in loose and len(self.children[u]) < cap]
+    def _candidates(self, region: str, old_region: str | None) -> list[str]:
+        """Attached nodes with a free slot in ``region``; if none, the sources (the root and the nodes
+        entering a region) and the machines of ``old_region`` (where the top used to be fed from)."""
+        m, cap, loose = self.model, self.cfg.max_degree, self._is_loose
+        cands = [u for u in m.nodes_in(region) if len(self.children[u]) < cap and not loose(u)]
         if not cands:
             sources = [self.root] + [c for es in self.pipe_edges.values() for c in es]
-            near = m.nodes_in(old_regions.get(top, "")) if top in old_regions else []
-            cands = [u for u in (*sources, *near) if u in self.depth and u not in loose
-                     and len(self.children[u]) < cap] or [self.root]
-        if top in anchor and anchor[top] in self.depth and len(self.children[anchor[top]]) < cap:
-            cands.append(anchor[top])
+            near = m.nodes_in(old_region) if old_region is not None else []
+            cands = [u for u in (*sources, *near) if u in self.depth and len(self.children[u]) < cap
+                     and not loose(u)] or [self.root]
         return cands
 
-    def _key(self, u: str, top: str) -> tuple[bool, float, int, float, str]:
+    def _best(self, top: str, anchor: dict[str, str], old_regions: dict[str, str],
+              groups: dict[tuple[str, str | None], list[str]]) -> tuple[Key, str]:
+        """The best parent for ``top`` and its key; ``groups`` caches candidate lists until a placement."""
+        g = (self.regions[top], old_regions.get(top))
+        cands = groups.get(g)
+        if cands is None:
+            cands = groups[g] = self._candidates(*g)
+        best = self._table.best(self.model, cands, top, self.children, self.rate, self.depth, self.flows,
+                                self._harms)
+        a = anchor.get(top)
+        if a is not None and a in self.depth and len(self.children[a]) < self.cfg.max_degree:
+            best = max(best, (self._key(a, top), a))
+        return best
+
+    def _key(self, u: str, top: str) -> Key:
         return (not self._harms(u), self._offer(u, top), -self.depth[u], self.model.node(u).uplink_bps / (len(self.children[u]) + 1), u)
 
     def _place(self, tops: list[str], anchor: dict[str, str]) -> dict[str, str]:
@@ -310,18 +368,19 @@ class Replanner:
         remaining = sorted(tops, key=lambda n: (-m.node(n).uplink_bps, n))
         placed: dict[str, str] = {}
         while remaining:
+            groups: dict[tuple[str, str | None], list[str]] = {}
             if len(remaining) <= _PRIM_TOPS:
                 # Few tops (a failure): best offer first, so a promoted entry is in place before its
                 # region's other orphans; equal offers go to the top with the most uplink.
-                best = max(((max((self._key(u, t), u) for u in self._candidates(t, anchor, old_regions)), t)
-                            for t in remaining), key=lambda x: (x[0][0], m.node(x[1]).uplink_bps, x[1]))
+                best = max(((self._best(t, anchor, old_regions, groups), t) for t in remaining),
+                           key=lambda x: (x[0][0], m.node(x[1]).uplink_bps, x[1]))
                 (_, parent), top = best
             else:
                 top = remaining[0]
-                _, parent = max((self._key(u, top), u) for u in self._candidates(top, anchor, old_regions))
+                _, parent = self._best(top, anchor, old_regions, groups)
             remaining.remove(top)
             placed[top] = parent
-            self._loose -= self._subtree(top)
+            self._detached.discard(top)
             self._refresh(self._attach(top, parent) | {top})
         return placed
 
@@ -333,18 +392,29 @@ class Replanner:
             return
         m, depth = self.model, self.depth
         up = _Uplinks(m)
-        tree_pool = sorted((n for n in depth if depth[n] <= 3), key=lambda n: (depth[n], -up[n], n))[:_TREE_POOL]
-        pools: dict[str, list[str]] = {}
+        if self._tree_pool is None:
+            self._tree_pool = sorted((n for n in depth if depth[n] <= 3), key=lambda n: (depth[n], -up[n], n))[:_TREE_POOL]
+        pools = self._pools
+        # Siblings without measured links share region, depth, parent, grandparent and usually the
+        # downlink, and so their ranking (as topology.fallbacks.rank_fallbacks memoises it).
+        memo: dict[tuple[str, int, str, str | None, float], list[str]] = {}
         for v in nodes:
             if v not in self.parents:
                 continue
             r = m.region_of(v)
             if r not in pools:
-                pools[r] = sorted((n for n in m.nodes_in(r) if n in depth), key=lambda n: (depth[n], -up[n], n))[:64]
+                pools[r] = sorted((n for n in m.nodes_in(r) if n in depth), key=lambda n: (depth[n], -up[n], n))[:_REGION_POOL]
             for f in self.fallbacks.get(v, []):
                 self.fb_users.get(f, set()).discard(v)
             p = self.parents[v]
-            fbs = rank_one(m, v, p, self.parents.get(p), depth, pools[r], tree_pool, up, self.children, k)
+            gp = self.parents.get(p)
+            key = None if m.has_measurements(v) else (r, depth[v], p, gp, m.node(v).downlink_bps)
+            fbs = memo.get(key) if key is not None else None
+            if fbs is None:
+                fbs = rank_one(m, v, p, gp, depth, pools[r], self._tree_pool, up, self.children, k)
+                if key is not None:
+                    memo[key] = fbs
+            fbs = list(fbs)
             self.fallbacks[v] = fbs
             for f in fbs:
                 self.fb_users.setdefault(f, set()).add(v)

@@ -8,9 +8,11 @@ How a plan is built (each step scored with :func:`topology.tree.estimate`):
 1. **Backbone.** Every region gets one entry node (chosen among its
    ``gateways_per_region`` strongest machines) attached to a *source*: the
    trainer or the entry of a region already attached. Regions are attached
-   greedily, widest path first (highest rate, then lowest path RTT), so a
-   region is chained behind another when that inter-region link beats what
-   the trainer's uplink can still give it. Each attachment reserves the rate
+   greedily, widest path first (highest rate, then lowest path RTT), or
+   earliest estimated arrival first (payload time, the chunk times of the
+   hops so far and the path delay), so a region is chained behind another
+   when that inter-region link beats what the trainer's uplink can still
+   give it. Each attachment reserves the rate
    it uses on the source's uplink and on the inter-region pipe, so later
    attachments see what is left.
 2. **Fan-out inside a region.** Starting from the entry (and, in the
@@ -18,8 +20,10 @@ How a plan is built (each step scored with :func:`topology.tree.estimate`):
    strongest uplink first, so strong machines become relays near the top and
    weak ones leaves. A relay takes ``floor(spare uplink / target rate)``
    children (at most ``max_degree``), with the target rate the entry's rate;
-   halved targets (more fan-out, less depth) are tried too and the best
-   local estimate wins.
+   halved targets (more fan-out, less depth) and narrow relays (3 or 4
+   children: each hop costs one chunk time at the relay's uplink share, so
+   a deeper tree of narrow relays can finish sooner) are tried too and the
+   best local estimate wins.
 3. **Second entry points.** While the region that finishes last can be
    improved by giving it a second entry (its next strongest machine, attached
    to the best remaining source, the region's machines split between the two
@@ -55,6 +59,10 @@ from topology.tree import Plan, bfs_order, children_of, completion, depths_of, e
 from topology.vector import arrays_of, layout, propagate
 
 _TARGET_DIVISORS = (1.0, 2.0, 4.0)
+# Narrower relays inside a region, tried at the entry's rate: a hop costs one chunk time at the
+# relay's uplink share (uplink / children), so a deeper tree of narrow relays can finish sooner
+# (the sum of the degrees along the path, not their product, is what the chunk times add up to).
+_NARROW_DEGREES = (3, 4)
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,9 @@ class _Builder:
         self.pipe_reserved: dict[tuple[str, str], float] = {}
         self.rate: dict[str, float] = {self.root: math.inf}
         self.lat: dict[str, float] = {self.root: 0.0}
+        self.pipe: dict[str, float] = {self.root: 0.0}
+        """Chunk times along the backbone path to each source (the hop cost of cut-through)."""
+        self.cbits = min(cfg.chunk_bytes, cfg.payload_bytes) * 8.0
         self.entries: dict[str, list[str]] = {}
         self.sources: list[str] = [self.root]
         self.serve: dict[str, float] = {}
@@ -166,6 +177,7 @@ class _Builder:
         self.attach(dst, src)
         self.rate[dst] = rate
         self.lat[dst] = self.lat[src] + self.m.rtt(src, dst) / 2
+        self.pipe[dst] = self.pipe[src] + self.cbits / rate
         used = min(rate, reserve_cap)
         self.reserved[src] = self.reserved.get(src, 0.0) + used
         a, b = self.m.region_of(src), self.m.region_of(dst)
@@ -194,7 +206,7 @@ class _Builder:
         lat = self.lat[s] + self.m.rtt(s, g) / 2
         up = self.serve.get(g, 0.0)
         if self.by_eta:
-            return (-(self.bits / r + lat), r, up, -self.rank[g])
+            return (-(self.bits / r + self.pipe[s] + lat), r, up, -self.rank[g])
         return (r, -lat, up, -self.rank[g])
 
     def backbone(self, reserve_cap: float) -> None:
@@ -237,13 +249,14 @@ class _Builder:
 
     # ---- fan-out inside a region -------------------------------------------------------
 
-    def slots(self, p: str, target: float) -> int:
+    def slots(self, p: str, target: float, degree: int | None = None) -> int:
         spare = self.m.node(p).uplink_bps - self.reserved.get(p, 0.0)
-        free = self.cfg.max_degree - len(self.children[p])
+        free = min(self.cfg.max_degree, degree or self.cfg.max_degree) - len(self.children[p])
         return max(0, min(free, int(spare / target + 1e-9)))
 
-    def fan_out(self, heads: list[str], members: list[str], target: float) -> None:
-        """Attach ``members`` (strongest first) breadth first below ``heads``."""
+    def fan_out(self, heads: list[str], members: list[str], target: float, degree: int) -> None:
+        """Attach ``members`` (strongest first) breadth first below ``heads``, each member relaying to
+        at most ``degree`` others."""
         m = self.m
         queue: list[list[Any]] = [[h, self.slots(h, target)] for h in heads]
         queue = [q for q in queue if q[1] > 0] or [[heads[-1], 1]]
@@ -275,7 +288,7 @@ class _Builder:
             queue[pick][1] -= 1
             self.attach(c, p)
             attached.append(c)
-            k = self.slots(c, target)
+            k = self.slots(c, target, degree)
             if k > 0:
                 queue.append([c, k])
 
@@ -330,10 +343,12 @@ class _Builder:
         bare = all(not self.children[c] and not self.reserved.get(c, 0.0) for c in members)
         hi = np.array([a.idx[h] for h in heads], dtype=np.int64)
         mi = np.array([a.idx[c] for c in members], dtype=np.int64)
-        for div in _TARGET_DIVISORS:
+        trials = [(div, cfg.max_degree) for div in _TARGET_DIVISORS]
+        trials += [(1.0, d) for d in _NARROW_DEGREES if d < cfg.max_degree]
+        for div, degree in trials:
             target = max(base / div, 1.0)
             parent = fanout.fan_out(a, hi, [self.slots(h, target) for h in heads], mi, target,
-                                    cfg.max_degree) if bare else None
+                                    degree) if bare else None
             trial: dict[str, str] | Callable[[], dict[str, str]]
             if parent is not None:
                 score = fanout.worst_below(
@@ -346,7 +361,7 @@ class _Builder:
                 for c in members:
                     if c in self.parents:
                         self.detach(c)
-                self.fan_out(heads, members, target)
+                self.fan_out(heads, members, target, degree)
                 score = self.local_eval(heads, member_set)
                 trial = {c: self.parents[c] for c in members}
                 for c in members:

@@ -294,7 +294,7 @@ class GossipService:
                 continue
             rep = g.report_of(e.id)
             members.append(PlanMember(e.id, e.role, e.region, rep.bandwidth if rep else 0.0))
-        new = await asyncio.to_thread(planner.update, members)
+        new = await asyncio.to_thread(planner.update, members, time.time())
         if new is None:
             return
         g.publish("plan", {"epoch": new.epoch, "root": new.root, "parents": dict(new.parents)}, time.time())

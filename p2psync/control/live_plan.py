@@ -27,6 +27,15 @@ What the model knows, per member, best source first:
    the uplink of a rollout node, so that dedicated relays, not GPU machines,
    become the interior of the tree.
 
+Membership changes take the incremental path (:class:`topology.incremental.Replanner`): members
+that left (a failure, a region cut off) are removed and their children placed again with their
+subtrees, each joiner is placed under its best offer, nobody else moves, and the cost is that of the
+part of the tree touched (a failure at 100,000 members re-plans in a fraction of a second). One
+measured link (:meth:`LivePlanner.link_measured`) takes the same path: only the child of that edge
+may move. A full plan runs every ``full_every_s`` seconds (given ``now``) and is taken only if it
+beats the current tree by ``min_gain``; :attr:`LivePlanner.last_moved` names the members whose
+parent a returned plan changed (what followers act on).
+
 Figures re-plan only on a real move: when some member's capacity differs
 from the one the current plan was made with by more than ``change_factor``
 (2x by default: a sampled rate wobbles), the current tree is scored on the new
@@ -44,7 +53,10 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from topology.model import NetworkModel, NodeSpec
+import math
+
+from topology.incremental import Replanner
+from topology.model import Measurement, NetworkModel, NodeSpec
 from topology.planner import PlannerConfig, plan
 from topology.replan import replan
 from topology.tree import Estimate, Plan, estimate
@@ -67,9 +79,18 @@ class LivePlanner:
     """Keeps the current :class:`~topology.tree.Plan` and re-plans on membership and figure changes."""
 
     def __init__(self, root: str, config: PlannerConfig | None = None, *, change_factor: float = 2.0,
-                 min_gain: float = 0.05) -> None:
+                 min_gain: float = 0.05, full_every_s: float = 600.0) -> None:
         if not change_factor > 1.0 or not 0.0 <= min_gain < 1.0:
             raise ValueError("change_factor must be > 1 and min_gain in [0, 1)")
+        if not full_every_s > 0:
+            raise ValueError("full_every_s must be > 0")
+        self.full_every_s = full_every_s
+        self._last_full = -math.inf
+        self._replanner: Replanner | None = None
+        self._links: dict[tuple[str, str], Measurement] = {}
+        self._members: dict[str, PlanMember] = {}
+        self.last_moved: frozenset[str] = frozenset()
+        """Members present before and after whose parent the last returned plan changed."""
         self.root = root
         self.config = config or PlannerConfig()
         self.change_factor = change_factor
@@ -107,34 +128,44 @@ class LivePlanner:
                 # so it proves at least that much capacity and never less than the other figures.
                 down = max(down, m.bandwidth * 8)
             specs.append(NodeSpec(m.id, m.region, m.role, uplink_bps=up, downlink_bps=down))
-        if probed is None:
-            return NetworkModel(specs)
         ids = {m.id for m in members}
-        links = [x for x in probed.measurements() if x.src in ids and x.dst in ids]
-        return NetworkModel(specs, links, probed.regions.values(), probed.region_links.values(), probed.defaults)
+        links = {(x.src, x.dst): x for x in (probed.measurements() if probed is not None else ())}
+        links.update(self._links)
+        kept = [x for x in links.values() if x.src in ids and x.dst in ids]
+        if probed is None:
+            return NetworkModel(specs, kept)
+        return NetworkModel(specs, kept, probed.regions.values(), probed.region_links.values(), probed.defaults)
 
     # --- updates -----------------------------------------------------------------------------------
-    def update(self, members: Iterable[PlanMember]) -> Plan | None:
-        """A new plan if membership changed or the figures moved enough (None if not, or without the root)."""
+    def update(self, members: Iterable[PlanMember], now: float | None = None) -> Plan | None:
+        """A new plan if membership changed, the figures moved enough, or (given ``now``) the periodic
+        full plan beats the current tree (None if not, or without the root)."""
         members = [m for m in members if m.role != "trainer" or m.id == self.root]
         if not any(m.id == self.root for m in members):
             return None
         key = frozenset((m.id, m.role, m.region) for m in members)
-        if self.plan is not None and key == self._key and not self._probe_fresh and not self._reports_moved(members):
+        due = now is not None and now - self._last_full >= self.full_every_s
+        if self.plan is not None and key == self._key and not self._probe_fresh and not due \
+                and not self._reports_moved(members):
             return None  # the common case, every gossip round: nothing to do, not even a model to build
-        model = self.model(members)
         if self.plan is None:
-            return self._adopt(plan(model, self.config, 0), model, key)
+            model = self.model(members)
+            self._last_full = now if now is not None else self._last_full
+            return self._adopt(plan(model, self.config, 0), model, key, members)
         if key != self._key:
-            self._probe_fresh = False
-            return self._adopt(replan(self.plan, model, self.config), model, key)
+            return self._membership(members, key)
+        model = self.model(members)
         cfg = self.config
+        if due:
+            assert now is not None
+            self._last_full = now
+            return self._full(model, key, members)
         current = estimate(model, self.plan.root, self.plan.parents, cfg.payload_bytes, cfg.chunk_bytes)
         if self._probe_fresh:
             self._probe_fresh = False
             self.model_used = model
             fresh = plan(model, cfg, self.plan.epoch + 1)
-            return self._adopt(fresh, model, key) if self._better(fresh, current) else None
+            return self._adopt(fresh, model, key, members) if self._better(fresh, current) else None
         moved = self._moved_figures(model)
         if not moved:
             return None
@@ -144,7 +175,65 @@ class LivePlanner:
         kept = {c: p for c, p in self.plan.parents.items() if c not in loose}
         repaired = replan(dataclasses.replace(self.plan, parents=kept), model, cfg)
         self.model_used = model  # the plan has been checked against these figures either way
-        return self._adopt(repaired, model, key) if self._better(repaired, current) else None
+        self._replanner = None  # the figures it holds moved: built again when next needed
+        return self._adopt(repaired, model, key, members) if self._better(repaired, current) else None
+
+    # --- the incremental path ----------------------------------------------------------------------
+    def _membership(self, members: list[PlanMember], key: frozenset[tuple[str, str, str]]) -> Plan | None:
+        """Members left or joined: remove and place them with the incremental re-planner."""
+        assert self.plan is not None and self.model_used is not None
+        now_ids = {m.id: m for m in members}
+        old = self._members
+        left = [n for n, m in old.items() if n not in now_ids or (m.role, m.region) != (now_ids[n].role, now_ids[n].region)]
+        joined = [m for m in members if m.id not in old or m.id in left]
+        model = self.model(members)
+        rp = self._replanner_for()
+        before = self.plan
+        change = rp.leave(left) if left else None
+        for m in joined:
+            spec = model.node(m.id)
+            rp_ids = set(rp.model.node_ids)
+            links = [x for x in model.measurements() if m.id in (x.src, x.dst) and ({x.src, x.dst} - {m.id}) <= rp_ids]
+            change = rp.join(spec, links)
+        self._probe_fresh = False
+        if change is None:
+            self._key = key
+            return None
+        self._members = now_ids
+        new = change.plan
+        self.plan, self.model_used, self._key = new, model, key
+        self.last_moved = frozenset(n for n, p in new.parents.items() if n in before.parents and before.parents[n] != p)
+        return new
+
+    def link_measured(self, src: str, dst: str, bandwidth_bps: float, rtt_s: float) -> Plan | None:
+        """One pair was measured again: kept for later models, and if it is a plan edge its child may move
+        (to a better offer only). A new plan if some member moved, else None."""
+        if self.plan is None or self.model_used is None or src not in self.model_used or dst not in self.model_used:
+            raise ValueError(f"link {src!r} -> {dst!r}: both ends must be planned members")
+        self._links[(src, dst)] = Measurement(src, dst, bandwidth_bps, rtt_s)
+        rp = self._replanner_for()
+        change = rp.link_changed(src, dst, bandwidth_bps, rtt_s)
+        self.plan, self.model_used = change.plan, rp.model  # same tree, or one subtree moved
+        if not change.moved:
+            return None
+        self.last_moved = change.moved
+        return change.plan
+
+    def _full(self, model: NetworkModel, key: frozenset[tuple[str, str, str]], members: list[PlanMember]) -> Plan | None:
+        """The periodic full plan: taken only if it beats the current tree by ``min_gain``."""
+        assert self.plan is not None
+        cfg = self.config
+        current = estimate(model, self.plan.root, self.plan.parents, cfg.payload_bytes, cfg.chunk_bytes)
+        fresh = plan(model, cfg, self.plan.epoch + 1)
+        if fresh.parents == self.plan.parents or not self._better(fresh, current):
+            return None
+        return self._adopt(fresh, model, key, members)
+
+    def _replanner_for(self) -> Replanner:
+        assert self.plan is not None and self.model_used is not None
+        if self._replanner is None or self._replanner.epoch != self.plan.epoch:
+            self._replanner = Replanner(self.plan, self.model_used, self.config)
+        return self._replanner
 
     def _better(self, new: Plan, current: Estimate) -> bool:
         """Whether ``new`` beats the current tree by ``min_gain``: on the time the last node holds
@@ -158,8 +247,14 @@ class LivePlanner:
         mean_now = sum(current.eta_s.values()) / max(1, len(current.eta_s))
         return mean_new < mean_now * (1 - self.min_gain)
 
-    def _adopt(self, new: Plan, model: NetworkModel, key: frozenset[tuple[str, str, str]]) -> Plan:
+    def _adopt(self, new: Plan, model: NetworkModel, key: frozenset[tuple[str, str, str]],
+               members: list[PlanMember]) -> Plan:
+        before = self.plan
         self.plan, self.model_used, self._key = new, model, key
+        self._members = {m.id: m for m in members}
+        self._replanner = None  # built from this plan when the next change needs it
+        self.last_moved = frozenset() if before is None else frozenset(
+            n for n, p in new.parents.items() if n in before.parents and before.parents[n] != p)
         return new
 
     def _reports_moved(self, members: list[PlanMember]) -> bool:

@@ -114,3 +114,52 @@ def test_the_array_estimate_equals_the_walk():
             a = estimate(m, m.trainer, tree, CFG.payload_bytes, CFG.chunk_bytes)
             b = estimate_walk(m, m.trainer, tree, CFG.payload_bytes, CFG.chunk_bytes)
             assert (a.completion_s, a.eta_s, a.edge_bps, a.rate_bps) == (b.completion_s, b.eta_s, b.edge_bps, b.rate_bps)
+
+
+def test_each_event_moves_exactly_the_nodes_that_lost_their_parent_and_stays_near_a_fresh_plan():
+    """Failure, join, one link, a region cut off: the moved set is exactly the orphans (a subtree below
+    an orphan keeps its shape: its paths lost one hop, nothing more), and the repaired tree stays
+    within 15 % of planning from scratch (the stated tolerance; the periodic full plan recovers it)."""
+    m = synthetic_model(5, 40, seed=11)
+    p = plan(m, CFG)
+    r = Replanner(p, m, CFG)
+    ch = p.children()
+    relay = max((n for n in p.parents if ch[n] and p.parents[n] != p.root), key=lambda n: (len(ch[n]), n))
+    events = [
+        ("fail", lambda: r.fail(relay), set(ch[relay])),
+        ("join", lambda: r.join(NodeSpec("late", "r03", "rollout", 10 * G, 10 * G)), set()),
+    ]
+    for name, run, orphans in events:
+        before = dict(r.parents)
+        change = run()
+        assert change.moved == orphans == {n for n, x in change.plan.parents.items() if n in before and before[n] != x}, name
+        assert change.plan.est_completion_s <= 1.15 * plan(r.model, CFG).est_completion_s, name
+        _check(change.plan, r.model)
+    # One link: the child of a collapsed plan edge is the one node that moves.
+    kid = next(c for c, x in r.parents.items() if x != r.root and r.regions[c] == r.regions[x])
+    before = dict(r.parents)
+    change = r.link_changed(before[kid], kid, 1e6)
+    assert change.moved == {kid} == {n for n, x in change.plan.parents.items() if before[n] != x}
+    # A region cut off: what it fed (entries of other regions behind it) moves, nothing else.
+    before = dict(r.parents)
+    fed = {c for c, x in before.items() if r.regions[x] == "r02" and r.regions[c] != "r02"}
+    change = r.partition("r02")
+    assert change.moved == fed == {n for n, x in change.plan.parents.items() if n in before and before[n] != x}
+    assert change.plan.est_completion_s <= 1.15 * plan(r.model, CFG).est_completion_s
+    _check(change.plan, r.model)
+
+
+def test_nothing_changed_gives_the_same_tree_bit_for_bit():
+    m = synthetic_model(4, 20, seed=4)
+    p = plan(m, CFG)
+    r = Replanner(p, m, CFG)
+    ch = p.children()
+    leaf = next(n for n in p.parents if not ch[n])
+    other = next(n for n in p.parents if n not in (leaf, p.parents[leaf]))
+    same = r.link_changed(other, leaf, m.bandwidth(other, leaf))  # not a plan edge: nothing to do
+    assert same.moved == frozenset() and same.plan.parents == p.parents
+    assert (same.plan.eta_s, same.plan.edge_bps, same.plan.fallbacks) == (p.eta_s, p.edge_bps, p.fallbacks)
+    # A joiner that leaves again leaves the tree as it was, figures included.
+    r.join(NodeSpec("brief", "r01", "rollout", 1 * G, 1 * G))
+    back = r.fail("brief")
+    assert back.plan.parents == p.parents and back.plan.eta_s == p.eta_s and back.plan.edge_bps == p.edge_bps
