@@ -60,12 +60,15 @@ def _jitted(fn: ast.AST) -> bool:
 
 
 def _excluded_lines(tree: ast.Module) -> set[int]:
-    """Lines not to mutate: compiled kernels, raise statements and log calls (their text only)."""
+    """Lines not to mutate: compiled kernels, decorators, raise statements and log calls."""
     out: set[int] = set()
     for node in ast.walk(tree):
         span: ast.stmt | ast.expr | None = None
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and _jitted(node):
-            span = node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for d in node.decorator_list:  # compile options, caching flags
+                out.update(range(d.lineno, (d.end_lineno or d.lineno) + 1))
+            if not isinstance(node, ast.ClassDef) and _jitted(node):
+                span = node
         elif isinstance(node, (ast.Raise, ast.Assert)):
             span = node
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
