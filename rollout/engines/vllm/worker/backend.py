@@ -74,7 +74,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from p2psync.errors import P2PSyncError, PeerUnreachable, SignatureError, TruncatedError, WrongBase, WrongSize
-from rollout.engines.vllm.worker import infos
+from rollout.engines.vllm.worker import checkpoint, infos
 from rollout.engines.vllm.worker import warm
 from rollout.engines.vllm.worker.cpus import own_cpus, update_cpus
 from p2psync.transport.leaf import Fetcher, Parent, fetch_manifest, fetch_version_manifest
@@ -390,7 +390,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         if self.live is not None and self.live.specs == specs:
             return self.live
         live = LiveWeights(self.model, specs, threads or (self.info.threads if self.info else 0) or len(self.cpus),
-                           group=self.group)
+                           group=self.group, checkpoint=checkpoint.reader(self.vllm_config))
         live.cpus = self.cpus
         return live
 
