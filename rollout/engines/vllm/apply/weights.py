@@ -324,16 +324,18 @@ class LiveWeights(Committer):
         self.sums = self._compute_sums()
         return self.fingerprint
 
-    def read(self, name: str) -> np.ndarray:
-        """A host copy of the live words of checkpoint tensor ``name`` that this rank holds (unsigned,
-        in checkpoint order)."""
+    def read(self, name: str, live: bool = False) -> np.ndarray:
+        """A host copy of the words of checkpoint tensor ``name`` that this rank holds (unsigned, in
+        checkpoint order): the checkpoint's words, or with ``live`` the parameter's words as vLLM
+        computes with them (another dtype where it converts the tensor at load)."""
         i = [s.name for s in self.specs].index(name)
         place = self.places[i]
         if place is None:
-            return np.empty(0, dtype=self.word_types[i])
+            return np.empty(0, dtype=self.live_types[i] if live else self.word_types[i])
         if self.offset[i] is not None:
             return self.host_words(i, 0, self.specs[i].numel).copy()
-        parts = [(ck, self._gather(i, dst, ck)) for ck, dst in place.chunks(_HOST_RANGE)]
+        parts = [(ck, self.live_at(i, dst) if live else self._gather(i, dst, ck))
+                 for ck, dst in place.chunks(_HOST_RANGE)]
         ck = np.concatenate([p[0] for p in parts])
         return np.concatenate([p[1] for p in parts])[np.argsort(ck, kind="stable")]
 
