@@ -25,15 +25,12 @@ tensors, e.g. 4 bytes per element of a ``float32`` checkpoint, beside vLLM's 2):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from p2psync.errors import P2PSyncError
 from p2psync.state import TensorSpec
-
-if TYPE_CHECKING:
-    from rollout.engines.vllm.apply.weights import LiveWeights
 
 Reader = Callable[[Sequence[TensorSpec]], dict[str, np.ndarray]]
 """The checkpoint vLLM loaded: the flat unsigned words of the given tensors, in checkpoint order;
@@ -41,6 +38,18 @@ raises :class:`CheckpointUnreadable`."""
 
 _RANGE = 1 << 22
 """Elements checked at a time at binding."""
+
+
+class LiveWeights(Protocol):
+    """What this module reads of :class:`~rollout.engines.vllm.apply.weights.LiveWeights`."""
+
+    specs: list[TensorSpec]
+    casts: list[Any]
+    places: list[Any]
+    word_types: list[Any]
+    kept: list[np.ndarray | None]
+
+    def live_at(self, i: int, dst: np.ndarray) -> np.ndarray: ...
 
 
 class CheckpointUnreadable(P2PSyncError):
