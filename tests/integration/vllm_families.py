@@ -3,7 +3,7 @@
 Every config keeps head_dim 64 (vLLM's CPU attention takes only some sizes) and
 MoE expert sizes a multiple of 32 (the CPU MoE kernel pads others). A
 :class:`CheckpointLineage` trains a model with AdamW and saves each version
-with ``save_pretrained`` (bf16): the tensor table is the checkpoint's own
+with ``save_pretrained`` (bf16, or another ``dtype``): the tensor table is the checkpoint's own
 (per-expert tensors for MoE models, fused ``qkv_proj`` where the file has it),
 so the trainer's table and what vLLM loads are the same files.
 """
@@ -76,11 +76,11 @@ def read_checkpoint(directory: Path) -> ModelState:
 
 class CheckpointLineage(Lineage):
     """Versions ``0..steps`` of a tiny ``family`` model trained with AdamW (fp32 master weights), each
-    saved as a bf16 checkpoint under ``root/v<k>``; ``states[k]`` is that checkpoint's tensor table.
+    saved as a ``dtype`` checkpoint under ``root/v<k>``; ``states[k]`` is that checkpoint's tensor table.
     ``config``: settings over the family's."""
 
     def __init__(self, family: str, root: Path, steps: int, seed: int = 0, lr: float = 1e-3,
-                 config: dict[str, Any] | None = None) -> None:
+                 config: dict[str, Any] | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
         from transformers import AutoModelForCausalLM
 
         from trainer.workload import Workload
@@ -92,6 +92,7 @@ class CheckpointLineage(Lineage):
             model.get_input_embeddings().weight.mul_(3.0)  # peaked next-token distributions
         self.work = Workload(model, lr=lr, seed=seed)
         self.opts = CodecOptions(chunk_size=CHUNK)
+        self.dtype = dtype
         self.dirs: list[Path] = []
         self.states: list[ModelState] = []
         for v in range(steps + 1):
@@ -100,11 +101,10 @@ class CheckpointLineage(Lineage):
             self.dirs.append(self._save(model, root / f"v{v}"))
             self.states.append(read_checkpoint(self.dirs[-1]))
 
-    @staticmethod
-    def _save(model: Any, directory: Path) -> Path:
+    def _save(self, model: Any, directory: Path) -> Path:
         import copy
 
-        copy.deepcopy(model).to(torch.bfloat16).save_pretrained(directory)
+        copy.deepcopy(model).to(self.dtype).save_pretrained(directory)
         return directory
 
     def checkpoint(self, directory: Path, version: int) -> str:

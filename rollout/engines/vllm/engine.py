@@ -222,11 +222,13 @@ class VLLMEngine(RolloutEngine):
         with self.calling() as llm:
             return list(llm.collective_rpc(rpc_status))
 
-    def read(self, names: Sequence[str]) -> dict[str, bytes]:
-        """Raw bytes of the live weights of checkpoint tensors ``names`` (read back from vLLM)."""
+    def read(self, names: Sequence[str], live: bool = False) -> dict[str, bytes]:
+        """Raw bytes of the weights of checkpoint tensors ``names`` read back from vLLM, as the
+        checkpoint's words, or with ``live`` as the words vLLM computes with (its dtype where it
+        converts a tensor at load: :mod:`rollout.engines.vllm.placement.casts`)."""
         from rollout.engines.vllm.worker.rpc import rpc_read
 
-        return self._rpc(rpc_read, list(names))
+        return self._rpc(rpc_read, list(names), live)
 
     def reach(self, version: int) -> str:
         """Have vLLM reach ``version`` (pulled from the parent); returns the backend's fingerprint."""

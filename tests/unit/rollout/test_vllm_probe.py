@@ -114,7 +114,8 @@ def test_a_loader_that_does_not_copy_each_element_once_is_refused_naming_the_ten
 
 class _Router(torch.nn.Module):
     """A MoE router kept in ``float32`` for a ``bfloat16`` checkpoint (GLM-4-MoE's gate and correction
-    bias): the loader copies (``Tensor.copy_`` widens), or (``mode``) computes, or narrows."""
+    bias): the loader copies (``Tensor.copy_`` widens), or (``mode``) computes, or narrows (a float32
+    checkpoint tensor into a bfloat16 parameter: ``copy_`` rounds)."""
 
     def __init__(self, mode: str = "copy") -> None:
         super().__init__()
@@ -140,12 +141,20 @@ def test_a_loader_that_widens_a_copy_is_placed_with_the_cast_recorded(read_back)
     assert not m.gate.any() and not m.bias.any()  # nothing written
 
 
+def test_a_loader_that_rounds_a_copy_is_placed_with_the_cast_recorded(read_back):
+    m = _Router("narrowed")
+    places = derive(m, [ROUTER[0], TensorSpec("router.bias", "F32", (4,))])
+    assert {n: (pl.param, pl.simple(), pl.cast) for n, pl in places.items()} == {
+        "router.weight": ("gate", 0, "float32"), "router.bias": ("bias", 0, "bfloat16")}
+    assert not m.gate.any() and not m.bias.any()  # nothing written
+
+
 @pytest.mark.parametrize("mode, spec, message", [
     ("computed", ROUTER, "router.bias: vLLM's loader computes the values of bias"),
-    ("narrowed", [ROUTER[0], TensorSpec("router.bias", "F32", (4,))],
-     "router.bias: vLLM's loader narrows it from float32 to bfloat16"),
+    ("copy", [ROUTER[0], TensorSpec("router.bias", "I32", (4,))],
+     "router.bias: vLLM's loader converts it from int32 to float32"),
 ])
-def test_a_conversion_that_is_not_an_exact_widening_is_refused_naming_the_tensor(mode, spec, message):
+def test_a_conversion_that_is_not_a_float_cast_is_refused_naming_the_tensor(mode, spec, message):
     with pytest.raises(LayoutError, match=message):
         derive(_Router(mode), spec)
 

@@ -183,11 +183,12 @@ def test_a_float32_word_that_is_no_widening_fails_the_audit_naming_the_tensor():
         live.audit()
 
 
-def test_a_parameter_narrower_than_its_tensor_is_refused_naming_it():
+def test_a_parameter_of_a_dtype_no_float_cast_gives_is_refused_naming_it():
+    """(Rounded tensors, a float32 table over bfloat16 parameters: test_vllm_rounded.)"""
     model = _model()
     old = live_snapshot(model)
-    specs = [type(s)(s.name, "F32", s.shape) if s.name == WIDENED[0] else s for s in old.specs]
-    with pytest.raises(LayoutError, match=f"{WIDENED[0]}: vLLM's loader narrows it from float32 to bfloat16"):
+    specs = [type(s)(s.name, "I16", s.shape) if s.name == WIDENED[0] else s for s in old.specs]
+    with pytest.raises(LayoutError, match=f"{WIDENED[0]}: vLLM's loader converts it from int16 to bfloat16"):
         LiveWeights(model, specs)
 
 

@@ -9,6 +9,11 @@ rank failed. Host memory: one compiled pass per part (a tensor stored
 contiguously: :func:`p2psync.wordops.scatter_logged`; one held as a strided
 block: :func:`rollout.engines.vllm.apply.kernels.scatter_mapped_logged`; others: the
 placement's positions, then a gather and a hash). A device: torch's index ops.
+
+A tensor vLLM rounds at load (its checkpoint words kept beside the live ones,
+:mod:`rollout.engines.vllm.apply.kept`) is written in both: the rounded new words into
+the parameter, checked as read back, the new words into the kept copy; it is hashed
+from the kept words, and its undo restores both.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from p2psync.state import fold_root
 from p2psync.workers import run_ordered
 from rollout.engines.vllm.apply import kernels
 from rollout.engines.vllm.apply.ranks import RankGroup, RankRefused
+from rollout.engines.vllm.placement.rules import LayoutError
 
 if TYPE_CHECKING:
     import torch
@@ -63,13 +69,15 @@ class Committer:
     host_memory: bool
     sums: list[tuple[int, int]]
     word_types: list[Any]
+    kept: list[np.ndarray | None]
+    casts: list[Any]
     seeds: list[Any]
     _maps: list[tuple[int, np.ndarray, np.ndarray] | None]
 
     def _mem(self, i: int) -> np.ndarray:
         raise NotImplementedError
 
-    def checkpoint_words(self, i: int, live: np.ndarray) -> np.ndarray:
+    def checkpoint_words(self, i: int, live: np.ndarray, ck: Any) -> np.ndarray:
         raise NotImplementedError
 
     def live_words(self, i: int, words: np.ndarray) -> np.ndarray:
@@ -157,12 +165,19 @@ class Committer:
             old = arena.array(new.shape[0], words.dtype)
             undo[j] = old  # set before the write: a failure part-way is taken back whole
             a, b = wordops.scatter_logged(words, local, new, old, seed)
+        elif (kept := self.kept[t]) is not None:  # rounded at load: written in the live and the kept words
+            old = words[local]
+            before = self.checkpoint_words(t, old, glob)  # a copy, checked against the live words
+            undo[j] = (old, before)
+            wordops.scatter(words, local, new)
+            self._keep(t, glob, item[3], words[local], new)
+            a, b = wordops.hash_change(glob, before, kept[glob], seed)
         else:  # mapped (positions in memory are not the hashed ones) or converted: hashed as checkpoint words
             old = words[local]
             undo[j] = old
             wordops.scatter(words, local, new)
-            a, b = wordops.hash_change(glob, self.checkpoint_words(t, old), self.checkpoint_words(t, words[local]),
-                                       seed)
+            a, b = wordops.hash_change(glob, self.checkpoint_words(t, old, glob),
+                                       self.checkpoint_words(t, words[local], glob), seed)
         lanes[j] = (int(a), int(b)) if self.counts(t) else (0, 0)
 
     def counts(self, t: int) -> bool:
@@ -180,16 +195,37 @@ class Committer:
         flat = self.flat[t]
         idx = torch.from_numpy(local).to(self.device)
         old = flat.index_select(0, idx)
-        undo[j] = (idx, old)
-        flat.index_copy_(0, idx, torch.from_numpy(self.live_words(t, new)).to(self.device))
+        kept = self.kept[t]
+        before = self.checkpoint_words(t, to_host(old), glob) if kept is not None else None
+        undo[j] = (idx, old, before)
+        live_new = self.live_words(t, new)
+        flat.index_copy_(0, idx, torch.from_numpy(live_new).to(self.device))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        back = self.checkpoint_words(t, to_host(flat.index_select(0, idx)))
-        a, b = wordops.hash_change(glob, self.checkpoint_words(t, to_host(old)), back, np.uint64(self.seeds[t]))
+        written = to_host(flat.index_select(0, idx))
+        if kept is not None and before is not None:  # rounded at load: the kept words take the new ones
+            self._keep(t, glob, new, written, live_new)
+            a, b = wordops.hash_change(glob, before, kept[glob], np.uint64(self.seeds[t]))
+        else:
+            a, b = wordops.hash_change(glob, self.checkpoint_words(t, to_host(old), glob),
+                                       self.checkpoint_words(t, written, glob), np.uint64(self.seeds[t]))
         lanes[j] = (int(a), int(b)) if self.counts(t) else (0, 0)
 
+    def _keep(self, t: int, glob: np.ndarray, new: np.ndarray, written: np.ndarray, live_new: np.ndarray) -> None:
+        """Store checkpoint words ``new`` at positions ``glob`` of tensor ``t``'s kept words, after
+        checking that the live words ``written`` there are their rounding ``live_new``."""
+        kept = self.kept[t]
+        assert kept is not None
+        kept[glob] = new  # first: the undo restores these whatever the check says
+        bad = np.ascontiguousarray(written).view(live_new.dtype) != live_new
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            raise LayoutError(f"{self.specs[t].name}: element {int(glob[k])} reads back {int(written[k]):#x} after "
+                              f"{int(live_new[k]):#x} was written")
+
     def _undo(self, items: list[Item], undo: list[Any]) -> None:
-        """Write back the old words of every part that was (or may have been) written."""
+        """Write back the old words of every part that was (or may have been) written (and the kept
+        words of a tensor rounded at load)."""
         for (t, local, glob, _), entry in zip(items, undo):
             if entry is None:
                 continue
@@ -197,8 +233,15 @@ class Committer:
                 mp = self._maps[t]
                 assert mp is not None
                 local = kernels.map_positions(glob, *mp)
+            before = None
             if isinstance(entry, np.ndarray):
                 wordops.scatter(self._mem(t), local, entry)
+            elif len(entry) == 2:
+                old, before = entry
+                wordops.scatter(self._mem(t), local, old)
             else:
-                idx, old = entry
+                idx, old, before = entry
                 self.flat[t].index_copy_(0, idx, old)
+            kept = self.kept[t]
+            if before is not None and kept is not None:
+                kept[glob] = before

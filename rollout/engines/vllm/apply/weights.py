@@ -42,11 +42,14 @@ through the placement's positions. Then:
   those it owns, the fingerprint sums are the group's, and every step is voted
   so that the ranks apply or refuse together.
 
-A tensor vLLM keeps in a wider dtype than the checkpoint's (a ``float32`` router of a
-``bfloat16`` checkpoint: its placement's ``cast``) is bound through its positions: reads give
-the checkpoint's words back from the live ones (checked exact), writes widen the new words as
-vLLM's load does (:mod:`rollout.engines.vllm.placement.casts`); decode, fingerprint and audit
-see only the checkpoint's words.
+A tensor vLLM keeps in another dtype than the checkpoint's (its placement's ``cast``,
+:mod:`rollout.engines.vllm.placement.casts`) is bound through its positions; decode, fingerprint
+and audit see only the checkpoint's words. Widened (a ``float32`` router of a ``bfloat16``
+checkpoint): reads give the checkpoint's words back from the live ones (checked exact), writes
+widen the new words as vLLM's load does. Rounded (a ``float32`` checkpoint served in
+``bfloat16``): the checkpoint's words are kept in host memory beside the live ones, read at
+binding from the checkpoint vLLM loaded (``checkpoint``), and every read checks that they round
+to the live words (:mod:`rollout.engines.vllm.apply.kept`).
 
 Parameters the model does not compute with (size-0 weights of layers whose
 matmul was repacked, e.g. by oneDNN on CPU, or layers whose matmul closes over a
@@ -70,7 +73,7 @@ from p2psync.codec.segment import KIND_DELTA, parse_head
 from p2psync.workers import run_ordered
 from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, TensorTableMismatch, WrongBase
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
-from rollout.engines.vllm.apply import kernels
+from rollout.engines.vllm.apply import kept as kept_words, kernels
 from rollout.engines.vllm.apply.commit import Committer, np_signed, sum_add, to_host
 from rollout.engines.vllm.placement.rules import LayoutError
 from rollout.engines.vllm.placement.boxes import Placement
@@ -111,7 +114,10 @@ class LiveWeights(Committer):
     """The trainer's tensor table bound to a vLLM model's live parameters (see module doc)."""
 
     def __init__(self, model: Any, specs: Sequence[TensorSpec], threads: int = 2,
-                 group: RankGroup | None = None, places: dict[str, Placement] | None = None) -> None:
+                 group: RankGroup | None = None, places: dict[str, Placement] | None = None,
+                 checkpoint: kept_words.Reader | None = None) -> None:
+        """``checkpoint``: reads the checkpoint vLLM loaded, for the tensors it rounds at load (their
+        words are kept: :mod:`rollout.engines.vllm.apply.kept`); needed only where there are such."""
         import torch
 
         self.group: RankGroup = group or Solo()
@@ -157,6 +163,10 @@ class LiveWeights(Committer):
             self.offset.append(off)
             self.flat.append(words[off:off + spec.numel] if off is not None else words)
         self._roles()
+        self.word_types = [dtypes.from_code(s.dtype).word for s in self.specs]
+        """Each tensor's unsigned word type (the integer view the codec decodes and hashes)."""
+        self.live_types = [w if c is None else c.live for w, c in zip(self.word_types, self.casts)]
+        """Each tensor's unsigned live word type (its parameter's; the checkpoint's unless converted)."""
         self.device = next((f.device for f, pl in zip(self.flat, self.places) if pl is not None),
                            torch.device("cpu"))
         self.timing: dict[str, float] = {}
@@ -174,10 +184,9 @@ class LiveWeights(Committer):
         """The live words are in host memory: decode against them in place and write them with
         compiled loops. Else (a device) decode against a host copy of one segment's range at a time
         and write with torch's index ops."""
-        self.word_types = [dtypes.from_code(s.dtype).word for s in self.specs]
-        """Each tensor's unsigned word type (the integer view the codec decodes and hashes)."""
-        self.live_types = [w if c is None else c.live for w, c in zip(self.word_types, self.casts)]
-        """Each tensor's unsigned live word type (its parameter's; the checkpoint's unless converted)."""
+        self.kept: list[np.ndarray | None] = kept_words.load(self, checkpoint)
+        """The checkpoint words of each tensor vLLM rounds at load, in checkpoint order (None for the
+        others; :mod:`rollout.engines.vllm.apply.kept`)."""
         self._maps: list[tuple[int, np.ndarray, np.ndarray] | None] = []
         """Tensors held whole as one strided block (an expert in a repacked ``w13_weight``, a transposed
         weight) in host memory: ``(base, checkpoint strides, parameter strides)``. A range is copied out
@@ -223,13 +232,25 @@ class LiveWeights(Committer):
         live words: a view in host memory (only called there)."""
         return self.flat[i].numpy().view(self.live_types[i])
 
-    def checkpoint_words(self, i: int, live: np.ndarray) -> np.ndarray:
-        """Live words of tensor ``i`` (host) as the checkpoint's words: the same words, or those a
-        conversion widened (checked exact)."""
+    def checkpoint_words(self, i: int, live: np.ndarray, ck: Any) -> np.ndarray:
+        """Live words of tensor ``i`` (host) at checkpoint positions ``ck`` (an index array or a
+        slice) as the checkpoint's words: the same words, those a conversion widened (checked
+        exact), or the words kept for a rounded tensor (checked to round to ``live``)."""
         cast = self.casts[i]
         if cast is None:
             return live.view(self.word_types[i])
+        if self.kept[i] is not None:
+            return kept_words.words(self, i, ck, live)
         return cast.to_checkpoint(live, self.specs[i].name)
+
+    def live_at(self, i: int, dst: np.ndarray) -> np.ndarray:
+        """Unsigned host copies of the live words at positions ``dst`` of tensor ``i``'s binding."""
+        if self.host_memory:
+            return self._mem(i)[dst]
+        import torch
+
+        got = self.flat[i].index_select(0, torch.from_numpy(dst).to(self.device))
+        return to_host(got).view(self.live_types[i])
 
     def live_words(self, i: int, words: np.ndarray) -> np.ndarray:
         """Checkpoint words of tensor ``i`` as the words its parameter holds for them (signed)."""
@@ -237,14 +258,10 @@ class LiveWeights(Committer):
         w = np.ascontiguousarray(words) if cast is None else cast.to_live(words)
         return w.view(np_signed(w))
 
-    def _gather(self, i: int, dst: np.ndarray) -> np.ndarray:
-        """Unsigned host copies of the checkpoint words at positions ``dst`` of tensor ``i``'s binding."""
-        if self.host_memory:
-            return self.checkpoint_words(i, self._mem(i)[dst])
-        import torch
-
-        got = self.flat[i].index_select(0, torch.from_numpy(dst).to(self.device))
-        return self.checkpoint_words(i, to_host(got))
+    def _gather(self, i: int, dst: np.ndarray, ck: Any) -> np.ndarray:
+        """Unsigned host copies of the checkpoint words at positions ``dst`` of tensor ``i``'s binding
+        (checkpoint positions ``ck``)."""
+        return self.checkpoint_words(i, self.live_at(i, dst), ck)
 
     def host_words(self, i: int, start: int, stop: int) -> np.ndarray:
         """Checkpoint words ``[start, stop)`` of tensor ``i``, all held here, as unsigned host words
@@ -258,11 +275,13 @@ class LiveWeights(Committer):
             assert place is not None
             run = place.run()
             if run is not None and run[0] <= start and stop <= run[0] + run[2]:  # rows of a slice
-                return self.checkpoint_words(i, to_host(self.flat[i][run[1] + start - run[0]:run[1] + stop - run[0]]))
-            which, dst = place.local(np.arange(start, stop, dtype=np.int64))
+                got = to_host(self.flat[i][run[1] + start - run[0]:run[1] + stop - run[0]])
+                return self.checkpoint_words(i, got, slice(start, stop))
+            ck = np.arange(start, stop, dtype=np.int64)
+            which, dst = place.local(ck)
             if which.shape[0] != stop - start:
                 raise LayoutError(f"{self.specs[i].name}: words [{start}, {stop}) are not all held by this rank")
-            return self._gather(i, dst)
+            return self._gather(i, dst, ck)
         return to_host(self.flat[i][start:stop]).view(self.word_types[i])
 
     def _compute_sums(self) -> list[tuple[int, int]]:
@@ -278,7 +297,7 @@ class LiveWeights(Committer):
                     s = sum_add(s, *_hash_at(self.host_words(i, lo, min(n, lo + step)), lo, self.seeds[i]))
                 return s
             for ck, dst in place.chunks(_HOST_RANGE):
-                a, b = wordops.hash_sparse(ck, self._gather(i, dst), self.seeds[i])
+                a, b = wordops.hash_sparse(ck, self._gather(i, dst, ck), self.seeds[i])
                 s = sum_add(s, int(a), int(b))
             return s
 
@@ -305,16 +324,18 @@ class LiveWeights(Committer):
         self.sums = self._compute_sums()
         return self.fingerprint
 
-    def read(self, name: str) -> np.ndarray:
-        """A host copy of the live words of checkpoint tensor ``name`` that this rank holds (unsigned,
-        in checkpoint order)."""
+    def read(self, name: str, live: bool = False) -> np.ndarray:
+        """A host copy of the words of checkpoint tensor ``name`` that this rank holds (unsigned, in
+        checkpoint order): the checkpoint's words, or with ``live`` the parameter's words as vLLM
+        computes with them (another dtype where it converts the tensor at load)."""
         i = [s.name for s in self.specs].index(name)
         place = self.places[i]
         if place is None:
-            return np.empty(0, dtype=self.word_types[i])
+            return np.empty(0, dtype=self.live_types[i] if live else self.word_types[i])
         if self.offset[i] is not None:
             return self.host_words(i, 0, self.specs[i].numel).copy()
-        parts = [(ck, self._gather(i, dst)) for ck, dst in place.chunks(_HOST_RANGE)]
+        parts = [(ck, self.live_at(i, dst) if live else self._gather(i, dst, ck))
+                 for ck, dst in place.chunks(_HOST_RANGE)]
         ck = np.concatenate([p[0] for p in parts])
         return np.concatenate([p[1] for p in parts])[np.argsort(ck, kind="stable")]
 
@@ -429,9 +450,12 @@ class LiveWeights(Committer):
             if self.offset[i] is not None:
                 self.flat[i].copy_(torch.from_numpy(w.view(np_signed(w))).to(self.device))
                 continue
+            kept = self.kept[i]
             for ck, dst in place.chunks(_HOST_RANGE):
                 self.flat[i].index_copy_(0, torch.from_numpy(dst).to(self.device),
                                          torch.from_numpy(self.live_words(i, w[ck])).to(self.device))
+                if kept is not None:  # a rounded tensor: its checkpoint words kept beside the live ones
+                    kept[ck] = w[ck]
         got = self.audit()
         if got != manifest.target_fingerprint:
             raise FingerprintMismatch(manifest.target_fingerprint, got)

@@ -41,9 +41,9 @@ repacking are moved element by element once per kind and shifted by whole
 blocks. Vocabulary tensors that ``load_weights`` hands untouched to vLLM's stock
 embedding loader are placed by that loader's rule, not probed
 (:mod:`rollout.engines.vllm.placement.vocab`). A parameter kept in another dtype than its
-checkpoint tensor's (a ``float32`` router) is placed with the conversion recorded
-(``Placement.cast``) when it is an exact widening, else refused naming the tensor
-(:mod:`rollout.engines.vllm.placement.casts`).
+checkpoint tensor's (a ``float32`` router, a ``float32`` checkpoint served in ``bfloat16``) is
+placed with the conversion recorded (``Placement.cast``) when it is a float conversion
+``Tensor.copy_`` makes, else refused naming the tensor (:mod:`rollout.engines.vllm.placement.casts`).
 """
 
 from __future__ import annotations
@@ -295,9 +295,8 @@ def _reuse(model: Any, params: dict[str, Any], batch: list[TensorSpec], key: int
 def record_casts(specs: Sequence[TensorSpec], params: dict[str, Any], places: dict[str, Placement]) -> None:
     """Set each placement's ``cast`` where its parameter's dtype is not the checkpoint tensor's: the
     probe's ids landed there as copies (a computed value is refused by the readback), so vLLM's load
-    is a dtype conversion of the copy; raises :class:`LayoutError` naming the tensor for a conversion
-    whose checkpoint words cannot be read back from the live ones
-    (:func:`rollout.engines.vllm.placement.casts.cast_for`)."""
+    is a dtype conversion of the copy; raises :class:`LayoutError` naming the tensor for a pair of
+    dtypes that is not placed (:func:`rollout.engines.vllm.placement.casts.cast_for`)."""
     from p2psync import dtypes
     from rollout.engines.vllm.placement.casts import cast_for, dtype_name
 

@@ -17,7 +17,9 @@ process with the loaded model. Turned on with ``weight_transfer_config=
   manifests (with ``version``: that version's manifest, and every live word is
   hashed and must give its signed fingerprint; without: the manifest of the
   newest complete artifact the parent lists, so a parent that lists none yet is
-  refused). A refused init changes nothing: the previous accepted init (parent,
+  refused). Where vLLM rounds tensors at load (a ``float32`` checkpoint served in
+  ``bfloat16``), binding reads their checkpoint words from the model's local folder
+  and keeps them (:mod:`rollout.engines.vllm.apply.kept`). A refused init changes nothing: the previous accepted init (parent,
   key, version) stays in effect, or none if there was none. An init without
   ``version`` keeps the version the backend holds (re-pointing at another
   parent); with none held, the first update starts from a snapshot.
@@ -74,7 +76,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from p2psync.errors import P2PSyncError, PeerUnreachable, SignatureError, TruncatedError, WrongBase, WrongSize
-from rollout.engines.vllm.worker import infos
+from rollout.engines.vllm.worker import checkpoint, infos
 from rollout.engines.vllm.worker import warm
 from rollout.engines.vllm.worker.cpus import own_cpus, update_cpus
 from p2psync.transport.leaf import Fetcher, Parent, fetch_manifest, fetch_version_manifest
@@ -390,7 +392,7 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         if self.live is not None and self.live.specs == specs:
             return self.live
         live = LiveWeights(self.model, specs, threads or (self.info.threads if self.info else 0) or len(self.cpus),
-                           group=self.group)
+                           group=self.group, checkpoint=checkpoint.reader(self.vllm_config))
         live.cpus = self.cpus
         return live
 
@@ -442,7 +444,8 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         - ``staging``: ``{"version", "done"}`` of a stage in progress or kept for its commit, or None;
         - ``converted``: checkpoint tensors vLLM keeps in another dtype here, with that dtype
           (``{"model.layers.1.mlp.gate.weight": "float32"}`` for a float32 router of a bf16
-          checkpoint; :mod:`rollout.engines.vllm.placement.casts`)."""
+          checkpoint, ``"bfloat16"`` for every tensor of a float32 checkpoint served in bf16;
+          :mod:`rollout.engines.vllm.placement.casts`)."""
         live = self.live
         converted = {pl.name: pl.cast for pl in live.places if pl is not None and pl.cast} if live else {}
         return {"version": self.version, "fingerprint": live.fingerprint if live else None,

@@ -33,9 +33,10 @@ def rpc_audit(worker: Any) -> str | None:
     return backend(worker).audit()
 
 
-def rpc_read(worker: Any, names: list[str]) -> dict[str, bytes]:
-    """Raw bytes of the live words of checkpoint tensors ``names`` (tests and audits)."""
-    live = backend(worker).live
-    if live is None:
+def rpc_read(worker: Any, names: list[str], live: bool = False) -> dict[str, bytes]:
+    """Raw bytes of the checkpoint words of tensors ``names`` as held by the engine, or with ``live``
+    of the parameter's words (converted where vLLM converts the tensor at load); tests and audits."""
+    weights = backend(worker).live
+    if weights is None:
         raise P2PSyncError("no weights bound yet (no update applied)")
-    return {n: live.read(n).tobytes() for n in names}
+    return {n: weights.read(n, live).tobytes() for n in names}
