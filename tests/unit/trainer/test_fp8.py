@@ -60,8 +60,15 @@ def test_per_tensor_layout_and_round_trip() -> None:
 def test_blockwise_words_and_scales_are_vllms_own() -> None:
     """The same bits as vLLM's block quantizer (``per_block_cast_to_fp8``), edge blocks included."""
     deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
-    for shape, seed in (((256, 384), 2), ((300, 200), 3), ((130, 1), 4)):
-        w = _weight(shape, seed)
+    # A block where multiplying by the reciprocal of the scale and dividing by it round one
+    # element to different words (a subnormal FP8 value): the quantizer must multiply, as vLLM's.
+    odd = torch.zeros(128, 128, dtype=torch.bfloat16)
+    odd[0, 0], odd[1, 1] = 0.008056640625, 1.2293457984924316e-07
+    divided = (odd[1, 1].float() / (odd[0, 0].float() / FP8_MAX)).to(torch.float8_e4m3fn).view(torch.uint8)
+    assert int(quantize_block(odd)[0].view(torch.uint8)[1, 1]) != int(divided)
+    for shape, seed in (((256, 384), 2), ((300, 200), 3), ((130, 1), 4), (odd, 0)):
+        w = shape if isinstance(shape, torch.Tensor) else _weight(shape, seed)
+        shape = tuple(w.shape)
         ours, our_scale = quantize_block(w)
         theirs, their_scale = deep_gemm.per_block_cast_to_fp8(w, [128, 128])
         assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)), shape
