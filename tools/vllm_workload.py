@@ -19,23 +19,9 @@ from pathlib import Path
 TOKEN = "bench-cluster-token-0123456789"
 
 
-def build_versions(args, out: Path):
-    """Version 0 (checkpoint folder) and version 1 (one AdamW step), as ModelStates."""
-    import torch
-    from safetensors.torch import save_file
-    from transformers import Qwen3Config, Qwen3MoeConfig
-
-    from p2psync.state import ModelState
-
-    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.mlp,
-                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-                  head_dim=128, tie_word_embeddings=True, max_position_embeddings=512)
-    if args.model == "moe":
-        cfg = Qwen3MoeConfig(**common, num_experts=args.experts, num_experts_per_tok=8,
-                             moe_intermediate_size=args.moe_mlp, architectures=["Qwen3MoeForCausalLM"])
-    else:
-        cfg = Qwen3Config(**common, architectures=["Qwen3ForCausalLM"])
-    g = torch.Generator().manual_seed(0)
+def checkpoint_shapes(args) -> list[tuple[str, tuple[int, ...]]]:
+    """The checkpoint tensors (name, shape) of the model of ``args`` (``--model dense`` or ``moe``), in
+    checkpoint order: what :func:`build_versions` writes and ``tools/bench_fp8_delta.py`` quantizes."""
     shapes: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (args.vocab, args.hidden))]
     q, kv = args.heads * 128, args.kv_heads * 128
     for i in range(args.layers):
@@ -55,6 +41,27 @@ def build_versions(args, out: Path):
         shapes += [(p + "mlp.gate_proj.weight", (args.mlp, args.hidden)), (p + "mlp.up_proj.weight", (args.mlp, args.hidden)),
                    (p + "mlp.down_proj.weight", (args.hidden, args.mlp))]
     shapes.append(("model.norm.weight", (args.hidden,)))
+    return shapes
+
+
+def build_versions(args, out: Path):
+    """Version 0 (checkpoint folder) and version 1 (one AdamW step), as ModelStates."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3Config, Qwen3MoeConfig
+
+    from p2psync.state import ModelState
+
+    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.mlp,
+                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                  head_dim=128, tie_word_embeddings=True, max_position_embeddings=512)
+    if args.model == "moe":
+        cfg = Qwen3MoeConfig(**common, num_experts=args.experts, num_experts_per_tok=8,
+                             moe_intermediate_size=args.moe_mlp, architectures=["Qwen3MoeForCausalLM"])
+    else:
+        cfg = Qwen3Config(**common, architectures=["Qwen3ForCausalLM"])
+    g = torch.Generator().manual_seed(0)
+    shapes = checkpoint_shapes(args)
     v0, v1 = {}, {}
     for name, shape in shapes:
         master = torch.ones(shape) if len(shape) == 1 else torch.randn(shape, generator=g) * 0.02
