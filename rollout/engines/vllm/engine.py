@@ -44,6 +44,7 @@ prefix is a correct sample but not the uninterrupted continuation.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
@@ -53,7 +54,7 @@ import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from p2psync.errors import FingerprintMismatch, P2PSyncError
+from p2psync.errors import ConfigError, FingerprintMismatch, P2PSyncError
 from rollout.engines.base import (
     EngineConfig,
     Generation,
@@ -63,6 +64,7 @@ from rollout.engines.base import (
     SeqState,
     TokenEvent,
 )
+from rollout.engines.vllm.placement.repack import QUANTIZED_WHY
 
 if TYPE_CHECKING:
     from p2psync.artifact import Manifest
@@ -113,11 +115,33 @@ def llm_kwargs(config: EngineConfig, model: str) -> dict[str, Any]:
         kw["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     kw.update(config.vllm)
     if kw.get("quantization"):
-        raise P2PSyncError("engine 'vllm': a quantized model cannot hold the trainer's exact bits")
+        raise ConfigError("vllm.quantization", f"engine 'vllm' refuses {kw['quantization']!r}: {QUANTIZED_WHY}")
+    method = checkpoint_quantization(str(kw["model"]))
+    if method is not None:
+        raise ConfigError("model_path", f"engine 'vllm' refuses {kw['model']}: its config.json is quantized "
+                          f"({method}): {QUANTIZED_WHY}")
     wt = kw.get("weight_transfer_config") or {}
     if (wt.get("backend") if isinstance(wt, dict) else getattr(wt, "backend", None)) != "p2psync":
         raise P2PSyncError("engine 'vllm': weight_transfer_config must name the 'p2psync' backend")
     return kw
+
+
+def checkpoint_quantization(model: str) -> str | None:
+    """The quantization method the checkpoint folder ``model`` declares in its ``config.json``
+    (``quantization_config`` or ``compression_config``, as vLLM reads them; ``"unknown"`` when it
+    names none), or None: not quantized, or not a local folder (a hub id is vLLM's to resolve)."""
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except ValueError as exc:
+        raise ConfigError("model_path", f"{path} is not JSON: {exc}") from exc
+    q = cfg.get("quantization_config") or cfg.get("compression_config") if isinstance(cfg, dict) else None
+    if not q:
+        return None
+    return str(q.get("quant_method") or q.get("format") or "unknown") if isinstance(q, dict) else "unknown"
 
 
 def start_llm(kw: dict[str, Any]) -> Any:

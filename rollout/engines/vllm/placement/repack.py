@@ -17,6 +17,12 @@ import numpy as np
 
 from rollout.engines.vllm.placement.rules import LayoutError
 
+QUANTIZED_WHY = ("a quantized layer computes with words and scales that vLLM's load or the checkpoint's quantizer "
+                 "made from the weights (FP8, INT8, ...), not with the trainer's published words, so p2psync "
+                 "cannot keep it bit-exact (docs/ROLLOUT.md, 'FP8 rollouts')")
+"""Why a quantized engine is refused: the one text the engine's init check and the placement's
+refusal of a quantized layer share."""
+
 
 def layer_of(model: Any, param: str) -> tuple[str, Any]:
     name = param.rsplit(".", 1)[0] if "." in param else ""
@@ -34,7 +40,7 @@ def transformed_reason(model: Any, param: str) -> str | None:
     lname, layer = layer_of(model, param)
     qm = getattr(layer, "quant_method", None)
     if qm is not None and not isinstance(qm, _unquantized()):
-        return f"layer {lname} is quantized ({type(qm).__name__}): its parameters hold a transformed copy"
+        return f"layer {lname} is quantized ({type(qm).__name__}): {QUANTIZED_WHY}"
     fe = moe_experts(layer)
     if fe is not None and _replays(fe) is None and _overrides_post_load(fe):
         return (f"layer {lname} repacks its experts after loading ({type(fe).__name__}) in a way p2psync "
