@@ -16,7 +16,8 @@ that bf16 version laid out as vLLM's FP8 checkpoints are (:mod:`trainer.fp8`): b
 (float32 ``weight_scale`` per checkpoint tensor), embeddings, norms and router gates kept in bf16.
 Per step and layout: elements changed (FP8 words, scales, bf16-kept tensors), payload bytes (and
 each part's share, from the segments' tensor indices), the full checkpoint over the payload, the
-payload over the bf16 delta of the same step, how many changed FP8 words lie in blocks whose scale
+payload over the bf16 delta of the same step (and the FP8 part alone, words and scales, over its
+own bytes and over the bf16 delta of the same linear weights), how many changed FP8 words lie in blocks whose scale
 changed, the FP8 quantization time of a version, and encode / decode+apply speed (median of
 ``--repeats``, 2 threads; GB/s of that layout's full weights, wall and per CPU-second: the
 decode verifies every chunk against a signed manifest and checks the target fingerprint).
@@ -174,7 +175,13 @@ def run_workload(key: str, args: argparse.Namespace) -> dict:
         rows = {layout: measure_step(prev[layout], cur[layout], layout, args.repeats) for layout in LAYOUTS}
         bf16_payload = rows["bf16"]["payload_bytes"]
         for layout in ("block", "tensor"):
-            rows[layout]["payload_over_bf16_delta"] = rows[layout]["payload_bytes"] / bf16_payload
+            r = rows[layout]
+            r["payload_over_bf16_delta"] = r["payload_bytes"] / bf16_payload
+            # The FP8 part alone (words + scales): against its own bytes, and against the bf16 delta of
+            # the same linear weights.
+            fp8_pay = r["part_payload_bytes"]["words"] + r["part_payload_bytes"]["scales"]
+            r["fp8_part_over_payload"] = (r["part_bytes"]["words"] + r["part_bytes"]["scales"]) / fp8_pay
+            r["fp8_part_over_bf16_linear_delta"] = fp8_pay / rows["bf16"]["part_payload_bytes"]["words"]
         steps.append({"step": s, **rows})
         b, blk, ten = rows["bf16"], rows["block"], rows["tensor"]
         print(f"  step {s}: bf16 {b['changed_pct']['words']:.2f} % of linear words, {b['payload_bytes'] / 1e6:.2f} MB; "
