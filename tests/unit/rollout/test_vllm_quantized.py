@@ -54,7 +54,7 @@ def test_a_config_that_is_not_json_is_a_config_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # importing vLLM's quantization layers: 20 s idle, minutes on a loaded machine
+@pytest.mark.timeout(600)  # importing vLLM's quantization layers: 20 s idle, minutes on a loaded machine
 def test_the_placement_names_a_quantized_layer_with_the_same_reason() -> None:
     """On CUDA vLLM loads an FP8 checkpoint given by hub id; the backend's binding then refuses its
     quantized layers, naming the layer and its method."""

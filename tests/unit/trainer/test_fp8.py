@@ -58,7 +58,7 @@ def test_per_tensor_layout_and_round_trip() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # importing vLLM: 20 s idle, minutes on a loaded machine
+@pytest.mark.timeout(600)  # importing vLLM: 20 s idle, minutes on a loaded machine
 def test_blockwise_words_and_scales_are_vllms_own() -> None:
     """The same bits as vLLM's block quantizer (``per_block_cast_to_fp8``), edge blocks included."""
     deep_gemm = pytest.importorskip("vllm.utils.deep_gemm")
