@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2psync.adapter import AdapterConfig, split_state
+from p2psync.adapter import stream_id as adapter_stream
 from p2psync.artifact import Manifest
 from p2psync.codec.decode import Applier
 from p2psync.errors import AdapterMismatch, ConfigError, MissingVersion, WrongBase
@@ -61,10 +62,11 @@ class AdapterSlots:
         self.allow_unsigned = allow_unsigned
         self.window = window
         self._streams: dict[str, _Stream] = {}
-        self._ids = itertools.count(1 << 20)  # clear of ids a caller picks for folder adapters
         from rollout.engines.vllm.worker.lora import rpc_lora_limits
 
         self.limits: dict[str, Any] = self._rpc(rpc_lora_limits)[0]
+        # Ids clear of those a caller picks for folder adapters and of any registered already.
+        self._ids = itertools.count(max([1 << 20, *(i + 1 for i in self.limits["registered"])]))
         cap = int(self.limits["max_cpu_loras"])
         if window > cap:
             raise ConfigError("window", f"{window} versions do not fit the engine's max_cpu_loras={cap}")
@@ -149,6 +151,38 @@ class AdapterSlots:
         if not set(config.target_modules) <= served:
             raise AdapterMismatch(config.name, f"target modules {sorted(set(config.target_modules) - served)} are "
                                                f"not served with LoRA by this engine (it serves {sorted(served)})")
+
+
+async def follow(node: Any, slots: AdapterSlots) -> None:
+    """Load into ``slots`` every version of the adapter stream that ``node`` (a p2psync node
+    following ``lora:<name>``; it verified signature, chunks and fingerprint) applies, newest first
+    where several arrived meanwhile. Runs until cancelled; a refused version (e.g. an adapter that
+    does not fit the engine) is raised and ends the loop, the loaded set untouched."""
+    import asyncio
+
+    async def take(model_id: str) -> None:
+        state, version = node.state, node.version
+        if state is None or version is None:
+            return
+        name = _name(model_id)
+        have = slots.loaded(name)
+        if have and version <= have[-1]:
+            return
+        await asyncio.to_thread(slots.load, name, state.clone(), version)
+
+    subscription = node.subscribe()
+    # Started before the version held now is loaded, so that none applied meanwhile is missed.
+    nxt = asyncio.ensure_future(anext(subscription))
+    try:
+        if node.state is not None and node.version is not None:
+            config, _ = split_state(node.state)
+            await take(adapter_stream(config.name))
+        while True:
+            m = await nxt
+            nxt = asyncio.ensure_future(anext(subscription))
+            await take(m.model_id)
+    finally:
+        nxt.cancel()
 
 
 def _name(model_id: str) -> str:

@@ -72,8 +72,15 @@ def rpc_lora_add(worker: Any, lora_int_id: int, peft_config: dict[str, Any],
     except ValueError as exc:
         return {"ok": False, "kind": "config", "reason": str(exc)}
     if len(am) >= am.capacity:
-        return {"ok": False, "kind": "capacity",
-                "reason": f"{len(am)} adapters registered, the engine holds {am.capacity} (max_cpu_loras)"}
+        # As vLLM's own add does: the least recently used adapter that is not pinned (one loaded
+        # from a folder) makes room; pinned versions are the callers' to remove.
+        try:
+            am.remove_oldest_adapter()
+        except (RuntimeError, ValueError):
+            pass
+        if len(am) >= am.capacity:
+            return {"ok": False, "kind": "capacity",
+                    "reason": f"{len(am)} adapter versions pinned, the engine holds {am.capacity} (max_cpu_loras)"}
     loaded: dict[str, torch.Tensor] = {}
     for name, (code, shape, raw) in tensors.items():
         dt = dtypes.from_code(code).torch_dtype()
