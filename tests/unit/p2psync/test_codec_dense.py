@@ -156,3 +156,23 @@ def test_corrupt_dense_segment_is_a_typed_error_and_leaves_state_untouched():
             ap.add_chunk(0, chunk)
             ap.commit()
         assert np.array_equal(state.words("lora_B"), before)
+
+
+def test_a_copy_of_the_range_with_its_origin_decodes_like_the_whole_tensor():
+    """What the vLLM engine's per-rank decode does (``segdecode.decode`` with ``origin``, the range
+    copied out of strided live memory): same positions, words and fingerprint change for dense segments."""
+    from p2psync import dtypes
+    from p2psync.codec import segdecode
+    from p2psync.state import tensor_seed
+
+    base, new = _zero_init_step(8)
+    enc = encode_delta(base, new, SMALL)
+    d, seed, old = dtypes.from_code("BF16"), tensor_seed("lora_B"), base.words("lora_B")
+    segs = [s for c in enc.chunks for s in split_chunk(c)]
+    assert segs and all(segment.parse_head(s).kind == segment.KIND_DENSE for s in segs)
+    for seg in segs:
+        p = segment.parse_head(seg)
+        whole = segdecode.decode(seg, p.body_at, p.start, p.stop, d, old, seed)
+        part = segdecode.decode(seg, p.body_at, p.start, p.stop, d, old[p.start:p.stop].copy(), seed, origin=p.start)
+        assert np.array_equal(whole[0], part[0]) and np.array_equal(whole[1], part[1]) and whole[2] == part[2]
+        assert np.array_equal(new.words("lora_B")[whole[0]], whole[1])
