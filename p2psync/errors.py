@@ -212,3 +212,25 @@ class CheckpointLayoutError(P2PSyncError):
     def __init__(self, name: str, message: str) -> None:
         super().__init__(f"{name}: {message}")
         self.name = name
+
+
+class AdapterMismatch(P2PSyncError):
+    """A LoRA adapter does not fit the engine it is offered to: another base model, a rank above
+    the engine's ``max_lora_rank``, or target modules the engine does not serve LoRA on. Nothing
+    was loaded."""
+
+    def __init__(self, adapter: str, reason: str) -> None:
+        super().__init__(f"adapter {adapter}: {reason}; nothing was loaded")
+        self.adapter = adapter
+        self.reason = reason
+
+
+class MissingVersion(P2PSyncError):
+    """A request named an adapter version that is not loaded (never received, or evicted by the
+    staleness window)."""
+
+    def __init__(self, adapter: str, version: int, loaded: list[int]) -> None:
+        super().__init__(f"adapter {adapter}: version {version} is not loaded (loaded: {loaded or 'none'})")
+        self.adapter = adapter
+        self.version = version
+        self.loaded = loaded

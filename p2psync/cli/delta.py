@@ -15,6 +15,7 @@ class _TensorRow(TypedDict):
     shape: list[int]
     numel: int
     changed: int
+    codings: dict[str, int]
 
 
 def parse_size(text: str) -> int:
@@ -62,7 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _add_verify_opts(a)
     a.set_defaults(run=run_apply)
 
-    i = dsub.add_parser("inspect", help="tensors, changed elements, bytes per stream, ratio, signature status")
+    i = dsub.add_parser("inspect", help="tensors, changed elements, bytes per stream and per segment coding, "
+                                        "ratio, signature status")
     i.add_argument("delta")
     i.add_argument("--json", action="store_true", help="print JSON instead of a table")
     i.add_argument("--pubkey", help="trainer public key (PEM) to check the signature against")
@@ -137,7 +139,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     import json
 
     from p2psync import artifact, keys
-    from p2psync.codec.decode import chunk_stats
+    from p2psync.codec.decode import chunk_stats, split_chunk
+    from p2psync.codec.dense import coding_of
     from p2psync.codec.segment import SegmentStats
     from p2psync.errors import SignatureError
 
@@ -154,13 +157,24 @@ def run_inspect(args: argparse.Namespace) -> int:
             except SignatureError as exc:
                 sig = f"INVALID: {exc}"
         streams = SegmentStats()
+        # per tensor and in all: segment bytes by the coding each segment chose
+        by_tensor: dict[int, dict[str, int]] = {}
+        codings: dict[str, dict[str, int]] = {}
         for _, c in art.chunks():  # also verifies every chunk hash
             streams.add(chunk_stats(c))
+            for seg in split_chunk(c):
+                ti, name = coding_of(seg)
+                per = by_tensor.setdefault(ti, {})
+                per[name] = per.get(name, 0) + len(seg)
+                total = codings.setdefault(name, {"segments": 0, "bytes": 0})
+                total["segments"] += 1
+                total["bytes"] += len(seg)
     full = m.model_bytes
     rows: list[_TensorRow] = []
     for i, t in enumerate(m.tensors):
         n = m.changed[i] if m.changed else t.numel
-        rows.append({"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "numel": t.numel, "changed": n})
+        rows.append({"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "numel": t.numel, "changed": n,
+                     "codings": by_tensor.get(i, {})})
     ratio = full / max(1, m.payload_bytes)
     changed = sum(r["changed"] for r in rows)
     numel = sum(r["numel"] for r in rows)
@@ -183,6 +197,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         "changed": changed,
         "numel": numel,
         "stream_bytes": stream_bytes,
+        "codings": codings,
         "tensors": rows,
     }
     if args.json:
@@ -198,11 +213,13 @@ def run_inspect(args: argparse.Namespace) -> int:
               f"[bold]{ratio:.1f}x[/] smaller; changed {changed:,} of {numel:,} "
               f"elements ({100 * changed / max(1, numel):.3f} %)")
     con.print("streams: " + ", ".join(f"{k} {v:,} B" for k, v in stream_bytes.items()))
-    tab = Table("tensor", "dtype", "shape", "changed", "%")
+    con.print("segment codings: " + ", ".join(f"{k} {v['segments']} segments {v['bytes']:,} B"
+                                             for k, v in sorted(codings.items())))
+    tab = Table("tensor", "dtype", "shape", "changed", "%", "coding")
     shown = rows if args.all else sorted(rows, key=lambda r: -r["changed"])[:20]
     for r in shown:
         tab.add_row(r["name"], r["dtype"], "x".join(map(str, r["shape"])) or "scalar", f"{r['changed']:,}",
-                    f"{100 * r['changed'] / max(1, r['numel']):.3f}")
+                    f"{100 * r['changed'] / max(1, r['numel']):.3f}", "+".join(sorted(r["codings"])) or "-")
     con.print(tab)
     if len(shown) < len(rows):
         con.print(f"({len(rows) - len(shown)} more tensors; --all lists them)")

@@ -24,7 +24,7 @@ from p2psync import dtypes
 from p2psync.codec import context, kernels, segdecode, slabs
 from p2psync.codec.encode import CHUNK_MAGIC, CHUNK_VERSION
 from p2psync.codec.segment import (
-    KIND_DELTA,
+    DELTA_KINDS,
     KIND_RAW,
     ParsedSegment,
     SegmentStats,
@@ -257,7 +257,7 @@ class Applier:
         if p.stop > spec.numel:
             raise CodecError(f"segment of {spec.name} covers [{p.start}, {p.stop}), tensor has {spec.numel}")
         d = dtypes.from_code(spec.dtype)
-        if p.kind == KIND_DELTA and self.kind == "delta":
+        if p.kind in DELTA_KINDS and self.kind == "delta":
             pos, vals, (a, b) = _decode_delta(p, spec, self.state.words(spec.name), self._arena)
             return p.tensor, (p.start, p.stop, pos, vals, a, b)
         if p.kind == KIND_RAW and self.kind == "snapshot":

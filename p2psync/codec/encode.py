@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from p2psync import dtypes
-from p2psync.codec import context, kernels, segencode
+from p2psync.codec import context, dense, kernels, segencode
 from p2psync.codec.segment import MAX_BUCKETS, SegmentStats, encode_raw_segment
 from p2psync.codec.slices import block_key, delta_ranges, order_key
 from p2psync.codec.sparse import encode_changes
@@ -201,6 +201,13 @@ def release_buffers() -> None:
         _spare.clear()
 
 
+def _densest(encoded: tuple[bytes, SegmentStats, tuple[int, int]], tensor: int, at: int, stop: int, old: np.ndarray,
+             new: np.ndarray, width: int, opts: CodecOptions) -> tuple[bytes, SegmentStats, tuple[int, int]]:
+    """The sparse segment ``encoded`` of ``[at, stop)``, or the dense one where that is smaller
+    (:func:`p2psync.codec.dense.smaller`)."""
+    return dense.smaller(encoded, tensor, at, stop, old, lambda: new[at:stop], width, opts.zstd_level)
+
+
 def _scan_job(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.ndarray, s: int, e: int, opts: CodecOptions):
     d = dtypes.from_code(spec.dtype)
     cap = opts.max_changes(d.width)
@@ -213,9 +220,10 @@ def _scan_job(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.ndarray, s
     try:
         at = s
         while at < e:
-            at, encoded = segencode.scan(tensor, d, old, new, at, e, cap, thr, opts.zstd_level, seed, bufs)
+            stop, encoded = segencode.scan(tensor, d, old, new, at, e, cap, thr, opts.zstd_level, seed, bufs)
             if encoded is not None:
-                _add_segment(out, encoded)
+                _add_segment(out, _densest(encoded, tensor, at, stop, old, new, d.width, opts))
+            at = stop
     finally:
         _give_back(bufs)
     return out
@@ -244,8 +252,9 @@ def _scan_job_reference(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.
                 stop, n = kernels.find_changes(old, new, at, e, cap, pos_b, old_b, new_b)
                 ranked = None
             if n:
-                _add_segment(out, encode_changes(tensor, at, stop, old, pos_b[:n], old_b[:n], new_b[:n], d, thr,
-                                                 opts.zstd_level, seed, ranked))
+                _add_segment(out, _densest(encode_changes(tensor, at, stop, old, pos_b[:n], old_b[:n], new_b[:n], d,
+                                                          thr, opts.zstd_level, seed, ranked),
+                                           tensor, at, stop, old, new, d.width, opts))
             at = stop
     finally:
         _give_back(bufs)
@@ -271,8 +280,15 @@ def encode_sparse_range(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.
         b = min(hi, a + cap)
         stop = int(pos[b]) if b < hi else e
         p = pos[a:b]
-        _add_segment(out, _encode_segment(tensor, at, stop, old, p, old[p], vals[a:b], d, thr, opts.zstd_level,
-                                          seed))
+
+        def new_words(at: int = at, stop: int = stop, p: np.ndarray = p, v: np.ndarray = vals[a:b]) -> np.ndarray:
+            w = old[at:stop].copy()
+            w[p - at] = v
+            return w
+
+        _add_segment(out, dense.smaller(_encode_segment(tensor, at, stop, old, p, old[p], vals[a:b], d, thr,
+                                                        opts.zstd_level, seed),
+                                        tensor, at, stop, old, new_words, d.width, opts.zstd_level))
         at = stop
     return out
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from p2psync.codec import kernels, positions, rans, rice, segrans, slabs
-from p2psync.codec.segment import MAX_BUCKETS, decompress
+from p2psync.codec import dense, kernels, positions, rans, rice, segrans, slabs
+from p2psync.codec.segment import KIND_DENSE, MAX_BUCKETS, decompress
 from p2psync.dtypes import DType
 from p2psync.errors import CodecError, TruncatedError
 
@@ -319,7 +319,11 @@ def decode(seg: bytes | memoryview, at: int, start: int, stop: int, d: DType, ol
     more than the range holds (otherwise decoding fails before it writes anything).
 
     With ``origin``, ``old`` holds the tensor's words from position ``origin`` on (a copy of the
-    segment's range, ``origin = start``); positions and fingerprint are the tensor's all the same."""
+    segment's range, ``origin = start``); positions and fingerprint are the tensor's all the same.
+    A dense segment (``seg`` of kind :data:`~p2psync.codec.segment.KIND_DENSE`) is decoded by
+    :func:`p2psync.codec.dense.decode`, with the same result shape."""
+    if len(seg) and seg[0] == KIND_DENSE:
+        return dense.decode(seg, start, stop, d, old, seed, origin)
     buf = np.frombuffer(seg, dtype=np.uint8)
     buf.setflags(write=False)  # one compiled specialisation whether the chunk was bytes or a bytearray
     pos_out = _NO_POS

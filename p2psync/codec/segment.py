@@ -3,7 +3,7 @@
 A segment decodes on its own given the base words of its tensor, which is what
 makes every chunk independently decodable. Layout (little-endian)::
 
-    u8 kind            1 = delta, 2 = raw words
+    u8 kind            1 = delta, 2 = raw words, 3 = dense delta (``dense``)
     u32 tensor         index into the manifest's tensor table
     u64 start, stop    element range [start, stop) covered
   delta:
@@ -11,6 +11,8 @@ makes every chunk independently decodable. Layout (little-endian)::
                        residuals by the base value's exponent
   raw:
     u8 codec, u32 len  payload: the words as byte planes, raw or zstd
+  dense delta (a delta's range where nearly every word changed):
+    u8 coding, u32 len payload: the new words, or their XOR with the base, as byte planes
 
 The body of a delta segment depends only on the base and new words of its range
 relative to ``start``, so the same segment describes the same range of a shard
@@ -32,6 +34,9 @@ from p2psync.errors import CodecError, TruncatedError
 
 KIND_DELTA = 1
 KIND_RAW = 2
+KIND_DENSE = 3
+DELTA_KINDS = (KIND_DELTA, KIND_DENSE)
+"""The segment kinds a delta holds."""
 CODEC_RAW = 0
 CODEC_ZSTD = 1
 MAX_BUCKETS = 4
@@ -144,6 +149,11 @@ def pack_payload(data: bytes | bytearray | memoryview, level: int) -> tuple[int,
     return CODEC_RAW, data
 
 
+def compress(data: bytes | bytearray | memoryview, level: int) -> bytes:
+    """``data`` as one zstd frame (this thread's compressor for ``level``)."""
+    return _compressor(level).compress(data)
+
+
 def decompress(data: bytes | memoryview | np.ndarray, max_size: int) -> bytes:
     """A zstd frame (with this thread's decompressor); ``max_size`` bounds frames that do not
     state their size."""
@@ -220,7 +230,7 @@ def parse_head(buf: memoryview) -> ParsedSegment:
     if len(buf) < _HEAD.size:
         raise TruncatedError(f"segment: truncated (needs {_HEAD.size} bytes, has {len(buf)})")
     kind, tensor, start, stop = _HEAD.unpack_from(buf)
-    if kind != KIND_DELTA:
+    if kind not in (KIND_DELTA, KIND_DENSE):
         return parse_segment(buf)
     if stop < start:
         raise CodecError("segment: range ends before it starts")
@@ -240,6 +250,14 @@ def parse_segment(buf: memoryview) -> ParsedSegment:
         return ParsedSegment(
             kind, tensor, start, stop, res_codec=codec, res=payload, stats=SegmentStats(header=r.pos - length, raw=length),
             raw=r.buf, body_at=_HEAD.size,
+        )
+    if kind == KIND_DENSE:
+        coding, length = r.unpack("BI")
+        payload = r.take(length)
+        r.done()
+        return ParsedSegment(
+            kind, tensor, start, stop, res_codec=coding, res=payload,
+            stats=SegmentStats(header=r.pos - length, raw=length), raw=r.buf, body_at=_HEAD.size,
         )
     if kind != KIND_DELTA:
         raise CodecError(f"segment: unknown kind {kind}")

@@ -170,3 +170,33 @@ def test_apply_keeps_a_sharded_folder_byte_identical(tmp_path, keypair):
     assert main(["delta", "apply", str(tmp_path / "base"), str(d), "-o", str(out), "--pubkey", str(pub)]) == 0
     for f in (tmp_path / "new").iterdir():
         assert (out / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_inspect_names_the_coding_each_segment_chose(tmp_path, capsys):
+    """An adapter's first step (``lora_B`` leaves its zero init: every word changes) is coded
+    densely and costs less than its raw words; a tensor with a few changes stays sparse."""
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(8, 512, generator=g) * 0.02).to(torch.bfloat16)
+    base = {"base_model.model.l.lora_A.weight": a, "base_model.model.l.lora_B.weight": torch.zeros(512, 8,
+                                                                                                 dtype=torch.bfloat16)}
+    a2 = a.clone()
+    a2.view(-1)[::50] = 0.5
+    new = {"base_model.model.l.lora_A.weight": a2,
+           "base_model.model.l.lora_B.weight": (torch.randn(512, 8, generator=g) * 1e-3).to(torch.bfloat16)}
+    save_file(base, tmp_path / "base.safetensors")
+    save_file(new, tmp_path / "new.safetensors")
+    d = tmp_path / "step.p2s"
+    assert main(["delta", "encode", str(tmp_path / "base.safetensors"), str(tmp_path / "new.safetensors"),
+                 "-o", str(d)]) == 0
+    capsys.readouterr()
+    assert main(["delta", "inspect", str(d), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    codings = {t["name"]: t["codings"] for t in rep["tensors"]}
+    assert set(codings["base_model.model.l.lora_A.weight"]) == {"sparse"}
+    dense_b = codings["base_model.model.l.lora_B.weight"]
+    assert set(dense_b) <= {"dense-raw", "dense-zstd", "dense-xor-zstd"} and dense_b
+    assert sum(dense_b.values()) < 512 * 8 * 2
+    assert rep["payload_bytes"] < 2 * 2 * 512 * 8
+    assert sum(v["bytes"] for v in rep["codings"].values()) < rep["payload_bytes"]
+    assert main(["delta", "inspect", str(d)]) == 0
+    assert "dense-" in capsys.readouterr().out

@@ -69,7 +69,7 @@ import numpy as np
 
 from p2psync import dtypes, wordops
 from p2psync.codec import segdecode, slabs
-from p2psync.codec.segment import KIND_DELTA, parse_head
+from p2psync.codec.segment import DELTA_KINDS, parse_head
 from p2psync.workers import run_ordered
 from p2psync.errors import CodecError, FingerprintMismatch, P2PSyncError, TensorTableMismatch, WrongBase
 from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
@@ -365,7 +365,7 @@ class LiveWeights(Committer):
     def segment_head(self, seg: memoryview) -> Any:
         """The parsed head of a delta segment, checked against the table."""
         p = parse_head(seg)
-        if p.kind != KIND_DELTA:
+        if p.kind not in DELTA_KINDS:
             raise CodecError(f"segment kind {p.kind} does not belong in a delta")
         if p.tensor >= len(self.specs):
             raise CodecError(f"segment names tensor #{p.tensor}, table has {len(self.specs)}")

@@ -1,0 +1,191 @@
+"""LoRA adapter versions delivered by p2psync, served by a vLLM engine's live LoRA slots.
+
+:class:`AdapterSlots` takes each artifact of an adapter stream (:mod:`p2psync.adapter`; the
+snapshot, then deltas), checks it, and registers the version in every worker under an
+``lora_int_id`` of its own, from memory (:mod:`rollout.engines.vllm.worker.lora`). A request
+names the version it is served with: :meth:`AdapterSlots.request` gives the ``LoRARequest`` of
+the newest version or of a named one. Because every version has its own id, loading version
+``v + 1`` never touches version ``v``: a request in flight finishes on the version it started
+with, and a new request gets the newest version as soon as :meth:`AdapterSlots.apply` returned.
+The last ``window`` versions of each adapter stay loaded (TRL's ``max_staleness + 1``); older
+ones are removed once a newer version is loaded. Requests still running on a version the window
+drops need ``window`` at least their staleness (vLLM would otherwise look for the version's
+folder, which does not exist).
+
+Refusals, each typed and each leaving the loaded set and the stream's state untouched:
+:class:`~p2psync.errors.SignatureError` (wrong key, unsigned),
+:class:`~p2psync.errors.WrongBase` (a delta whose base is not the version held),
+:class:`~p2psync.errors.AdapterMismatch` (another base model than the engine's weights, a rank
+above ``max_lora_rank``, target modules the engine does not serve LoRA on),
+:class:`~p2psync.errors.MissingVersion` (a request for a version not loaded).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from p2psync.adapter import AdapterConfig, split_state
+from p2psync.adapter import stream_id as adapter_stream
+from p2psync.artifact import Manifest
+from p2psync.codec.decode import Applier
+from p2psync.errors import AdapterMismatch, ConfigError, MissingVersion, WrongBase
+from p2psync.state import ModelState
+
+
+@dataclass
+class _Stream:
+    state: ModelState
+    version: int
+    config: AdapterConfig
+    loaded: dict[int, int] = field(default_factory=dict)
+    """version -> lora_int_id, oldest first."""
+
+
+class AdapterSlots:
+    """The adapter versions one vLLM engine serves (module docstring).
+
+    ``llm``: a ``vllm.LLM`` built with ``enable_lora=True`` (``collective_rpc`` reaches its workers).
+    ``base_fingerprint``: the p2psync fingerprint of the engine's base weights; an adapter trained
+    on another base is refused. ``public_key``: the trainer's key (``None`` with
+    ``allow_unsigned`` only). ``window``: versions of each adapter kept loaded (at least 1)."""
+
+    def __init__(self, llm: Any, *, base_fingerprint: str, public_key: Any = None, window: int = 2,
+                 allow_unsigned: bool = False) -> None:
+        if window < 1:
+            raise ConfigError("window", f"must be at least 1, got {window}")
+        self.llm = llm
+        self.base_fingerprint = base_fingerprint
+        self.public_key = public_key
+        self.allow_unsigned = allow_unsigned
+        self.window = window
+        self._streams: dict[str, _Stream] = {}
+        from rollout.engines.vllm.worker.lora import rpc_lora_limits
+
+        self.limits: dict[str, Any] = self._rpc(rpc_lora_limits)[0]
+        # Ids clear of those a caller picks for folder adapters and of any registered already.
+        self._ids = itertools.count(max([1 << 20, *(i + 1 for i in self.limits["registered"])]))
+        cap = int(self.limits["max_cpu_loras"])
+        if window > cap:
+            raise ConfigError("window", f"{window} versions do not fit the engine's max_cpu_loras={cap}")
+
+    def _rpc(self, fn: Any, *args: Any) -> list[Any]:
+        return list(self.llm.collective_rpc(fn, args=args))
+
+    # --- what a request names -------------------------------------------------------------
+    def loaded(self, name: str) -> list[int]:
+        """Versions of adapter ``name`` loaded now, oldest first."""
+        s = self._streams.get(name)
+        return list(s.loaded) if s is not None else []
+
+    def request(self, name: str, version: int | None = None) -> Any:
+        """The ``LoRARequest`` of adapter ``name`` at ``version`` (default: the newest loaded);
+        :class:`~p2psync.errors.MissingVersion` when that version is not loaded."""
+        from vllm.lora.request import LoRARequest
+
+        s = self._streams.get(name)
+        have = self.loaded(name)
+        v = (have[-1] if have else -1) if version is None else version
+        if s is None or v not in s.loaded:
+            raise MissingVersion(name, v, have)
+        return LoRARequest(lora_name=f"{name}@{v}", lora_int_id=s.loaded[v], lora_path=f"p2psync:{name}@{v}")
+
+    # --- taking versions ------------------------------------------------------------------
+    def apply(self, manifest: Manifest, chunks: Iterable[tuple[int, bytes | memoryview]]) -> int:
+        """Check the adapter artifact ``manifest`` (signature, base, fit) and its chunks (hashes are
+        the caller's: a node verifies them as it stores them), decode the version and load it.
+        Returns the version, now the newest :meth:`request` gives."""
+        manifest.verify(self.public_key, allow_unsigned=self.allow_unsigned)
+        name = _name(manifest.model_id)
+        s = self._streams.get(name)
+        if manifest.kind == "delta":
+            if s is None or s.version != manifest.base_version:
+                have = "nothing" if s is None else f"version {s.version}"
+                raise WrongBase(str(manifest.base_fingerprint), have, manifest.base_version)
+            state = s.state.clone()
+        else:
+            state = None
+        ap = Applier.onto(state, manifest)
+        ap.add_chunks(chunks, 2)
+        ap.commit()
+        return self.load(name, ap.state, manifest.target_version)
+
+    def load(self, name: str, state: ModelState, version: int) -> int:
+        """Load the adapter state ``state`` (already verified) as ``version`` of adapter ``name``."""
+        config, words = split_state(state)
+        if config.name != name:
+            raise AdapterMismatch(name, f"the state is adapter {config.name!r}")
+        self._check_fit(config)
+        s = self._streams.get(name)
+        if s is not None and version <= s.version:
+            raise AdapterMismatch(name, f"version {version} is not newer than the loaded {s.version}")
+        from rollout.engines.vllm.worker.lora import rpc_lora_add, rpc_lora_remove
+
+        lora_id = next(self._ids)
+        tensors = {n: (spec.dtype, list(spec.shape), words[n].tobytes())
+                   for n, spec in ((sp.name, sp) for sp in state.specs) if n in words}
+        results = self._rpc(rpc_lora_add, lora_id, config.peft_json(), tensors)
+        failed = [r for r in results if not r["ok"]]
+        if failed:
+            self._rpc(rpc_lora_remove, [lora_id])  # ranks that took it give it back
+            raise AdapterMismatch(name, failed[0]["reason"])
+        if s is None:
+            s = self._streams[name] = _Stream(state, version, config)
+        s.state, s.version, s.config = state, version, config
+        s.loaded[version] = lora_id
+        drop = list(s.loaded)[:-self.window]
+        if drop:
+            self._rpc(rpc_lora_remove, [s.loaded.pop(v) for v in drop])
+        return version
+
+    def _check_fit(self, config: AdapterConfig) -> None:
+        if config.base_fingerprint != self.base_fingerprint:
+            raise AdapterMismatch(config.name, f"trained on base {config.base_fingerprint}, the engine serves "
+                                               f"{self.base_fingerprint}")
+        if config.r > int(self.limits["max_lora_rank"]):
+            raise AdapterMismatch(config.name, f"rank {config.r} exceeds the engine's max_lora_rank="
+                                               f"{self.limits['max_lora_rank']}")
+        served = set(self.limits["modules"])
+        if not set(config.target_modules) <= served:
+            raise AdapterMismatch(config.name, f"target modules {sorted(set(config.target_modules) - served)} are "
+                                               f"not served with LoRA by this engine (it serves {sorted(served)})")
+
+
+async def follow(node: Any, slots: AdapterSlots) -> None:
+    """Load into ``slots`` every version of the adapter stream that ``node`` (a p2psync node
+    following ``lora:<name>``; it verified signature, chunks and fingerprint) applies, newest first
+    where several arrived meanwhile. Runs until cancelled; a refused version (e.g. an adapter that
+    does not fit the engine) is raised and ends the loop, the loaded set untouched."""
+    import asyncio
+
+    async def take(model_id: str) -> None:
+        state, version = node.state, node.version
+        if state is None or version is None:
+            return
+        name = _name(model_id)
+        have = slots.loaded(name)
+        if have and version <= have[-1]:
+            return
+        await asyncio.to_thread(slots.load, name, state.clone(), version)
+
+    subscription = node.subscribe()
+    # Started before the version held now is loaded, so that none applied meanwhile is missed.
+    nxt = asyncio.ensure_future(anext(subscription))
+    try:
+        if node.state is not None and node.version is not None:
+            config, _ = split_state(node.state)
+            await take(adapter_stream(config.name))
+        while True:
+            m = await nxt
+            nxt = asyncio.ensure_future(anext(subscription))
+            await take(m.model_id)
+    finally:
+        nxt.cancel()
+
+
+def _name(model_id: str) -> str:
+    if not model_id.startswith("lora:"):
+        raise AdapterMismatch(model_id, "not an adapter stream (its model id does not start with 'lora:')")
+    return model_id[len("lora:"):]

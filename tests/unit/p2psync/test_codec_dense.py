@@ -1,0 +1,178 @@
+"""Dense delta segments: a step that changes nearly every element (a LoRA adapter's) costs no more
+than the raw words, lands bit-exact, and every encode path chooses the same coding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from p2psync.codec import dense, segment
+from p2psync.codec.decode import Applier, split_chunk
+from p2psync.codec.encode import CodecOptions, encode_delta, encode_delta_sparse
+from p2psync.errors import CodecError, FingerprintMismatch
+from p2psync.state import ModelState
+
+SMALL = CodecOptions(chunk_size=64 << 10, segment_elements=4096, threads=2)
+
+
+def _adapter_step(seed: int, n: int = 20_000, lr: float = 1e-3) -> tuple[ModelState, ModelState]:
+    """An Adam-like step on bf16 weights of LoRA magnitudes: almost every word changes."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, generator=g) * 0.02
+    step = torch.randn(n, generator=g).sign() * lr
+    base = ModelState({"lora_A": w.to(torch.bfloat16).reshape(100, -1)})
+    new = ModelState({"lora_A": (w + step).to(torch.bfloat16).reshape(100, -1)})
+    return base, new
+
+
+def _apply(base: ModelState, enc) -> ModelState:
+    out = base.clone()
+    ap = Applier(out, kind="delta", specs=enc.specs, n_chunks=len(enc.chunks),
+                 target_fingerprint=enc.target_fingerprint, base_fingerprint=enc.base_fingerprint)
+    ap.add_chunks(enumerate(enc.chunks), 2)
+    ap.commit()
+    return out
+
+
+def _kinds(enc) -> list[tuple[int, int]]:
+    out = []
+    for c in enc.chunks:
+        for seg in split_chunk(c):
+            p = segment.parse_segment(seg)
+            out.append((p.kind, p.res_codec if p.kind == segment.KIND_DENSE else -1))
+    return out
+
+
+def _zero_init_step(seed: int) -> tuple[ModelState, ModelState]:
+    """A PEFT ``lora_B`` (zeros at init) after its first step: no word keeps its base."""
+    g = torch.Generator().manual_seed(seed)
+    base = ModelState({"lora_B": torch.zeros(2048, 8, dtype=torch.bfloat16)})
+    new = ModelState({"lora_B": (torch.randn(2048, 8, generator=g) * 1e-3).to(torch.bfloat16)})
+    return base, new
+
+
+def test_first_step_from_zero_init_is_dense_smaller_than_raw_and_bit_exact():
+    base, new = _zero_init_step(0)
+    enc = encode_delta(base, new, CodecOptions(threads=1))
+    raw = base.words("lora_B").nbytes
+    assert sum(len(c) for c in enc.chunks) < raw
+    assert {k for k, _ in _kinds(enc)} == {segment.KIND_DENSE}
+    got = _apply(base, enc)
+    assert np.array_equal(got.words("lora_B"), new.words("lora_B"))
+    assert got.fingerprint == new.fingerprint == got.audit()
+
+
+@pytest.mark.parametrize("maker", [_adapter_step, _zero_init_step])
+def test_each_segment_takes_the_smaller_coding(maker, monkeypatch):
+    base, new = maker(7)
+    both = encode_delta(base, new, SMALL)
+    monkeypatch.setattr(dense, "smaller", lambda encoded, *a: encoded)
+    sparse_only = encode_delta(base, new, SMALL)
+    a = [len(s) for c in both.chunks for s in split_chunk(c)]
+    b = [len(s) for c in sparse_only.chunks for s in split_chunk(c)]
+    assert len(a) == len(b) and all(x <= y for x, y in zip(a, b))
+    assert sum(a) < base.words(base.specs[0].name).nbytes
+    assert both.target_fingerprint == sparse_only.target_fingerprint
+    assert np.array_equal(_apply(base, both).words(base.specs[0].name), new.words(base.specs[0].name))
+
+
+def test_incompressible_words_cost_at_most_raw_plus_headers():
+    rng = np.random.default_rng(3)
+    b = rng.integers(0, 2**16, size=30_000, dtype=np.uint16)
+    n = rng.integers(0, 2**16, size=30_000, dtype=np.uint16)
+    base = ModelState({"w": torch.from_numpy(b.view(np.int16)).view(torch.bfloat16)})
+    new = ModelState({"w": torch.from_numpy(n.view(np.int16)).view(torch.bfloat16)})
+    enc = encode_delta(base, new, SMALL)
+    segs = [s for c in enc.chunks for s in split_chunk(c)]
+    assert all(segment.parse_segment(s).kind == segment.KIND_DENSE for s in segs)
+    words = sum(segment.span_of(s) for s in segs)
+    assert words == 30_000
+    assert sum(len(s) for s in segs) <= 2 * words + len(segs) * dense.HEADER_BYTES
+    assert np.array_equal(_apply(base, enc).words("w"), n)
+
+
+def test_sparse_steps_stay_sparse():
+    g = torch.Generator().manual_seed(1)
+    base = ModelState({"lora_A": (torch.randn(20_000, generator=g) * 0.02).to(torch.bfloat16)})  # 1-D: no row cuts
+    new = base.clone()
+    w = new.words("lora_A")
+    w[::97] += np.uint16(1)
+    new.invalidate()
+    enc = encode_delta(base, new, SMALL)
+    assert {k for k, _ in _kinds(enc)} == {segment.KIND_DELTA}
+
+
+def test_changes_found_elsewhere_choose_the_same_bytes():
+    base, new = _adapter_step(2)
+    old_w, new_w = base.words("lora_A"), new.words("lora_A")
+    pos = np.flatnonzero(old_w != new_w)
+    a = encode_delta(base, new, SMALL)
+    b = encode_delta_sparse(base, {"lora_A": (pos, new_w[pos])}, SMALL)
+    assert a.chunks == b.chunks and a.target_fingerprint == b.target_fingerprint
+
+
+def test_reference_scan_chooses_the_same_bytes(monkeypatch):
+    from p2psync.codec import encode
+
+    base, new = _adapter_step(4)
+    a = encode_delta(base, new, SMALL)
+    monkeypatch.setattr(encode, "_scan_job", encode._scan_job_reference)
+    b = encode_delta(base, new, SMALL)
+    assert a.chunks == b.chunks
+
+
+def test_unchanged_words_inside_a_dense_range_are_not_reported_as_changes():
+    base, new = _adapter_step(5)
+    ap = Applier(base.clone(), kind="delta", specs=base.specs, n_chunks=1, target_fingerprint=new.fingerprint,
+                 base_fingerprint=base.fingerprint)
+    enc = encode_delta(base, new, SMALL)
+    ap.n_chunks = len(enc.chunks)
+    ap.keep_changes = True
+    ap.add_chunks(enumerate(enc.chunks), 1)
+    ap.commit()
+    assert ap.changes is not None
+    pos, _ = ap.changes[0]
+    assert np.array_equal(np.sort(pos), np.flatnonzero(base.words("lora_A") != new.words("lora_A")))
+
+
+def test_corrupt_dense_segment_is_a_typed_error_and_leaves_state_untouched():
+    base, new = _zero_init_step(6)
+    enc = encode_delta(base, new, SMALL)
+    seg = bytearray(split_chunk(enc.chunks[0])[0])
+    assert seg[0] == segment.KIND_DENSE
+    bad_coding = bytearray(seg)
+    bad_coding[21] = 9
+    truncated = seg[:-3]
+    flipped = bytearray(seg)
+    flipped[-1] ^= 0xFF
+    for broken in (bad_coding, truncated, flipped):
+        chunk = b"P2C2" + (1).to_bytes(4, "little") + len(broken).to_bytes(4, "little") + bytes(broken)
+        state = base.clone()
+        before = state.words("lora_B").copy()
+        ap = Applier(state, kind="delta", specs=base.specs, n_chunks=1,
+                     target_fingerprint=new.fingerprint, base_fingerprint=base.fingerprint)
+        with pytest.raises((CodecError, FingerprintMismatch)):
+            ap.add_chunk(0, chunk)
+            ap.commit()
+        assert np.array_equal(state.words("lora_B"), before)
+
+
+def test_a_copy_of_the_range_with_its_origin_decodes_like_the_whole_tensor():
+    """What the vLLM engine's per-rank decode does (``segdecode.decode`` with ``origin``, the range
+    copied out of strided live memory): same positions, words and fingerprint change for dense segments."""
+    from p2psync import dtypes
+    from p2psync.codec import segdecode
+    from p2psync.state import tensor_seed
+
+    base, new = _zero_init_step(8)
+    enc = encode_delta(base, new, SMALL)
+    d, seed, old = dtypes.from_code("BF16"), tensor_seed("lora_B"), base.words("lora_B")
+    segs = [s for c in enc.chunks for s in split_chunk(c)]
+    assert segs and all(segment.parse_head(s).kind == segment.KIND_DENSE for s in segs)
+    for seg in segs:
+        p = segment.parse_head(seg)
+        whole = segdecode.decode(seg, p.body_at, p.start, p.stop, d, old, seed)
+        part = segdecode.decode(seg, p.body_at, p.start, p.stop, d, old[p.start:p.stop].copy(), seed, origin=p.start)
+        assert np.array_equal(whole[0], part[0]) and np.array_equal(whole[1], part[1]) and whole[2] == part[2]
+        assert np.array_equal(new.words("lora_B")[whole[0]], whole[1])
