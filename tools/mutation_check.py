@@ -3,8 +3,8 @@
 For every test file given (default: every ``tests/unit/**/test_*.py``) this tool
 
 1. runs the file once under coverage, to learn which lines of the project's packages it executes;
-2. picks mutation sites among those lines, in the modules the file imports (all executed modules
-   when it imports none directly): a comparison turned around (``<`` to ``>=``, ``==`` to ``!=``,
+2. picks mutation sites among those lines, in the modules the file imports (none when it imports
+   no project module: it reads files or runs programs, and is listed as not mutated): a comparison turned around (``<`` to ``>=``, ``==`` to ``!=``,
    ``in`` to ``not in``), ``and``/``or`` swapped, ``+``/``-`` swapped, an ``if``/``while`` condition
    negated, an integer constant moved by one, ``True``/``False`` swapped, a ``return`` of a value
    made ``return None``; never inside a compiled (numba) kernel, a log or an error message, and no
@@ -39,6 +39,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("p2psync", "topology", "trainer", "rollout", "demo")
+SOURCES = (*PACKAGES, "tools")
+"""Where mutants are drawn from: the packages, and the tools some tests import (``soak.ledger``)."""
 _FLIP = {ast.Lt: ast.GtE, ast.GtE: ast.Lt, ast.Gt: ast.LtE, ast.LtE: ast.Gt, ast.Eq: ast.NotEq,
          ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is}
 _QUIET_CALLS = {"debug", "info", "warning", "error", "exception", "critical", "log"}
@@ -150,12 +152,11 @@ def imported_modules(test_file: Path) -> set[str]:
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         for name in names:
-            if name.split(".")[0] not in PACKAGES:
-                continue
-            base = REPO / Path(*name.split("."))
-            for cand in (base.with_suffix(".py"), base / "__init__.py"):
-                if cand.is_file():
-                    out.add(str(cand.relative_to(REPO)))
+            for root in (REPO, REPO / "tools"):  # tests import tools' modules with tools/ on sys.path
+                base = root / Path(*name.split("."))
+                for cand in (base.with_suffix(".py"), base / "__init__.py"):
+                    if cand.is_file() and cand.relative_to(REPO).parts[0] in SOURCES:
+                        out.add(str(cand.relative_to(REPO)))
     return out
 
 
@@ -181,7 +182,7 @@ def covered(test_file: str, timeout: float) -> tuple[str, dict[str, set[int]]]:
     with tempfile.TemporaryDirectory() as d:
         data = Path(d) / ".coverage"
         how, _ = _pytest(test_file, timeout, ["-m", "coverage", "run", f"--data-file={data}",
-                                              "--source=" + ",".join(PACKAGES), "-m", "pytest"])
+                                              "--source=" + ",".join(SOURCES), "-m", "pytest"])
         if not data.exists():
             return how, {}
         cov = coverage.Coverage(data_file=str(data))
@@ -190,7 +191,7 @@ def covered(test_file: str, timeout: float) -> tuple[str, dict[str, set[int]]]:
         out = {}
         for f in got.measured_files():
             rel = os.path.relpath(f, REPO)
-            if rel.split(os.sep)[0] in PACKAGES:
+            if rel.split(os.sep)[0] in SOURCES:
                 out[rel] = set(got.lines(f) or ())
         return how, out
 
@@ -201,11 +202,14 @@ def check_file(test_file: str, per_file: int, rng: random.Random, timeout: float
     if how != "passed":
         return res
     wanted = imported_modules(REPO / test_file) & set(lines)
+    if not wanted:  # it checks files it reads or programs it runs: no module of its own to break here
+        res["why"] = "runs no code it imports (it reads files or runs programs)"
+        return res
     pool = []
-    for mod in sorted(wanted or lines):
+    for mod in sorted(wanted):
         src = (REPO / mod).read_text()
         pool += [(mod, k, line, op) for k, line, op in sites(src, lines[mod])]
-    res["targets"] = sorted(wanted or lines)
+    res["targets"] = sorted(wanted)
     res["sites"] = len(pool)
     for mod, k, line, op in rng.sample(pool, min(per_file, len(pool))):
         m = Mutant(mod, line, op)
@@ -250,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
            "mutants": sum(len(r["mutants"]) for r in tried),
            "killed": sum(m["killed"] for r in tried for m in r["mutants"]),
            "files_no_mutant_killed": weak,
-           "files_not_mutated": [{"file": r["file"], "baseline": r["baseline"], "sites": r.get("sites", 0)}
+           "files_not_mutated": [{"file": r["file"], "baseline": r["baseline"], "sites": r.get("sites", 0),
+                                  "why": r.get("why", "")}
                                  for r in results if not r["mutants"]],
            "seconds": round(time.monotonic() - t0, 1), "seed": a.seed, "per_file": a.per_file,
            "date": time.strftime("%Y-%m-%d"), "results": results}
