@@ -320,10 +320,16 @@ def main(argv: list[str] | None = None) -> None:
     c.update(steps=args.steps, lr=args.lr)
     params = sum(int(__import__("math").prod(s)) for _, s in shapes(c))
     print(f"model: {args.preset} {c}, {params / 1e6:.1f} M parameters", flush=True)
-    runs = []
+    runs: list[dict] = []
+    out = {"bench": "trainer_api", "preset": args.preset, "model": c, "params": params, "runs": runs,
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
+           "date": datetime.date.today().isoformat(),
+           "command": "tools/bench_trainer_api.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     for world in [int(x) for x in args.ranks.split(",")]:
         r = measure(c, world)
         runs.append(r)
+        if args.json:  # after each rank count: a later one that fails (out of memory) keeps these
+            Path(args.json).write_text(json.dumps(out, indent=1))
         for s in r["steps"]:
             print(f"ranks {world} v{s['version']}: send {max(s['send_s']):.2f} s (extract max "
                   f"{max(s['extract_s']):.2f} s), payload {s['payload_bytes']:,} B, exchanged "
@@ -334,12 +340,6 @@ def main(argv: list[str] | None = None) -> None:
                   f"({q['copy_over_share']:.2f}x), peak extra {q['extra_bytes']:,} B ({q['extra_over_share']:.2f}x "
                   f"share, node copy excluded; after init {q['after_init_bytes']:,} B), codec kernels "
                   f"{q['codec_bytes']:,} B per process ({q['with_codec_over_share']:.2f}x with them)", flush=True)
-    out = {"bench": "trainer_api", "preset": args.preset, "model": c, "params": params, "runs": runs,
-           "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": sys.version.split()[0]},
-           "date": datetime.date.today().isoformat(),
-           "command": "tools/bench_trainer_api.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
