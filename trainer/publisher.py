@@ -173,6 +173,8 @@ class Publisher(Assembly):
         """This process publishes the whole model by itself (its tensors are full copies, not shards): no
         collectives, even in a ``torch.distributed`` world of several ranks (the vLLM trainer engine's rank 0)."""
         self._rank, self._world = 0, 1
+        self._lost: set[int] = set()
+        self._local_error: BaseException | None = None
         self._loop = loop
         self._private_key = private_key
         self._specs: list[TensorSpec] = []

@@ -117,8 +117,10 @@ class ShardIO:
     _pool: ThreadPoolExecutor
     exchanged: int = 0
     """Bytes of the last version's parts that crossed between ranks (sent by this rank; received, on rank 0)."""
-    _lost: set[int] = set()
-    _local_error: BaseException | None = None
+    _lost: set[int]
+    """Ranks lost during the last exchange (rank 0)."""
+    _local_error: BaseException | None
+    """What producing this rank's own chunks raised in the last exchange."""
 
     # --- setup ------------------------------------------------------------------------------
     def _setup_distributed(self) -> None:
