@@ -23,7 +23,8 @@ version (the publisher's CPU copy); ``extra_bytes``, the peak resident memory be
 before ``trainer_init``, over init and every step (the training's gradients and AdamW moments
 exist by then: a warm-up step precedes it), and ``after_init_bytes`` once init returned;
 ``codec_bytes``, what loading the codec's compiled kernels added, measured before that baseline
-(a cost per process, the same whatever the model's size, so not part of ``extra_bytes``). The
+(a cost per process, the same whatever the model's size, so not part of ``extra_bytes``). Freed
+heap pages are given back before the baseline, as the engine does after version 0. The
 optimizer is AdamW with ``foreach=False`` (its temporaries are one tensor's, so the 533 M run fits
 beside other work), and the peak is not sampled during its steps: their temporaries are the
 training's, not the engine's.
@@ -212,9 +213,13 @@ def _rank(rank: int, world: int, root: str, c: dict) -> None:
                                       publisher_options={"threads": 1})
         from p2psync.codec import precompile
 
+        from trainer.publisher import _release_freed_memory
+
+        _release_freed_memory()  # as the engine does after version 0: both sides of the baseline alike
         r0 = _rss()
         precompile.warm(("BF16",))  # the codec's kernels: a cost per process, whatever the model's size
         codec = _rss() - r0
+        _release_freed_memory()
         before = _rss()
         peak = _Peak()
         t0 = time.perf_counter()
