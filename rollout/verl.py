@@ -195,9 +195,12 @@ class P2PSyncRolloutEngine(CheckpointEngine):
     def _owner_server(self) -> Server:
         """The server adapter of the verl ``CheckpointEngineWorker`` holding this engine.
 
-        verl 0.9.1 builds the engine before the adapter and passes it neither; the worker keeps both
-        (``checkpoint_engine``, ``server_adapter``), so the worker is the object whose
-        ``checkpoint_engine`` is this engine."""
+        verl 0.9.1 offers no supported way to it: ``CheckpointEngineWorker.__init__`` builds the
+        engine (from ``bucket_size`` and ``engine_kwargs`` alone) before the adapter, its
+        ``update_weights`` hands the adapter the engine's stream and never the adapter to the engine,
+        and ``execute_checkpoint_engine`` calls the engine's methods with the manager's arguments
+        only. The worker keeps both (``checkpoint_engine``, ``server_adapter``), so the worker is
+        the object whose ``checkpoint_engine`` is this engine."""
         for ref in gc.get_referrers(self):
             owner = ref if not isinstance(ref, dict) else None
             attrs = ref if isinstance(ref, dict) else getattr(ref, "__dict__", {})

@@ -108,7 +108,7 @@ class Assembly(ShardIO):
                         if self._world == 1:
                             raise
                         outcome, cause = f"rank 0: {exc!r}", exc
-            outcome = self._broadcast(outcome)
+            outcome = self._outcome(outcome)
             if outcome is not None:
                 raise PublishError(p.version, cause or P2PSyncError(outcome))
         except BaseException as exc:  # noqa: BLE001 - kept and raised to the training loop

@@ -60,11 +60,12 @@ equals the last version handed to the node.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -80,7 +81,7 @@ from p2psync.state import TensorSpec, fold_root, table_hash, tensor_seed
 from trainer.assembly import Assembly, Pending
 from trainer.pieces import Piece, published_table
 from trainer.publish_record import PublishError, PublishRecord
-from trainer.shard_io import Part, add_sums, piece_sums, raw_segments
+from trainer.shard_io import Part, add_sums, iter_raw_segments, piece_sums
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,19 @@ def _raising(exc: BaseException) -> Callable[[], Any]:
     def extract() -> Any:
         raise exc
     return extract
+
+
+def _release_freed_memory() -> None:
+    """Give the pages of freed heap memory back to the OS (glibc's ``malloc_trim``; elsewhere nothing).
+
+    Version 0 allocates and frees the snapshot's chunks, about a megabyte each: glibc serves them from
+    its heap once its mmap threshold has risen, and keeps what they freed resident except at the
+    heap's top, so without this the process would stay larger by up to the snapshot it encoded."""
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 class Publisher(Assembly):
@@ -173,6 +187,8 @@ class Publisher(Assembly):
         """This process publishes the whole model by itself (its tensors are full copies, not shards): no
         collectives, even in a ``torch.distributed`` world of several ranks (the vLLM trainer engine's rank 0)."""
         self._rank, self._world = 0, 1
+        self._lost: set[int] = set()
+        self._local_error: BaseException | None = None
         self._loop = loop
         self._private_key = private_key
         self._specs: list[TensorSpec] = []
@@ -233,57 +249,91 @@ class Publisher(Assembly):
         except (ValueError, P2PSyncError) as exc:  # every rank raises it, after the exchange below
             error = exc
         self._specs, self._pieces = self._agree_table(specs, pieces, error, self.table)
-        segments: list[bytes | bytearray] = []
         sums: dict[int, tuple[int, int]] = {}
         stats = SegmentStats()
-        with torch.no_grad():
-            for piece in self._pieces:
-                base = torch.empty(piece.numel, dtype=piece.dtype)
-                step = self._bucket_elements(piece)
-                for a in range(0, piece.numel, step):
-                    b = min(piece.numel, a + step)
-                    base[a:b].copy_(self._read(piece, a, b))
-                words = dtypes.words_of(base)
-                self._base.append(base)
-                self._words.append(words)
-                seed = tensor_seed(piece.spec.name)
-                sums[piece.index] = add_sums(sums.get(piece.index, (0, 0)),
-                                             piece_sums(words, piece.offset, seed, piece))
+        read_error: BaseException | None = None
+        try:
+            with torch.no_grad():
+                for piece in self._pieces:
+                    base = torch.empty(piece.numel, dtype=piece.dtype)
+                    step = self._bucket_elements(piece)
+                    for a in range(0, piece.numel, step):
+                        b = min(piece.numel, a + step)
+                        base[a:b].copy_(self._read(piece, a, b))
+                    words = dtypes.words_of(base)
+                    self._base.append(base)
+                    self._words.append(words)
+                    seed = tensor_seed(piece.spec.name)
+                    sums[piece.index] = add_sums(sums.get(piece.index, (0, 0)),
+                                                 piece_sums(words, piece.offset, seed, piece))
+        except Exception as exc:  # sharded: every rank learns it through the exchange below
+            if self._world == 1:
+                raise
+            read_error = exc
+
+        def segments() -> Iterator[bytes | bytearray]:
+            if read_error is not None:
+                raise read_error
+            for piece, words in zip(self._pieces, self._words):
                 width = dtypes.from_code(piece.spec.dtype).width
-                for seg, st in raw_segments(piece, words, self._snapshot_level, self.opts.raw_elements(width)):
-                    segments.append(seg)
+                for seg, st in iter_raw_segments(piece, words, self._snapshot_level, self.opts.raw_elements(width)):
                     stats.add(st)
-        part = Part(list(pack_chunks(segments, self.opts.chunk_size)), sums, {}, stats)
-        extract_s = time.perf_counter() - t0
-        parts = self._gather(part)
-        version = None
+                    yield seg
+
+        # The snapshot's chunks are encoded as they are sent (sharded: one at a time as rank 0 takes
+        # them, trainer.exchange), so a rank holds its CPU copy and a chunk, not its share packed too.
+        part = Part([], sums, {}, stats)
+        t_enc = time.perf_counter()
+        parts = self._gather(part, pack_chunks(segments(), self.opts.chunk_size))
+        version: int | None = None
+        outcome: str | None = None
+        cause: BaseException | None = self._local_error
         if self._rank == 0:
             assert parts is not None
-            full = [(0, 0)] * len(self._specs)
-            for p in parts:
-                for i, part_sums in p.sums.items():
-                    full[i] = add_sums(full[i], part_sums)
-            self._full_sums = full
-            fp = fold_root(table_hash(self._specs), full)
-            node = self.node
-            if node.version is not None and node.fingerprint == fp:
-                version = node.version
-                logger.info("node already holds these weights as version %d; adopted", version)
-                self.fingerprints[version] = fp
-                self.published = version
+            failed = [q.error for q in parts if q.error is not None]
+            if failed:
+                outcome = "; ".join(failed)
             else:
-                version = 0 if node.version is None else node.version + 1
-                art = self._artifact("snapshot", parts, None, fp, full)
-                self._hand_off(version, None, art, t0, extract_s, time.perf_counter())
-        version = self._broadcast(version)
+                try:
+                    version = self._publish_first(parts, t0, t_enc)
+                except Exception as exc:  # noqa: BLE001 - every rank learns it through the outcome
+                    if self._world == 1:
+                        raise
+                    outcome, cause = f"rank 0: {exc!r}", exc
+        version, outcome = self._outcome((version, outcome))
+        if outcome is not None:
+            if cause is not None:
+                raise cause
+            raise P2PSyncError(f"publishing the first version failed: {outcome}")
         self.version = version
         # One full collection now, in the setup: the model's build, the imports and version 0 left
         # hundreds of thousands of new objects, and the collector's next full pass over them
         # (0.3-0.6 s on the project VM) would otherwise fall inside one of the first publishes.
         gc.collect()
+        _release_freed_memory()
         self._base_ready.set()
         if self.optimizer is not None:
             self._hook = self.optimizer.register_step_pre_hook(lambda *_: self._wait_extracted())
+        return version
+
+    def _publish_first(self, parts: list[Part], t0: float, t_enc: float) -> int:
+        """Rank 0: sign and publish the snapshot of every rank's part (or adopt the node's version if
+        it holds exactly these weights); the version."""
+        full = [(0, 0)] * len(self._specs)
+        for p in parts:
+            for i, part_sums in p.sums.items():
+                full[i] = add_sums(full[i], part_sums)
+        self._full_sums = full
+        fp = fold_root(table_hash(self._specs), full)
+        node = self.node
+        if node.version is not None and node.fingerprint == fp:
+            logger.info("node already holds these weights as version %d; adopted", node.version)
+            self.fingerprints[node.version] = fp
+            self.published = node.version
+            return int(node.version)
+        version = 0 if node.version is None else node.version + 1
+        art = self._artifact("snapshot", parts, None, fp, full)
+        self._hand_off(version, None, art, t0, t_enc - t0, t_enc)
         return version
 
     # --- per step -----------------------------------------------------------------------------

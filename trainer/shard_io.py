@@ -12,19 +12,20 @@ shifted by the shard's flat offset; decoding is relative to the segment start,
 so the bytes are otherwise those of a local encode) and computes the fingerprint
 contribution of its elements at their global positions (the fingerprint is a sum
 over elements, so contributions add). Rank 0 gathers the chunks (the compressed
-delta) and 16 bytes per tensor (a :class:`Part` per rank), signs one manifest for
-the full model, and publishes it on its node: receivers see an ordinary artifact.
-The one exception is version 0: the root must hold the full snapshot, so rank 0
-receives each rank's snapshot chunks once.
+delta) and 16 bytes per tensor (a :class:`Part` per rank, streamed chunk by chunk,
+:mod:`trainer.exchange`), signs one manifest for the full model, and publishes it
+on its node: receivers see an ordinary artifact. The one exception is version 0:
+the root must hold the full snapshot, so rank 0 receives each rank's snapshot
+chunks once, each rank encoding its next chunk as rank 0 takes the last.
 """
 
 from __future__ import annotations
 
 import asyncio
-import pickle
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from p2psync.codec.segment import SegmentStats, encode_raw_segment, shift_segmen
 from p2psync.codec.slices import block_key, delta_ranges, order_segments
 from p2psync.errors import ConfigError
 from p2psync.state import TensorSpec
+from trainer.exchange import Part, gather_parts, hear, send_part, tell
 from trainer.pieces import Piece, RankShare, agree_table, rebind, share_of
 from trainer.strided import encode_strided, pack_changes
 
@@ -74,33 +76,23 @@ def piece_sums(words: np.ndarray, offset: int, seed: np.uint64, piece: Piece | N
     return total
 
 
-@dataclass
-class Part:
-    """One rank's share of one version: chunks plus fingerprint contributions."""
-
-    chunks: list[bytes]
-    sums: dict[int, tuple[int, int]]
-    """Snapshot: absolute sums per tensor; delta: sum changes per tensor."""
-    changed: dict[int, int]
-    stats: SegmentStats
-    streams: dict[int, list[bytes]] = field(default_factory=dict)
-    """Changes of strided pieces, per tensor, for rank 0 to encode (:mod:`trainer.strided`)."""
-    error: str | None = None
-    """Set when this rank failed this version: rank 0 publishes nothing and every rank stops."""
-
-
-def raw_segments(piece: Piece, words: np.ndarray, level: int, step: int) -> list[tuple[bytes | bytearray, SegmentStats]]:
+def iter_raw_segments(piece: Piece, words: np.ndarray, level: int, step: int
+                      ) -> Iterator[tuple[bytes | bytearray, SegmentStats]]:
     """Raw (snapshot) segments of a piece's ``words`` at their global ranges, each at most ``step``
-    elements (one run after the other for a strided piece: a raw segment is one flat range)."""
-    out = []
+    elements (one run after the other for a strided piece: a raw segment is one flat range), encoded
+    one at a time as they are taken."""
     runs = piece.runs if piece.runs is not None else (np.array([piece.offset]), np.array([piece.numel]))
     at = 0
     for g, n in zip(runs[0].tolist(), runs[1].tolist()):
         for s, e in element_ranges(n, step):
             seg, st = encode_raw_segment(piece.index, s, words[at + s:at + e], level)
-            out.append((shift_segment(seg, g), st))
+            yield shift_segment(seg, g), st
         at += n
-    return out
+
+
+def raw_segments(piece: Piece, words: np.ndarray, level: int, step: int) -> list[tuple[bytes | bytearray, SegmentStats]]:
+    """:func:`iter_raw_segments`, all of them."""
+    return list(iter_raw_segments(piece, words, level, step))
 
 
 class ShardIO:
@@ -125,6 +117,10 @@ class ShardIO:
     _pool: ThreadPoolExecutor
     exchanged: int = 0
     """Bytes of the last version's parts that crossed between ranks (sent by this rank; received, on rank 0)."""
+    _lost: set[int]
+    """Ranks lost during the last exchange (rank 0)."""
+    _local_error: BaseException | None
+    """What producing this rank's own chunks raised in the last exchange."""
 
     # --- setup ------------------------------------------------------------------------------
     def _setup_distributed(self) -> None:
@@ -251,37 +247,29 @@ class ShardIO:
         table, strided = agree_table(shares, given)
         return table, rebind(pieces, table, strided)
 
-    def _gather(self, part: Part) -> list[Part] | None:
-        """Rank 0: every rank's part (its own first). Point to point, so that the bytes between ranks are
-        the parts' own (:attr:`exchanged`), not padded to the largest as ``gather_object`` does."""
+    def _gather(self, part: Part, more: Iterable[bytes] = ()) -> list[Part] | None:
+        """Rank 0: every rank's part in rank order, each rank's chunks streamed to it chunk by chunk
+        (:mod:`trainer.exchange`: ``part.chunks`` then ``more``, consumed as sent; ``part``'s other
+        fields are read after the last chunk, so iterating ``more`` may fill them). Other ranks: sends
+        theirs, returns ``None``. Bytes between ranks: :attr:`exchanged`. A rank lost during the
+        exchange, or whose ``more`` raised, is a part with its ``error`` set (rank 0 tells the others,
+        :meth:`_outcome`); this rank's own such error is :attr:`_local_error`."""
+        self._lost, self._local_error = set(), None
         if self._world == 1:
-            return [part]
-        import torch.distributed as dist
-
-        root = dist.get_global_rank(self._group, 0)
+            return [replace(part, chunks=[*part.chunks, *more])]
         if self._rank != 0:
-            blob = pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)
-            dist.send(torch.tensor([len(blob)], dtype=torch.int64), dst=root, group=self._group)
-            dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), dst=root, group=self._group)
-            self.exchanged = 8 + len(blob)
+            self.exchanged, self._local_error = send_part(part, more, self._rank, self._group)
             return None
-        parts = [part]
-        self.exchanged = 0
-        for r in range(1, self._world):
-            src = dist.get_global_rank(self._group, r)
-            size = torch.zeros(1, dtype=torch.int64)
-            dist.recv(size, src=src, group=self._group)
-            buf = torch.empty(int(size.item()), dtype=torch.uint8)
-            dist.recv(buf, src=src, group=self._group)
-            parts.append(pickle.loads(buf.numpy().tobytes()))
-            self.exchanged += 8 + buf.shape[0]
-        return parts
+        got = gather_parts(part, more, self._world, self._group)
+        self.exchanged, self._lost, self._local_error = got.received, got.lost, got.error
+        return got.parts
 
-    def _broadcast(self, value: Any) -> Any:
+    def _outcome(self, value: Any) -> Any:
+        """Rank 0's ``value`` (the version's outcome) on every rank, rank 0 telling each rank still there
+        after :meth:`_gather` (point to point: a lost rank is skipped, not waited for)."""
         if self._world == 1:
             return value
-        import torch.distributed as dist
-
-        box = [value]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(self._group, 0), group=self._group)
-        return box[0]
+        if self._rank == 0:
+            tell(value, self._world, self._group, self._lost)
+            return value
+        return hear(self._group)

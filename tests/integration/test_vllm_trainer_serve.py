@@ -8,7 +8,8 @@ order, as written, in an empty folder (the README's set-up: this venv's ``bin`` 
 steps, the last step's weights saved as ``ckpt-trained``), and the curl block. One mechanical
 change: port 8000 becomes a free port. Then a fresh vLLM started from ``ckpt-trained`` must serve
 the same tokens with the same log-probabilities as the updated server, whose weights' fingerprint
-must be the checkpoint's. Processes are ended by the ids of the process groups this module started.
+must be the checkpoint's, also for a prompt whose prefix the server cached before the update (the
+engine resets the prefix cache after each update). Processes are ended by the ids of the process groups this module started.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(300
 
 INTEGRATIONS_MD = Path(__file__).resolve().parents[2] / "docs" / "INTEGRATIONS.md"
 PROMPTS = [[1, 2, 3], [7, 7, 7, 7], [100, 200, 300, 400, 500]]
+CACHED = [(37 * i) % 509 + 1 for i in range(200)]
+"""A prompt served before the update and again after it, with no reset in between but the engine's:
+its prefix's KV blocks were cached with version 0's weights."""
 
 
 def blocks() -> list[tuple[str, str]]:
@@ -38,11 +42,13 @@ def blocks() -> list[tuple[str, str]]:
     return re.findall(r"^```(bash|python)\n(.*?)^```", section, re.S | re.M)
 
 
-def served(url: str, model: str) -> list[tuple[list[int], list[float]]]:
-    """Greedy tokens and their log-probabilities for :data:`PROMPTS`."""
-    assert call(url + "/reset_prefix_cache")[0] == 200
+def served(url: str, model: str, prompts: list[list[int]] = PROMPTS, reset: bool = True
+           ) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their log-probabilities for ``prompts`` (after a reset of the prefix cache)."""
+    if reset:
+        assert call(url + "/reset_prefix_cache")[0] == 200
     out = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         code, body = call(url + "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 8,
                                                     "temperature": 0, "logprobs": 1,
                                                     "return_tokens_as_token_ids": True})
@@ -97,8 +103,10 @@ def run(tmp_path_factory):
         server, url = serve(code[2], root, env, "serve.log")
         running.append(server)
         out["before"] = served(url, "ckpt-v0")
+        out["cached_before"] = served(url, "ckpt-v0", [CACHED], reset=False)
         port = url.rsplit(":", 1)[1]
         out["train"] = script("train.py", code[3].replace("8000", port))
+        out["cached_after"] = served(url, "ckpt-v0", [CACHED], reset=False)  # only the engine reset the cache
         out["curl"] = [json.loads(line) for line in shell(code[4].replace("8000", port)).splitlines()]
         out["after"] = served(url, "ckpt-v0")
         code_, body = call(url + "/collective_rpc", {"method": "weight_transfer_engine"})
@@ -108,6 +116,7 @@ def run(tmp_path_factory):
         fresh, fresh_url = serve(code[2].replace("--model ckpt-v0", "--model ckpt-trained"), root, env, "fresh.log")
         running.append(fresh)
         out["fresh"] = served(fresh_url, "ckpt-trained")
+        out["cached_fresh"] = served(fresh_url, "ckpt-trained", [CACHED])
         yield out
     finally:
         for p in reversed(running):
@@ -129,7 +138,7 @@ def checkpoint_fingerprint(folder: Path) -> str:
 def test_the_served_model_is_the_trainers_last_step(run):
 
     assert "vLLM serves version 3" in run["train"]
-    reset, info, completion = run["curl"]
+    info, completion = run["curl"]
     assert info == {"weight_version": "3"}
     assert len(completion["choices"][0]["logprobs"]["tokens"]) == 8
     # The backend's own account: version 3, and its fingerprint is that of the trainer's checkpoint of step 3.
@@ -138,3 +147,7 @@ def test_the_served_model_is_the_trainers_last_step(run):
     # Tokens and log-probabilities equal a fresh vLLM of that checkpoint's, and differ from version 0's.
     assert run["after"] == run["fresh"]
     assert [t for t, _ in run["after"]] != [t for t, _ in run["before"]]
+    # A prompt whose prefix vLLM cached before the update is served from the new weights: the engine
+    # reset the prefix cache (without it, KV computed with version 0's weights would be reused).
+    assert run["cached_after"] == run["cached_fresh"]
+    assert run["cached_after"] != run["cached_before"]

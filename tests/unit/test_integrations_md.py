@@ -48,6 +48,9 @@ class Recorder:
     def finish_weight_update(self, weight_version=None):
         self.calls.append(("finish", weight_version))
 
+    def reset_prefix_cache(self):  # HTTPVLLMWeightSyncClient has none: the engine POSTs /reset_prefix_cache
+        self.calls.append(("reset", None))
+
 
 def test_the_vllm_trainer_script_runs_as_written(tmp_path, monkeypatch, capsys):
     import vllm.distributed.weight_transfer.clients as clients
@@ -72,6 +75,7 @@ def test_the_vllm_trainer_script_runs_as_written(tmp_path, monkeypatch, capsys):
     got = infos.init_info(init)  # what the p2psync worker backend accepts
     assert kind == "init" and got.version == 0 and got.parent.tls_dir == str(tmp_path / "vllm-tls")
     assert client.calls[1:] == [c for v in (1, 2, 3) for c in
-                                (("start", None), ("update", {"version": v}), ("finish", str(v)))]
+                                (("start", None), ("update", {"version": v}), ("finish", str(v)),
+                                 ("reset", None))]
     assert "vLLM serves version 3" in capsys.readouterr().out
     assert (tmp_path / "ckpt-trained" / "config.json").exists()

@@ -48,6 +48,7 @@ previous weights, and the next ``send_weights`` takes the workers from there to 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Self
 
@@ -60,19 +61,25 @@ from p2psync.config import NodeConfig
 from p2psync.errors import ConfigError, P2PSyncError
 from trainer.publish_record import PublishError
 from trainer.vllm.info import InitInfoError, P2PSyncTrainerInitInfo
+from trainer.vllm.prefix_cache import reset_prefix_cache, resetter
 from trainer.vllm.source import (Extraction, Follower, Sharded, SourceMirror, WholeModel, check_source, held_of,
                                  is_sharded, module_of, published_names, sharded_module, table_of, world_size)
 
 logger = logging.getLogger(__name__)
 
 
+_CALLS = {"init": "init_weight_transfer_engine", "start": "start_weight_update", "update": "update_weights",
+          "finish": "finish_weight_update", "reset": "reset_prefix_cache"}
+
+
 class WorkersRefused(P2PSyncError):
     """vLLM answered a weight-transfer call with an error; ``step`` is the call (``init``, ``start``,
-    ``update``, ``finish``), ``version`` the p2psync version it was for, ``detail`` the server's answer."""
+    ``update``, ``finish``, ``reset``: the prefix cache's reset after an update), ``version`` the
+    p2psync version it was for, ``detail`` the server's answer."""
 
     def __init__(self, step: str, version: int | None, detail: str) -> None:
-        super().__init__(f"vLLM refused {step}_weight{'_transfer_engine' if step == 'init' else '_update'}"
-                         f"{'' if version is None else f' (version {version})'}: {detail}")
+        call = _CALLS.get(step, step)
+        super().__init__(f"vLLM refused {call}{'' if version is None else f' (version {version})'}: {detail}")
         self.step, self.version, self.detail = step, version, detail
 
 
@@ -124,8 +131,14 @@ def worker_init(cfg: NodeConfig, address: str, version: int | None, extra: dict[
     return out
 
 
-def _prepared(info: P2PSyncTrainerInitInfo) -> tuple[NodeConfig, dict[str, Any]]:
-    """Rank 0's checks before anything starts: the node's config and the worker init it leads to."""
+def _prepared(info: P2PSyncTrainerInitInfo, client: Any) -> tuple[NodeConfig, dict[str, Any]]:
+    """Rank 0's checks before anything starts: the node's config and the worker init it leads to, and a
+    client that can reset the servers' prefix cache (unless told not to)."""
+    if info.reset_prefix_cache and resetter(client) is None:
+        raise InitInfoError("reset_prefix_cache", f"the client ({type(client).__name__}) offers no way to reset the "
+                            "servers' prefix cache (no reset_prefix_cache(), base_url or Ray handles); give it a "
+                            "reset_prefix_cache() method, or set reset_prefix_cache=False and reset it yourself "
+                            "after each update")
     cfg = node_config(info.node_config)
     extra = dict(info.worker_init_info or {})
     if cfg.tls.enabled and "tls_dir" not in extra and not str(extra.get("url", "https://")).startswith("http://"):
@@ -155,14 +168,16 @@ def _prepared(info: P2PSyncTrainerInitInfo) -> tuple[NodeConfig, dict[str, Any]]
 _SET_BY_ENGINE = ("model", "node", "loop", "dtype", "model_id", "solo", "optimizer", "group", "held", "table")
 
 
-def _control_group() -> Any:
+def _control_group(timeout_s: float) -> Any:
     """A gloo group over every rank of the default group, for the engine's exchanges and the sharded
-    Publisher's (``None`` in a process of one rank)."""
+    Publisher's, whose operations wait ``timeout_s`` for a rank at most (``None`` in a process of one rank)."""
     if world_size() == 1:
         return None
+    import datetime
+
     import torch.distributed as dist
 
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _agree(group: Any, error: BaseException | None, what: str = "") -> None:
@@ -223,6 +238,8 @@ class P2PSyncTrainerEngine(TrainerWeightTransferEngine[P2PSyncTrainerInitInfo]):
         """The ``init_info`` sent to the workers (rank 0)."""
         self.failed: PublishError | None = None
         """The version ``send_weights`` raised for (nothing later is published)."""
+        self.reset: Callable[[], bool] | None = None
+        """How the servers' prefix cache is reset after each update (rank 0; ``None``: not by the engine)."""
 
     @classmethod
     def trainer_init(cls, init_info: P2PSyncTrainerInitInfo, *, client: Any, source: Any = None) -> Self:
@@ -231,7 +248,9 @@ class P2PSyncTrainerEngine(TrainerWeightTransferEngine[P2PSyncTrainerInitInfo]):
         init_info.check()
         check_source(source)
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
-        group = _control_group()
+        if init_info.reset_prefix_cache and init_info.is_sender:
+            engine.reset = resetter(client)  # None is refused by _prepared, before anything starts
+        group = _control_group(init_info.timeout_s)
         error: BaseException | None = None
         try:
             sharded = is_sharded(source)
@@ -254,7 +273,7 @@ class P2PSyncTrainerEngine(TrainerWeightTransferEngine[P2PSyncTrainerInitInfo]):
             engine.extraction = Follower(source, iterate=module is None)
             engine.extraction.start()
             return engine
-        cfg, extra = _prepared(init_info)
+        cfg, extra = _prepared(init_info, client)
         dtype = getattr(torch, init_info.dtype)
         options = dict(init_info.publisher_options or {})
         refresh = None
@@ -309,7 +328,7 @@ class P2PSyncTrainerEngine(TrainerWeightTransferEngine[P2PSyncTrainerInitInfo]):
                                     "torch.distributed group; a sharded trainer's engine runs on every rank, rank 0 "
                                     "with the node")
             if self.is_sender:
-                cfg, extra = _prepared(info)
+                cfg, extra = _prepared(info, self.client)
             module = sharded_module(source)
             if module is not None:
                 held = published_names(module, rank)
@@ -392,6 +411,9 @@ class P2PSyncTrainerEngine(TrainerWeightTransferEngine[P2PSyncTrainerInitInfo]):
             self.client.update_weights({"version": version})
             step = "finish"
             self.client.finish_weight_update(weight_version=str(version))
+            if self.reset is not None:
+                step = "reset"
+                reset_prefix_cache(self.reset)
         except Exception as exc:
             raise WorkersRefused(step, version, _detail(exc)) from exc
 

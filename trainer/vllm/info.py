@@ -63,6 +63,17 @@ class P2PSyncTrainerInitInfo(TrainerInitInfo):
     publisher_options: dict[str, Any] | None = None
     """Further keyword arguments of :class:`trainer.publisher.Publisher` (``bucket_bytes``, ``threads``,
     ``position_coding``, ``dtype_overrides``, ...)."""
+    timeout_s: float = 600.0
+    """Several trainer ranks: how long any exchange between them (the timeout of the engine's own gloo
+    group) waits for a rank before every rank still there raises. A rank whose process dies is noticed
+    at once (its connections close); this bounds a rank that hangs. Longer than the largest gap between
+    the ranks' calls of ``send_weights`` (the slowest rank's share of an extraction)."""
+    reset_prefix_cache: bool = True
+    """After each update, reset the servers' prefix cache (KV computed with the previous weights must
+    not serve a prompt again): ``POST /reset_prefix_cache`` to an ``HTTPVLLMWeightSyncClient``'s server,
+    ``reset_prefix_cache()`` on each actor of a ``RayVLLMWeightSyncClient``, or the client's own
+    ``reset_prefix_cache()`` method. ``False``: the framework resets it itself (or serves no prefix
+    cache); a client with none of these is refused at init unless this is ``False``."""
 
     def __post_init__(self) -> None:
         self.check()
@@ -96,6 +107,10 @@ class P2PSyncTrainerInitInfo(TrainerInitInfo):
                 or not getattr(torch, self.dtype).is_floating_point:
             raise InitInfoError("dtype", f"must be the name of a floating torch dtype such as 'bfloat16', "
                                 f"got {self.dtype!r}")
+        if isinstance(self.timeout_s, bool) or not isinstance(self.timeout_s, int | float) or not self.timeout_s > 0:
+            raise InitInfoError("timeout_s", f"must be a number of seconds > 0, got {self.timeout_s!r}")
+        if not isinstance(self.reset_prefix_cache, bool):
+            raise InitInfoError("reset_prefix_cache", f"must be true or false, got {self.reset_prefix_cache!r}")
         if self.publisher_options is not None and not isinstance(self.publisher_options, dict):
             raise InitInfoError("publisher_options", f"must be a dict, got {type(self.publisher_options).__name__}")
 

@@ -64,6 +64,31 @@ class Recorder:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.calls.append(("finish", weight_version))
 
+    def reset_prefix_cache(self) -> bool:
+        self.calls.append(("reset", None))
+        if self.fail == "reset":
+            raise RuntimeError("500 Server Error: made up for the test")
+        return True
+
+
+class Bare:
+    """A client with the four calls of vLLM's protocol and no way to reset the prefix cache."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.calls.append("init")
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def update_weights(self, update_info: Any) -> None:
+        self.calls.append("update")
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append("finish")
+
 
 class NamedSource(WeightSource):
     """A source that is not a ``ModuleSource`` (the engine mirrors it): the module's parameters, counted."""
@@ -220,8 +245,9 @@ def test_each_version_is_held_by_the_node_before_the_workers_are_told(tmp_path, 
             engine.send_weights()
             expected.append((step + 1, _bf16(model)))
         assert client.held == expected  # the node held version v, the model's bits, when the update asked for it
-        assert [c for c in client.calls[1:]] == [
-            call for v in (1, 2, 3) for call in (("start", None), ("update", {"version": v}), ("finish", str(v)))]
+        assert [c for c in client.calls[1:]] == [  # and the prefix cache reset after each update
+            call for v in (1, 2, 3) for call in (("start", None), ("update", {"version": v}), ("finish", str(v)),
+                                                 ("reset", None))]
         records = engine.extraction.publisher.records
         assert [r.kind for r in records] == ["snapshot", "delta", "delta", "delta"]
         if mirrored:
@@ -258,11 +284,45 @@ def test_a_refused_update_raises_and_the_next_send_catches_up(tmp_path):
         with pytest.raises(WorkersRefused) as err:
             engine.send_weights()
         assert err.value.step == "update" and err.value.version == 1 and "WrongBase" in str(err.value)
-        assert ("finish", "1") not in client.calls
+        assert ("finish", "1") not in client.calls and ("reset", None) not in client.calls
         _train(model, opt)
         engine.send_weights()
-        assert client.calls[-2:] == [("update", {"version": 2}), ("finish", "2")]
+        assert client.calls[-3:] == [("update", {"version": 2}), ("finish", "2"), ("reset", None)]
         assert engine.background.node.fingerprint == _bf16(model)
+    finally:
+        engine.shutdown()
+
+
+def test_a_failed_prefix_cache_reset_is_reported_and_a_client_without_one_is_refused(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    bare = Bare()
+    with pytest.raises(InitInfoError) as refused:
+        WeightTransferTrainerFactory.trainer_init(
+            P2PSyncTrainerInitInfo(node_config=_node_config(tmp_path), rank=0, worker_init_info={"tls_dir": "x"}),
+            client=bare, source=ModuleSource(model))
+    assert refused.value.field == "reset_prefix_cache" and bare.calls == [] and _node_threads() == set()
+    ref: list = []
+    client = Recorder(ref, fail="reset")
+    info = P2PSyncTrainerInitInfo(node_config=_node_config(tmp_path), rank=0,
+                                  worker_init_info={"tls_dir": str(tmp_path)})
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
+    ref.append(engine)
+    try:
+        _train(model, opt)
+        with pytest.raises(WorkersRefused) as err:
+            engine.send_weights()
+        assert err.value.step == "reset" and err.value.version == 1 and "reset_prefix_cache" in str(err.value)
+        assert client.calls[-2:] == [("finish", "1"), ("reset", None)]
+    finally:
+        engine.shutdown()
+    off = P2PSyncTrainerInitInfo(node_config=_node_config(tmp_path), rank=0, worker_init_info={"tls_dir": "x"},
+                                 reset_prefix_cache=False)
+    engine = WeightTransferTrainerFactory.trainer_init(off, client=bare, source=ModuleSource(model))
+    try:
+        _train(model, opt)
+        engine.send_weights()
+        assert bare.calls == ["init", "start", "update", "finish"]  # the framework resets it itself
     finally:
         engine.shutdown()
 

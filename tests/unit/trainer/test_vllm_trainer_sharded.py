@@ -8,13 +8,17 @@ told to reach the version; no rank's source yields, and no rank's engine allocat
 tensor it does not hold; a split that leaves a tensor to no rank or to two, or a placement the
 publisher refuses, raises ``InitInfoError`` naming it on every rank before anything is sent; a rank
 whose source fails mid-send makes every rank raise ``PublishError``, the node keeps the previous
-version and vLLM is told nothing."""
+version and vLLM is told nothing; so does a rank whose process is killed mid-send (in its source's
+pass, or halfway through sending its part to rank 0), every other rank raising ``PublishError`` well
+within the engine's ``timeout_s``."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,16 +57,21 @@ class Recorder:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.calls.append(("finish", weight_version))
 
+    def reset_prefix_cache(self) -> None:
+        self.calls.append(("reset", None))
+
 
 class StageSource(WeightSource):
     """A pipeline stage's source: metadata of the whole model, its own tensors, ``None`` for the rest of
     the groups it iterates (vLLM's contract). Records what each pass yielded; ``fail_on`` makes that
     pass raise after its first tensor."""
 
-    def __init__(self, model: torch.nn.Module, held: set[str], fail_on: int | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, held: set[str], fail_on: int | None = None,
+                 die_on: int | None = None) -> None:
         self.model = model
         self.held = held
         self.fail_on = fail_on
+        self.die_on = die_on
         self.passes = 0
         self.yielded: set[str] = set()
 
@@ -78,6 +87,8 @@ class StageSource(WeightSource):
         for k, name in enumerate(n for g in self.groups() for n in g):
             if k == 1 and self.passes == self.fail_on:
                 raise RuntimeError("this stage's export died mid-pass")
+            if k == 1 and self.passes == self.die_on:
+                os.kill(os.getpid(), signal.SIGKILL)  # the process dies, as an OOM kill or a lost host does
             if name in self.held:
                 self.yielded.add(name)
                 yield name, params[name].detach()
@@ -119,12 +130,12 @@ def _node_config(rootp: Path):
         "trainer_private_key": str(rootp / "keys" / "trainer.key")})
 
 
-def _info(rank: int, rootp: Path):
+def _info(rank: int, rootp: Path, **more: Any):
     from trainer.vllm import P2PSyncTrainerInitInfo
 
     return P2PSyncTrainerInitInfo(node_config=_node_config(rootp) if rank == 0 else None, rank=rank,
                                   worker_init_info={"tls_dir": str(rootp)},
-                                  publisher_options={"chunk_size": 64 << 10, "bucket_bytes": 16 << 10})
+                                  publisher_options={"chunk_size": 64 << 10, "bucket_bytes": 16 << 10}, **more)
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, gen: torch.Generator) -> None:
@@ -238,7 +249,8 @@ def _spawn(tmp_path: Path, fn, world: int) -> dict:
 
 def _calls(versions: int) -> list:
     return [["init", 0]] + [c for v in range(1, versions + 1)
-                            for c in (["start", None], ["update", {"version": v}], ["finish", str(v)])]
+                            for c in (["start", None], ["update", {"version": v}], ["finish", str(v)],
+                                                      ["reset", None])]
 
 
 def test_pipeline_stages_publish_what_they_hold_and_a_failed_stage_keeps_the_previous_version(tmp_path):
@@ -345,3 +357,99 @@ def test_fsdp2_ranks_publish_their_shards_in_place(tmp_path):
     assert log["held"] == [[v, log["fingerprints"][str(v)]] for v in (1, 2)]
     for exchanged, payload in zip(log["exchanged"][1:], log["payload"][1:]):
         assert 0 < exchanged <= 1.1 * payload
+
+
+DEATH_TIMEOUT_S = 60.0
+
+
+def _death_rank(rank: int, world: int, root: str, mode: str) -> None:
+    """Pipeline stages; the last one is SIGKILLed during version 2: in its source's pass (``source``), or
+    after the first header of its part reached rank 0 (``exchange``: rank 0 waits for bytes that never come)."""
+    import torch.distributed as dist
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    import trainer.exchange as exchange
+    from trainer.publish_record import PublishError
+
+    torch.set_num_threads(1)
+    rootp = Path(root)
+    dist.init_process_group("gloo", init_method=f"file://{rootp / 'pg'}", rank=rank, world_size=world)
+    try:
+        model = _Stack()
+        held = {n for n, _ in model.named_parameters() if _stage(n, world) == rank}
+        dies = rank == world - 1
+        source = StageSource(model, held, die_on=3 if dies and mode == "source" else None)  # init, v1, then v2
+        client = Recorder()
+        engine = WeightTransferTrainerFactory.trainer_init(_info(rank, rootp, timeout_s=DEATH_TIMEOUT_S),
+                                                           client=client, source=source)
+        client.engine = engine
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        _step(model, opt, gen)
+        engine.send_weights()  # version 1, on every rank
+        if dies and mode == "exchange":
+            send = exchange._send
+
+            def header_then_die(data: Any, n: int, dst: int, group: Any) -> int:
+                send(b"", n, dst, group)  # rank 0 now waits for n bytes
+                os.kill(os.getpid(), signal.SIGKILL)
+                return 0
+
+            exchange._send = header_then_die  # type: ignore[assignment]
+        _step(model, opt, gen)
+        t0 = time.monotonic()
+        try:
+            engine.send_weights()
+            got: dict[str, Any] = {"raised": None}
+        except PublishError as exc:
+            got = {"raised": "PublishError", "version": exc.version, "message": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - reported: the test wants PublishError
+            got = {"raised": type(exc).__name__, "message": str(exc)}
+        got["elapsed_s"] = time.monotonic() - t0
+        if rank == 0:
+            node = engine.background.node
+            pub = engine.extraction.publisher
+            got.update(node_version=node.version, node_fingerprint=node.fingerprint,
+                       fingerprint_1=pub.fingerprints.get(1), calls=client.calls,
+                       targets=sorted(a.target for a in node.store.catalogue(complete_only=False)))
+        engine.shutdown()
+        got["node_threads"] = sorted(_node_threads())
+        (rootp / f"rank{rank}.json").write_text(json.dumps(got))
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a peer is gone; nothing is left to tear down
+            pass
+
+
+@pytest.mark.parametrize("mode", ["source", "exchange"])
+def test_a_rank_killed_mid_send_leaves_the_previous_version_and_the_others_raise(tmp_path, mode):
+    import torch.multiprocessing as mp
+
+    from p2psync import keys
+
+    keys.write_pair(keys.generate(), tmp_path / "keys")
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(__file__).resolve().parents[3] / ".numba_cache"))
+    world = 3
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_death_rank, args=(r, world, str(tmp_path), mode)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    for p in procs:
+        if p.is_alive():  # a rank left waiting: end it (by pid, the test's own) and fail
+            p.kill()
+            p.join()
+    assert procs[-1].exitcode == -signal.SIGKILL
+    assert [p.exitcode for p in procs[:-1]] == [0] * (world - 1)  # no survivor hung or crashed
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world - 1)]
+    for r, log in enumerate(logs):
+        assert log["raised"] == "PublishError" and log["version"] == 2, (r, log)
+        assert "rank 2" in log["message"], (r, log)  # says which rank was lost
+        assert log["elapsed_s"] < DEATH_TIMEOUT_S, (r, log)  # noticed, not waited out
+        assert log["node_threads"] == []
+    head = logs[0]
+    assert head["node_version"] == 1 and head["node_fingerprint"] == head["fingerprint_1"]  # the previous version
+    assert head["targets"] == [0, 1]  # nothing of version 2 stored or announced, not even in part
+    assert head["calls"] == _calls(1)  # vLLM was told nothing of version 2
