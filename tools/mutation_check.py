@@ -175,14 +175,31 @@ def _pytest(test_file: str, timeout: float, extra: list[str] | None = None) -> t
     return how, time.monotonic() - t0
 
 
+_COVERED = """
+import os, sys
+import coverage, pytest
+cov = coverage.Coverage(data_file=sys.argv[1], source=sys.argv[2].split(","))
+real_exit = os._exit
+def _exit(code):  # tests/conftest.py ends a session that loaded vLLM with os._exit: save first
+    cov.stop()
+    cov.save()
+    real_exit(code)
+os._exit = _exit
+cov.start()
+rc = pytest.main(sys.argv[3:])
+cov.stop()
+cov.save()
+sys.exit(int(rc))
+"""
+
+
 def covered(test_file: str, timeout: float) -> tuple[str, dict[str, set[int]]]:
     """Run ``test_file`` under coverage: its outcome and the project lines it executed, by file."""
     import coverage
 
     with tempfile.TemporaryDirectory() as d:
         data = Path(d) / ".coverage"
-        how, _ = _pytest(test_file, timeout, ["-m", "coverage", "run", f"--data-file={data}",
-                                              "--source=" + ",".join(SOURCES), "-m", "pytest"])
+        how, _ = _pytest(test_file, timeout, ["-c", _COVERED, str(data), ",".join(SOURCES)])
         if not data.exists():
             return how, {}
         cov = coverage.Coverage(data_file=str(data))
