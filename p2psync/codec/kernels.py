@@ -258,6 +258,46 @@ def change_sample(old, new, start, stop, shift, mask, hist):
         blk += 64 * CHANGE_SAMPLE_STRIDE
 
 
+CUT_SAMPLE = 64 * 64
+"""``p2psync.codec.slices.CUT_SAMPLE``: the cut estimate looks at the first 64 elements of every 4,096."""
+
+
+@njit(nogil=True, cache=True)
+def cut_sample(old, new, lo, hi, cuts, out):
+    """Changes in the sampled elements (the first 64 of every ``CUT_SAMPLE`` from the array's start)
+    of ``[lo, hi)``, per interval that the sorted offsets ``cuts`` make of it (``out``: one more
+    than ``cuts``, zeroed first)."""
+    out[:] = 0
+    k = 0
+    nc = cuts.shape[0]
+    blk = (lo // CUT_SAMPLE) * CUT_SAMPLE
+    while blk < hi:
+        prefetch_ahead(old, blk)
+        prefetch_ahead(new, blk)
+        for p in range(max(blk, lo), min(blk + 64, hi)):
+            if old[p] != new[p]:
+                while k < nc and p >= cuts[k]:
+                    k += 1
+                out[k] += 1
+        blk += CUT_SAMPLE
+
+
+@njit(nogil=True, cache=True)
+def cut_sample_sparse(positions, offset, lo, hi, cuts, out):
+    """:func:`cut_sample` from the sorted changed ``positions`` of an array that starts at element
+    ``offset`` of its tensor (the sample is the tensor's; ``lo``, ``hi``, ``cuts`` in positions)."""
+    out[:] = 0
+    k = 0
+    nc = cuts.shape[0]
+    for j in range(positions.shape[0]):
+        p = positions[j]
+        if p < lo or p >= hi or (offset + p) % CUT_SAMPLE >= 64:
+            continue
+        while k < nc and p >= cuts[k]:
+            k += 1
+        out[k] += 1
+
+
 @njit(nogil=True, cache=True)
 def change_sample_sparse(old, positions, start, stop, shift, mask, hist):
     """:func:`change_sample` from the sorted changed ``positions`` (those outside ``[start, stop)``

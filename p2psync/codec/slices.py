@@ -6,19 +6,24 @@ fetch and decode only what it holds, the encoder:
 - **cuts** the segments of every large (``>= MIN_SLICED`` elements) tensor of two or
   more dimensions at the row boundaries that a split of dimension 0 over 2 to 8
   ranks keeps (row ``k * R / t`` for every ``t`` in 2..8 that divides the ``R``
-  rows): a column-parallel or vocab-parallel rank's rows are then a run of whole
-  segments, which it decodes against its own words alone; a row-parallel weight
-  (``o_proj``, ``down_proj``: vLLM splits it along dimension 1, so every rank holds
-  part of every row) is cut alike, and rank ``r`` decodes its row block for the
-  group (``rollout.engines.vllm.apply.slices``);
-- **orders** the segments: first every tensor that all ranks need whole (small
-  tensors, 1-D tensors), in table order; then the row-cut tensors by
-  the fraction of the rows where their block starts. Rank ``r`` of ``t`` then needs
-  one contiguous run of the second part (rows ``[r/t, (r+1)/t)`` of every tensor),
-  and the packer starts a new chunk at each change of block fraction (and after the
-  first part), so the chunks it fetches are that run and the first part, with none
-  shared with another rank's rows (at most one partly filled chunk per fraction:
-  23 in all for splits over 2..8);
+  rows), **where the cut pays** (:func:`pieces`): a split over ``t`` ranks is kept
+  when each piece it leaves holds at least ``MIN_PIECE_CHANGES`` changes (estimated
+  from the changes in every 64th block of 64 elements), splits taken from 2 up, so a
+  tensor with few changes stays whole and one with many is cut at every rank count.
+  A cut starts a segment, with its own header and code tables: ~120 bytes, under
+  1 % of a piece of 16,384 changes (docs/CODEC.md, "Per-rank slices"). A
+  column-parallel or vocab-parallel rank's rows are then a run of whole segments
+  where its tensors were cut, and part of a shared segment where not; a
+  row-parallel weight (``o_proj``, ``down_proj``: vLLM splits it along dimension 1,
+  so every rank holds part of every row) is cut alike, and rank ``r`` decodes its
+  row block for the group (``rollout.engines.vllm.apply.slices``);
+- **orders** the segments (:func:`order_key`, from each segment's header): first
+  every segment every rank needs whole (small and 1-D tensors, tensors left
+  whole), in table order; then the others by the fraction of the rows of the
+  piece they lie in (the span between the row boundaries around them), and the
+  packer starts a new chunk at each change of that span, so no chunk holds rows
+  of two pieces (at most one partly filled chunk per span: 23 spans in all for
+  tensors cut at every split over 2..8);
 - **indexes** the chunks in the signed manifest (``segments``): per chunk the
   ``(tensor, start, stop)`` of each of its segments, in order. A rank reads from the
   index which chunks hold the element ranges it holds, fetches those (each checked
@@ -37,10 +42,14 @@ which segments exist and where they sit, never what a segment means.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fractions import Fraction
 from typing import TypeVar
 
+import numpy as np
+
+from p2psync.codec import kernels
+from p2psync.codec.kernels import CUT_SAMPLE  # the first 64 elements of every 4,096 of a tensor
 from p2psync.codec.segment import _HEAD
 from p2psync.state import TensorSpec
 
@@ -48,56 +57,125 @@ MIN_SLICED = 1 << 14
 """Elements from which a tensor of two or more dimensions is cut into row blocks."""
 SPLITS = range(2, 9)
 """Tensor-parallel sizes whose dim-0 splits the cuts keep."""
+MIN_PIECE_CHANGES = 1 << 14
+"""Changes (estimated) each piece of a split must hold for the encoder to cut there."""
 
 S = TypeVar("S", bytes, bytearray, memoryview, bytes | bytearray)
 
 
 def sliced(spec: TensorSpec) -> bool:
-    """Whether ``spec``'s segments are cut into row blocks and ordered by block."""
+    """Whether ``spec``'s segments may be cut into row blocks and ordered by block."""
     return len(spec.shape) >= 2 and spec.numel >= MIN_SLICED and spec.shape[0] > 1
 
 
-def row_cuts(spec: TensorSpec) -> list[int]:
-    """The element offsets (sorted, inside ``(0, numel)``) where ``spec``'s row blocks start."""
+def split_cuts(spec: TensorSpec) -> list[list[int]]:
+    """Per split (``t`` in :data:`SPLITS` dividing the rows, ascending), the element offsets inside
+    ``(0, numel)`` where its row blocks start; empty for a tensor that is not :func:`sliced`."""
     if not sliced(spec):
         return []
     rows = spec.shape[0]
     width = spec.numel // rows
-    cut = sorted({k * rows // t for t in SPLITS if rows % t == 0 for k in range(1, t)})
-    return [r * width for r in cut]
+    return [[k * rows // t * width for k in range(1, t)] for t in SPLITS if rows % t == 0]
+
+
+def row_cuts(spec: TensorSpec) -> list[int]:
+    """Every element offset (sorted, inside ``(0, numel)``) where a row block of ``spec`` may start."""
+    return sorted({c for cuts in split_cuts(spec) for c in cuts})
 
 
 def delta_ranges(spec: TensorSpec, step: int, lo: int = 0, hi: int | None = None) -> list[tuple[int, int]]:
-    """``[lo, hi)`` (default: the whole tensor) cut every ``step`` elements from ``lo`` and at
-    :func:`row_cuts`: the ranges a delta's jobs cover (each inside one row block)."""
+    """``[lo, hi)`` (default: the whole tensor) cut every ``step`` elements from ``lo``: the ranges of a
+    delta's jobs. A job cuts its range further into :func:`pieces`."""
     hi = spec.numel if hi is None else hi
-    points = set(range(lo, hi, step)) | {c for c in row_cuts(spec) if lo < c < hi}
-    starts = sorted(points | {lo}) if lo < hi else []
-    return [(s, e) for s, e in zip(starts, starts[1:] + [hi])]
+    return [(s, min(hi, s + step)) for s in range(lo, hi, step)]
 
 
-def order_key(specs: Sequence[TensorSpec], tensor: int, start: int) -> tuple:
-    """Where a segment of tensor #``tensor`` starting at element ``start`` goes (module doc)."""
+def sampled_in(a: int, b: int) -> int:
+    """Elements of ``[a, b)`` in the cut estimate's sample (:data:`CUT_SAMPLE`)."""
+    def upto(x: int) -> int:
+        return (x // CUT_SAMPLE) * 64 + min(64, x % CUT_SAMPLE)
+    return upto(b) - upto(a)
+
+
+def pieces(spec: TensorSpec, lo: int, hi: int, count: Callable[[np.ndarray], np.ndarray]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` of ``spec`` cut at the row blocks of the splits that pay (module doc).
+
+    ``count(cuts)``: the sampled changes (:data:`CUT_SAMPLE`) in each of the ``len(cuts) + 1``
+    intervals that the sorted element offsets ``cuts`` make of ``[lo, hi)``
+    (``kernels.cut_sample``, ``kernels.cut_sample_sparse``: the same numbers). Only these
+    counts decide, so the scan and the sparse encoder cut alike."""
+    splits = [[c for c in cuts if lo < c < hi] for cuts in split_cuts(spec)]
+    cand = sorted({c for cuts in splits for c in cuts})
+    if not cand:
+        return [(lo, hi)]
+    counts = count(np.array(cand, dtype=np.int64))
+    below = np.concatenate(([0], np.cumsum(counts))).tolist()  # sampled changes before lo, *cand, hi
+    at = {c: k for k, c in enumerate([lo, *cand, hi])}
+
+    def sampled(a: int, b: int) -> int:  # sampled changes in [a, b), a and b in {lo, hi} | cand
+        return below[at[b]] - below[at[a]]
+
+    chosen: set[int] = set()
+    for cuts in splits:
+        trial = sorted(chosen | set(cuts))
+        if len(trial) == len(chosen):
+            continue
+        ends = [lo, *trial, hi]
+        # estimate = sampled changes * elements / sampled elements, compared in integers
+        if all(sampled(a, b) * (b - a) >= MIN_PIECE_CHANGES * max(1, sampled_in(a, b))
+               for a, b in zip(ends, ends[1:])):
+            chosen.update(cuts)
+    ends = [lo, *sorted(chosen), hi]
+    return list(zip(ends, ends[1:]))
+
+
+def dense_pieces(spec: TensorSpec, old: np.ndarray, new: np.ndarray, s: int, e: int) -> list[tuple[int, int]]:
+    """:func:`pieces` of ``[s, e)`` from the tensor's base and new words (the scan path)."""
+    def count(cuts: np.ndarray) -> np.ndarray:
+        out = np.empty(cuts.shape[0] + 1, dtype=np.int64)
+        kernels.cut_sample(old, new, s, e, cuts, out)
+        return out
+    return pieces(spec, s, e, count)
+
+
+def sparse_pieces(spec: TensorSpec, pos: np.ndarray, s: int, e: int, offset: int = 0) -> list[tuple[int, int]]:
+    """:func:`dense_pieces` from the sorted changed positions ``pos`` of an array that starts at
+    element ``offset`` of the tensor (a shard of it; ``s``, ``e`` and the pieces in its positions)."""
+    def count(cuts: np.ndarray) -> np.ndarray:
+        out = np.empty(cuts.shape[0] + 1, dtype=np.int64)
+        kernels.cut_sample_sparse(pos, offset, s, e, cuts - offset, out)
+        return out
+    return [(a - offset, b - offset) for a, b in pieces(spec, s + offset, e + offset, count)]
+
+
+def order_key(specs: Sequence[TensorSpec], tensor: int, start: int, stop: int) -> tuple:
+    """Where the segment of tensor #``tensor`` covering ``[start, stop)`` goes (module doc): its
+    piece is the span between the row boundaries around it (:func:`row_cuts`); a piece that is
+    the whole tensor goes with the tensors every rank needs whole."""
     spec = specs[tensor]
     cuts = row_cuts(spec)
-    if not cuts:
-        return (0, Fraction(0), tensor, start)
-    block = max((c for c in cuts if c <= start), default=0)
-    return (1, Fraction(block, spec.numel), tensor, start)
+    if cuts:
+        a = max((c for c in cuts if c <= start), default=0)
+        b = min((c for c in cuts if c >= stop), default=spec.numel)
+        if (a, b) != (0, spec.numel):
+            return (1, Fraction(a, spec.numel), Fraction(b, spec.numel), tensor, start)
+    return (0, Fraction(0), Fraction(0), tensor, start)
 
 
 def block_key(specs: Sequence[TensorSpec], seg: bytes | bytearray | memoryview) -> tuple:
-    """The part of the packing order a segment belongs to (the uncut tensors, or one row-block
-    fraction): the packer starts a new chunk where it changes, so that a rank's run of chunks
-    holds no other rank's rows at its ends."""
-    _, t, start, _ = _HEAD.unpack_from(seg)
-    return order_key(specs, t, start)[:2]
+    """The part of the packing order a segment belongs to (the segments every rank needs whole,
+    or one piece span): the packer starts a new chunk where it changes, so that a chunk holds
+    the rows of one piece span only."""
+    _, t, start, stop = _HEAD.unpack_from(seg)
+    return order_key(specs, t, start, stop)[:3]
+
+
+def segment_key(specs: Sequence[TensorSpec], seg: bytes | bytearray | memoryview) -> tuple:
+    """:func:`order_key` of a segment, from its header."""
+    _, t, start, stop = _HEAD.unpack_from(seg)
+    return order_key(specs, t, start, stop)
 
 
 def order_segments(segments: Sequence[S], specs: Sequence[TensorSpec]) -> list[S]:
     """``segments`` in packing order (:func:`order_key`, from each segment's header)."""
-    def key(seg: S) -> tuple:
-        _, t, start, _ = _HEAD.unpack_from(seg)
-        return order_key(specs, t, start)
-
-    return sorted(segments, key=key)
+    return sorted(segments, key=lambda seg: segment_key(specs, seg))
