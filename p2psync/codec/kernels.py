@@ -258,32 +258,33 @@ def change_sample(old, new, start, stop, shift, mask, hist):
         blk += 64 * CHANGE_SAMPLE_STRIDE
 
 
-CUT_SAMPLE = 64 * 64
-"""``p2psync.codec.slices.CUT_SAMPLE``: the cut estimate looks at the first 64 elements of every 4,096."""
-
-
 @njit(nogil=True, cache=True)
-def cut_sample(old, new, lo, hi, cuts, out):
-    """Changes in the sampled elements (the first 64 of every ``CUT_SAMPLE`` from the array's start)
-    of ``[lo, hi)``, per interval that the sorted offsets ``cuts`` make of it (``out``: one more
-    than ``cuts``, zeroed first)."""
+def cut_sample(old, new, lo, hi, cuts, stride, out):
+    """Changes in the sampled elements (the first 64 of every ``stride`` from the array's start) of
+    ``[lo, hi)``, per interval that the sorted offsets ``cuts`` make of it (``out``: one more than
+    ``cuts``, zeroed first). For ``p2psync.codec.slices.pieces``."""
     out[:] = 0
     k = 0
     nc = cuts.shape[0]
-    blk = (lo // CUT_SAMPLE) * CUT_SAMPLE
+    per_line = 64 // old.itemsize
+    blk = (lo // stride) * stride
     while blk < hi:
-        prefetch_ahead(old, blk)
-        prefetch_ahead(new, blk)
+        # Each sampled block is a few lines ``stride`` words from the last: ask for them 16 blocks
+        # ahead, or each waits for memory.
+        ahead = blk + 16 * stride
+        for ln in range(0, 64, per_line):
+            prefetch_read(old, ahead + ln)
+            prefetch_read(new, ahead + ln)
         for p in range(max(blk, lo), min(blk + 64, hi)):
             if old[p] != new[p]:
                 while k < nc and p >= cuts[k]:
                     k += 1
                 out[k] += 1
-        blk += CUT_SAMPLE
+        blk += stride
 
 
 @njit(nogil=True, cache=True)
-def cut_sample_sparse(positions, offset, lo, hi, cuts, out):
+def cut_sample_sparse(positions, offset, lo, hi, cuts, stride, out):
     """:func:`cut_sample` from the sorted changed ``positions`` of an array that starts at element
     ``offset`` of its tensor (the sample is the tensor's; ``lo``, ``hi``, ``cuts`` in positions)."""
     out[:] = 0
@@ -291,7 +292,7 @@ def cut_sample_sparse(positions, offset, lo, hi, cuts, out):
     nc = cuts.shape[0]
     for j in range(positions.shape[0]):
         p = positions[j]
-        if p < lo or p >= hi or (offset + p) % CUT_SAMPLE >= 64:
+        if p < lo or p >= hi or (offset + p) % stride >= 64:
             continue
         while k < nc and p >= cuts[k]:
             k += 1
