@@ -9,7 +9,7 @@ next-token task of ``trainer.workload``: ``--warmup`` steps, then the delta of o
 
 - ``whole``: no tensor cut at row blocks (``slices.MIN_SLICED`` out of reach): the layout before
   per-rank slices, byte for byte;
-- ``sliced``: the encoder's rule (a split is kept where each piece holds >= 16,384 changes);
+- ``sliced``: the encoder's rule (a split is kept where each piece holds >= 32,768 changes);
 - ``every``: every split over 2..8 ranks kept (``slices.MIN_PIECE_CHANGES = 0``).
 
 Reported per layout: payload bytes and ratio to ``whole``, chunks, segments, the manifest's bytes

@@ -10,8 +10,8 @@ fetch and decode only what it holds, the encoder:
   when each piece it leaves holds at least ``MIN_PIECE_CHANGES`` changes (estimated
   from sampled blocks: ``FINE_SAMPLE``), splits taken from 2 up, so a
   tensor with few changes stays whole and one with many is cut at every rank count.
-  A cut starts a segment, with its own header and code tables: ~120 bytes, under
-  1 % of a piece of 16,384 changes (docs/CODEC.md, "Per-rank slices"). A
+  A cut starts a segment, with its own header and code tables, and coarser residual
+  models below ``MIN_PIECE_CHANGES`` (docs/CODEC.md, "Per-rank slices"). A
   column-parallel or vocab-parallel rank's rows are then a run of whole segments
   where its tensors were cut, and part of a shared segment where not; a
   row-parallel weight (``o_proj``, ``down_proj``: vLLM splits it along dimension 1,
@@ -42,8 +42,8 @@ which segments exist and where they sit, never what a segment means.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Sequence
-from fractions import Fraction
 from functools import lru_cache
 from itertools import accumulate
 from typing import TypeVar
@@ -58,14 +58,19 @@ MIN_SLICED = 1 << 14
 """Elements from which a tensor of two or more dimensions is cut into row blocks."""
 SPLITS = range(2, 9)
 """Tensor-parallel sizes whose dim-0 splits the cuts keep."""
-MIN_PIECE_CHANGES = 1 << 14
-"""Changes (estimated) each piece of a split must hold for the encoder to cut there."""
+MIN_PIECE_CHANGES = 1 << 15
+"""Changes (estimated) each piece of a split must hold for the encoder to cut there. A cut costs a
+segment's header and tables (~120 bytes) and, below this, residual-model resolution: a residual
+model needs 4,096 changes (``sparse.MIN_CHANGES_PER_MODEL``), so a piece of 32,768 keeps one per
+exponent for the ~8 exponents that hold most changes. Measured on the held-out workload
+(``tools/bench_slices.py``): cuts at 16,384 cost +0.67 % at lr 1e-6 and +1.07 % at 1e-5 (MLP
+weights of 50 k changes cut in halves: +2.2 % each, nearly all rANS), at 32,768 +0.15 % and +0.06 %."""
 COARSE_SAMPLE = 1 << 16
 FINE_SAMPLE = 1 << 14
 """The cut estimates count the changes in the first 64 elements of every 65,536 of a tensor (is
 the range worth a closer look: at least ``MIN_PIECE_CHANGES`` changes in all?), then of every
-16,384 (each candidate piece: a piece at the bound has ~64 sampled changes, so the choice is
-within ~12 % of the bound, which moves its cost, not its correctness). Blocks at multiples of
+16,384 (each candidate piece: a piece at the bound has ~128 sampled changes, so the choice is
+within ~10 % of the bound, which moves its cost, not its correctness). Blocks at multiples of
 the stride from the tensor's start, whatever range is encoded: the scan, the sparse encoder and
 a shard's encoder count alike. Over the held-out workload's 45 M elements both passes take well
 under a millisecond, against ~6 ms for one look at every 4,096 (the blocks are a page apart, so
@@ -95,7 +100,12 @@ def _split_cuts(rows: int, numel: int) -> tuple[tuple[int, ...], ...]:
 
 def row_cuts(spec: TensorSpec) -> list[int]:
     """Every element offset (sorted, inside ``(0, numel)``) where a row block of ``spec`` may start."""
-    return sorted({c for cuts in split_cuts(spec) for c in cuts})
+    return list(_row_cuts(spec.shape[0], spec.numel)) if sliced(spec) else []
+
+
+@lru_cache(maxsize=1024)
+def _row_cuts(rows: int, numel: int) -> tuple[int, ...]:
+    return tuple(sorted({c for cuts in _split_cuts(rows, numel) for c in cuts}))
 
 
 def delta_ranges(spec: TensorSpec, step: int, lo: int = 0, hi: int | None = None) -> list[tuple[int, int]]:
@@ -112,6 +122,7 @@ def sampled_in(a: int, b: int, stride: int) -> int:
     return upto(b) - upto(a)
 
 
+_NO_CUTS = np.zeros(0, dtype=np.int64)
 Count = Callable[[np.ndarray, int], np.ndarray]
 """``count(cuts, stride)``: the sampled changes in each of the ``len(cuts) + 1`` intervals that
 the sorted element offsets ``cuts`` make of the range (``kernels.cut_sample``)."""
@@ -123,12 +134,14 @@ def pieces(spec: TensorSpec, lo: int, hi: int, count: Count) -> list[tuple[int, 
     ``count``: :data:`Count` over ``[lo, hi)`` (``kernels.cut_sample``,
     ``kernels.cut_sample_sparse``: the same numbers). Only these counts decide, so the scan and
     the sparse encoder cut alike."""
+    if not sliced(spec) or hi - lo < 2 * MIN_PIECE_CHANGES:
+        return [(lo, hi)]
+    total = int(count(_NO_CUTS, COARSE_SAMPLE)[0])
+    if total * (hi - lo) < MIN_PIECE_CHANGES * max(1, sampled_in(lo, hi, COARSE_SAMPLE)):
+        return [(lo, hi)]
     splits = [[c for c in cuts if lo < c < hi] for cuts in split_cuts(spec)]
     cand = sorted({c for cuts in splits for c in cuts})
     if not cand:
-        return [(lo, hi)]
-    total = int(count(np.zeros(0, dtype=np.int64), COARSE_SAMPLE)[0])
-    if total * (hi - lo) < MIN_PIECE_CHANGES * max(1, sampled_in(lo, hi, COARSE_SAMPLE)):
         return [(lo, hi)]
     below = [0, *accumulate(count(np.array(cand, dtype=np.int64), FINE_SAMPLE).tolist())]
     at = {c: k for k, c in enumerate([lo, *cand, hi])}  # below[at[x]]: sampled changes in [lo, x)
@@ -170,15 +183,23 @@ def sparse_pieces(spec: TensorSpec, pos: np.ndarray, s: int, e: int, offset: int
 def order_key(specs: Sequence[TensorSpec], tensor: int, start: int, stop: int) -> tuple:
     """Where the segment of tensor #``tensor`` covering ``[start, stop)`` goes (module doc): its
     piece is the span between the row boundaries around it (:func:`row_cuts`); a piece that is
-    the whole tensor goes with the tensors every rank needs whole."""
+    the whole tensor goes with the tensors every rank needs whole.
+
+    The span is a pair of fractions of the rows. Their denominators divide 840 (each row boundary is
+    ``k / t`` of the rows, ``t`` in 2..8), so as floats (a correctly rounded quotient: equal
+    fractions give equal floats, and distinct ones differ by far more than a rounding) they order
+    exactly as :class:`fractions.Fraction` would, at a tenth of the cost."""
     spec = specs[tensor]
-    cuts = row_cuts(spec)
-    if cuts:
-        a = max((c for c in cuts if c <= start), default=0)
-        b = min((c for c in cuts if c >= stop), default=spec.numel)
-        if (a, b) != (0, spec.numel):
-            return (1, Fraction(a, spec.numel), Fraction(b, spec.numel), tensor, start)
-    return (0, Fraction(0), Fraction(0), tensor, start)
+    if sliced(spec):
+        n = spec.numel
+        cuts = _row_cuts(spec.shape[0], n)
+        i = bisect_right(cuts, start)
+        a = cuts[i - 1] if i else 0
+        j = bisect_left(cuts, stop)
+        b = cuts[j] if j < len(cuts) else n
+        if (a, b) != (0, n):
+            return (1, a / n, b / n, tensor, start)
+    return (0, 0.0, 0.0, tensor, start)
 
 
 def block_key(specs: Sequence[TensorSpec], seg: bytes | bytearray | memoryview) -> tuple:
