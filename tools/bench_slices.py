@@ -16,7 +16,9 @@ Reported per layout: payload bytes and ratio to ``whole``, chunks, segments, the
 (its segment index grows with the segments), bytes per stream (segment headers; Rice-coded
 positions; residual tables; rANS streams; escapes; chunk and segment framing), the largest share
 of the payload one rank of 2, 4 and 8 fetches (rows ``[r/t, (r+1)/t)`` of every cut tensor, all
-of every other: the chunks whose index entries meet those), and encode / decode+apply medians.
+of every other: the chunks whose index entries meet those), the MB of base words the ranks of a
+vLLM engine rebuild together per update (an all-reduce: row-parallel weights, and segments that
+span more than one rank's rows), and encode / decode+apply medians.
 
     .venv/bin/python tools/bench_slices.py --json docs/benchmarks/slices.json
 """
@@ -107,6 +109,29 @@ def fetch_shares(m: artifact.Manifest) -> dict[str, float]:
     return out
 
 
+ROW_PARALLEL = ("o_proj.weight", "down_proj.weight")
+"""vLLM splits these along dimension 1: every rank holds part of every row."""
+
+
+def gathered_mb(m: artifact.Manifest) -> dict[str, float]:
+    """Per rank count ``t``: MB of base words the ranks rebuild together per update (one all-reduce,
+    ``rollout.engines.vllm.apply.ranks.gather_ranges``): every segment of a row-parallel weight, and
+    every segment of a row-split tensor that spans more than one rank's rows."""
+    out = {}
+    for t in (2, 4, 8):
+        total = 0
+        for entry in m.segments:
+            for k in range(0, len(entry), 3):
+                spec, s, e = m.tensors[entry[k]], entry[k + 1], entry[k + 2]
+                if len(spec.shape) < 2 or spec.shape[0] % t:
+                    continue  # held whole by every rank here
+                block = spec.numel // t
+                if spec.name.endswith(ROW_PARALLEL) or s // block != (e - 1) // block:
+                    total += (e - s) * 2
+        out[f"tp{t}"] = total / 1e6
+    return out
+
+
 def encode_with(layout: str, prev: ModelState, cur: ModelState, opts: CodecOptions, repeats: int) -> dict:
     patch = LAYOUTS[layout]
     keep = getattr(slices, patch[0]) if patch else None
@@ -134,7 +159,7 @@ def encode_with(layout: str, prev: ModelState, cur: ModelState, opts: CodecOptio
         assert target.fingerprint == cur.fingerprint
     return {"payload_bytes": m.payload_bytes, "chunks": len(enc.chunks), "manifest_bytes": len(m.to_bytes()),
             "ratio_to_full": m.model_bytes / m.payload_bytes, **streams(enc.chunks),
-            "max_rank_fetch_share": fetch_shares(m), "encode_s": statistics.median(walls),
+            "max_rank_fetch_share": fetch_shares(m), "gathered_mb": gathered_mb(m), "encode_s": statistics.median(walls),
             "decode_apply_s": statistics.median(dec)}
 
 
@@ -165,13 +190,14 @@ def main() -> None:
     whole = res["layouts"]["whole"]
     print(f"{numel:,} elements, {changed:,} changed ({100 * changed / numel:.2f} %), load {load0[0]:.1f}")
     print("| layout | payload | vs whole | wire (+ manifest) vs whole | chunks | segments | headers | tables "
-          "| rANS | max rank share tp2 / tp4 / tp8 | encode ms | decode+apply ms |")
+          "| rANS | max rank share tp2 / tp4 / tp8 | gathered MB tp2 / tp8 | encode ms | decode+apply ms |")
     for k, r in res["layouts"].items():
         wire = (r["payload_bytes"] + r["manifest_bytes"]) / (whole["payload_bytes"] + whole["manifest_bytes"])
         sh = r["max_rank_fetch_share"]
         print(f"| {k} | {r['payload_bytes']:,} | {r['payload_bytes'] / whole['payload_bytes']:.4f} | {wire:.4f} | "
               f"{r['chunks']} | {r['segments']} | {r['headers']:,} | {r['residual_tables']:,} | {r['rans']:,} | "
-              f"{sh['tp2']:.2f} / {sh['tp4']:.2f} / {sh['tp8']:.2f} | {1e3 * r['encode_s']:.0f} | "
+              f"{sh['tp2']:.2f} / {sh['tp4']:.2f} / {sh['tp8']:.2f} | {r['gathered_mb']['tp2']:.1f} / "
+              f"{r['gathered_mb']['tp8']:.1f} | {1e3 * r['encode_s']:.0f} | "
               f"{1e3 * r['decode_apply_s']:.0f} |")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

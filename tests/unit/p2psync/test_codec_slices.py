@@ -61,6 +61,9 @@ def test_cuts_may_fall_at_every_dim0_split_from_2_to_8_ranks():
     ranges = delta_ranges(spec, 1 << 14)
     assert ranges[0][0] == 0 and ranges[-1][1] == spec.numel
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous
+    # A job of at most 2**14 elements ends at the last row boundary inside it (row 504 of 840: 3/5),
+    # not at 2**14, which would leave a sliver of rows before the next boundary.
+    assert ranges[0] == (0, 504 * 32) and 504 * 32 in cuts and all(e - s <= 1 << 14 for s, e in ranges)
     # A row-parallel weight is cut alike: the rank of each row block decodes it for the group.
     assert row_cuts(TensorSpec("model.layers.0.mlp.down_proj.weight", "BF16", (256, 256))) == [
         r * 256 for r in sorted({k * 256 // t for t in range(2, 9) if 256 % t == 0 for k in range(1, t)})]
