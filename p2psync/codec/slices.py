@@ -64,7 +64,7 @@ segment's header and tables (~120 bytes) and, below this, residual-model resolut
 model needs 4,096 changes (``sparse.MIN_CHANGES_PER_MODEL``), so a piece of 32,768 keeps one per
 exponent for the ~8 exponents that hold most changes. Measured on the held-out workload
 (``tools/bench_slices.py``): cuts at 16,384 cost +0.67 % at lr 1e-6 and +1.07 % at 1e-5 (MLP
-weights of 50 k changes cut in halves: +2.2 % each, nearly all rANS), at 32,768 +0.15 % and +0.06 %."""
+weights of 50 k changes cut in halves: +2.2 % each, nearly all rANS), at 32,768 +0.35 % and +0.12 %."""
 COARSE_SAMPLE = 1 << 16
 FINE_SAMPLE = 1 << 14
 """The cut estimates count the changes in the first 64 elements of every 65,536 of a tensor (is
@@ -72,9 +72,9 @@ the range worth a closer look: at least ``MIN_PIECE_CHANGES`` changes in all?), 
 16,384 (each candidate piece: a piece at the bound has ~128 sampled changes, so the choice is
 within ~10 % of the bound, which moves its cost, not its correctness). Blocks at multiples of
 the stride from the tensor's start, whatever range is encoded: the scan, the sparse encoder and
-a shard's encoder count alike. Over the held-out workload's 45 M elements both passes take well
-under a millisecond, against ~6 ms for one look at every 4,096 (the blocks are a page apart, so
-each waits for memory)."""
+a shard's encoder count alike. One look at every 4,096 took ~6 ms per encode of the held-out
+workload's 45 M elements (each sampled block a page from the last, so each waits for memory);
+these two passes and the packing order take ~1 ms of CPU."""
 
 S = TypeVar("S", bytes, bytearray, memoryview, bytes | bytearray)
 
