@@ -180,9 +180,10 @@ class ShardIO:
                                                                   max(1, self.opts.zstd_level))]
                     out.append((k, piece, pos, vals, stream))
                     continue
-                off = piece.offset  # cut at the tensor's row blocks (p2psync.codec.slices), in piece positions
+                # cut at the tensor's row blocks where they pay (p2psync.codec.slices), in piece positions
+                off = piece.offset
                 jobs = [self._pool.submit(encode_sparse_range, piece.index, piece.spec, old, pos, vals, s - off,
-                                          e - off, self.opts)
+                                          e - off, self.opts, off)
                         for s, e in delta_ranges(piece.spec, self.opts.segment_elements, off, off + piece.numel)]
                 out.append((k, piece, pos, vals, jobs))
         return out, time.perf_counter() - t0

@@ -15,7 +15,7 @@ them: global flat positions Rice coded as a segment codes them, and zstd'd zigza
 (:func:`pack_changes`). That is all a delta segment in the base-free coding (``context_buckets =
 1``) needs when it has one residual model: rank 0 merges the ranks' streams of a tensor and
 encodes base-free segments over the whole tensor (:func:`encode_strided`), the same ranges and row
-cuts as a single process's encode, each of at most :data:`ONE_MODEL` changes (a segment chooses a
+cuts as a single process's encode (:func:`p2psync.codec.slices.sparse_pieces`), each of at most :data:`ONE_MODEL` changes (a segment chooses a
 residual model per run of base exponents holding 4,096 changes or more; below twice that it has
 one model, so the base words' exponents play no part in its bytes and rank 0 needs none of them).
 Its words are rebuilt as 0 and the residual, which gives the segment coder the same residuals.
@@ -36,7 +36,7 @@ from p2psync.codec import rice
 from p2psync.codec.encode import CodecOptions
 from p2psync.codec.segencode import encode as encode_segment
 from p2psync.codec.segment import SegmentStats, pack_payload, planes, unpack_payload, unplanes, unzigzag, zigzag
-from p2psync.codec.slices import delta_ranges
+from p2psync.codec.slices import delta_ranges, sparse_pieces
 from p2psync.codec.sparse import MIN_CHANGES_PER_MODEL
 from p2psync.state import TensorSpec, tensor_seed
 
@@ -94,7 +94,7 @@ def encode_strided(index: int, spec: TensorSpec, blobs: list[bytes], opts: Codec
     cap = min(opts.max_changes(d.width), ONE_MODEL)
     segments: list[bytes] = []
     stats = SegmentStats()
-    for s, e in delta_ranges(spec, opts.segment_elements):
+    for s, e in (piece for r in delta_ranges(spec, opts.segment_elements) for piece in sparse_pieces(spec, gpos, *r)):
         lo, hi = np.searchsorted(gpos, [s, e])
         at = s
         for a in range(int(lo), int(hi), cap):

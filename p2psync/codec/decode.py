@@ -426,7 +426,8 @@ def warm_up(codes: Iterable[str] = ("BF16", "F16", "F32")) -> None:
     for code in codes:
         d = dtypes.from_code(code)
         g = torch.Generator().manual_seed(0)
-        old = ModelState([("w", torch.randn(8192, generator=g).to(d.torch_dtype()))])
+        # Two dimensions and MIN_SLICED elements: the encoders estimate where to cut it into row blocks.
+        old = ModelState([("w", torch.randn(128, 128, generator=g).to(d.torch_dtype()))])
         new = old.clone()
         # Small magnitudes change more often, as under an optimizer step: the delta uses bucketed
         # positions (the kernels a real delta needs), and a few changes escape the rANS symbols.

@@ -1,11 +1,12 @@
 """Encoding a state change (delta) or a whole state (snapshot) into chunks.
 
-Work is split into jobs of at most ``segment_elements`` elements of one tensor (a delta's
-also at the row blocks of :mod:`p2psync.codec.slices`, and packed in its order);
+Work is split into jobs of at most ``segment_elements`` elements of one tensor (a delta's job
+cuts its range further at the row blocks that pay, :func:`p2psync.codec.slices.pieces`, and a
+delta's segments are packed in that module's order);
 jobs run on ``threads`` threads, the calling one included (``workers.in_order``;
-the numba kernels, numpy and zstd release the GIL), and their segments are
-packed into chunks in job order as they come, so the bytes out do not depend on
-the thread count. A job holds only buffers sized by its own changes, taken from
+the numba kernels, numpy and zstd release the GIL); a snapshot's segments are
+packed into chunks in job order as they come, a delta's once all jobs ran, in
+slice order: the bytes out do not depend on the thread count. A job holds only buffers sized by its own changes, taken from
 a few sets kept between calls: encoding allocates nothing proportional to the
 model.
 """
@@ -22,7 +23,7 @@ import numpy as np
 from p2psync import dtypes
 from p2psync.codec import context, dense, kernels, segencode
 from p2psync.codec.segment import MAX_BUCKETS, SegmentStats, encode_raw_segment
-from p2psync.codec.slices import block_key, delta_ranges, order_key
+from p2psync.codec.slices import block_key, delta_ranges, dense_pieces, order_segments, sparse_pieces
 from p2psync.codec.sparse import encode_changes
 from p2psync.workers import in_order
 from p2psync.errors import ConfigError
@@ -213,17 +214,18 @@ def _scan_job(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.ndarray, s
     cap = opts.max_changes(d.width)
     seed = tensor_seed(spec.name)
     out = SegmentBatch(tensor, [], SegmentStats(), (0, 0))
-    # Thresholds first (from a sample), so that one pass finds the changes and ranks them; then
-    # one compiled call per segment finds, ranks and codes its changes (``segencode``).
-    thr = _thresholds(d, old, new, s, e, opts.context_buckets)
     bufs = _take_buffers(cap + 64, d.word, d.width)
     try:
-        at = s
-        while at < e:
-            stop, encoded = segencode.scan(tensor, d, old, new, at, e, cap, thr, opts.zstd_level, seed, bufs)
-            if encoded is not None:
-                _add_segment(out, _densest(encoded, tensor, at, stop, old, new, d.width, opts))
-            at = stop
+        for a, b in dense_pieces(spec, old, new, s, e):
+            # Thresholds first (from a sample), so that one pass finds the changes and ranks them;
+            # then one compiled call per segment finds, ranks and codes its changes (``segencode``).
+            thr = _thresholds(d, old, new, a, b, opts.context_buckets)
+            at = a
+            while at < b:
+                stop, encoded = segencode.scan(tensor, d, old, new, at, b, cap, thr, opts.zstd_level, seed, bufs)
+                if encoded is not None:
+                    _add_segment(out, _densest(encoded, tensor, at, stop, old, new, d.width, opts))
+                at = stop
     finally:
         _give_back(bufs)
     return out
@@ -239,34 +241,37 @@ def _scan_job_reference(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.
     pos_b, old_b, new_b, bkt_b, rank_b = bufs[:5]
     seed = tensor_seed(spec.name)
     out = SegmentBatch(tensor, [], SegmentStats(), (0, 0))
-    thr = context.job_thresholds(d, old, new, s, e, opts.context_buckets)
-    consts = context.consts_for(d, thr)
-    at = s
     try:
-        while at < e:
-            if thr.shape[0]:
-                stop, n = kernels.find_ranked_changes(old, new, at, e, cap, consts, pos_b, old_b, new_b, bkt_b,
-                                                      rank_b)
-                ranked = (bkt_b[:n], rank_b[:n])
-            else:
-                stop, n = kernels.find_changes(old, new, at, e, cap, pos_b, old_b, new_b)
-                ranked = None
-            if n:
-                _add_segment(out, _densest(encode_changes(tensor, at, stop, old, pos_b[:n], old_b[:n], new_b[:n], d,
-                                                          thr, opts.zstd_level, seed, ranked),
-                                           tensor, at, stop, old, new, d.width, opts))
-            at = stop
+        for a, e_ in dense_pieces(spec, old, new, s, e):
+            thr = context.job_thresholds(d, old, new, a, e_, opts.context_buckets)
+            consts = context.consts_for(d, thr)
+            at = a
+            while at < e_:
+                if thr.shape[0]:
+                    stop, n = kernels.find_ranked_changes(old, new, at, e_, cap, consts, pos_b, old_b, new_b, bkt_b,
+                                                          rank_b)
+                    ranked = (bkt_b[:n], rank_b[:n])
+                else:
+                    stop, n = kernels.find_changes(old, new, at, e_, cap, pos_b, old_b, new_b)
+                    ranked = None
+                if n:
+                    _add_segment(out, _densest(encode_changes(tensor, at, stop, old, pos_b[:n], old_b[:n], new_b[:n],
+                                                              d, thr, opts.zstd_level, seed, ranked),
+                                               tensor, at, stop, old, new, d.width, opts))
+                at = stop
     finally:
         _give_back(bufs)
     return out
 
 
 def encode_sparse_range(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.ndarray, vals: np.ndarray, s: int,
-                        e: int, opts: CodecOptions) -> SegmentBatch:
+                        e: int, opts: CodecOptions, offset: int = 0) -> SegmentBatch:
     """The delta segments of elements ``[s, e)`` of tensor #``tensor`` from changes found
     elsewhere (e.g. on a GPU): ``pos`` sorted changed positions of the whole tensor, ``vals``
     their new words, ``old`` the base words. Same bytes as :func:`encode_delta` gives for that
-    range; ranges from :func:`p2psync.codec.slices.delta_ranges` with ``opts.segment_elements``. Thread-safe."""
+    range; ranges from :func:`p2psync.codec.slices.delta_ranges` with ``opts.segment_elements``.
+    ``offset``: where ``old`` starts in the tensor, for a shard of it (positions and ranges are
+    then the shard's; the row-block cuts and their sample are the tensor's). Thread-safe."""
     d = dtypes.from_code(spec.dtype)
     cap = opts.max_changes(d.width)
     seed = tensor_seed(spec.name)
@@ -274,22 +279,26 @@ def encode_sparse_range(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.
     lo, hi = np.searchsorted(pos, [s, e])
     if lo == hi:
         return out
-    thr = _thresholds_sparse(d, old, pos[lo:hi], s, e, opts.context_buckets)
-    at = s
-    for a in range(lo, hi, cap):
-        b = min(hi, a + cap)
-        stop = int(pos[b]) if b < hi else e
-        p = pos[a:b]
+    for ps, pe in sparse_pieces(spec, pos[lo:hi], s, e, offset):
+        plo, phi = np.searchsorted(pos, [ps, pe])
+        if plo == phi:
+            continue
+        thr = _thresholds_sparse(d, old, pos[plo:phi], ps, pe, opts.context_buckets)
+        at = ps
+        for a in range(plo, phi, cap):
+            b = min(phi, a + cap)
+            stop = int(pos[b]) if b < phi else pe
+            p = pos[a:b]
 
-        def new_words(at: int = at, stop: int = stop, p: np.ndarray = p, v: np.ndarray = vals[a:b]) -> np.ndarray:
-            w = old[at:stop].copy()
-            w[p - at] = v
-            return w
+            def new_words(at: int = at, stop: int = stop, p: np.ndarray = p, v: np.ndarray = vals[a:b]) -> np.ndarray:
+                w = old[at:stop].copy()
+                w[p - at] = v
+                return w
 
-        _add_segment(out, dense.smaller(_encode_segment(tensor, at, stop, old, p, old[p], vals[a:b], d, thr,
-                                                        opts.zstd_level, seed),
-                                        tensor, at, stop, old, new_words, d.width, opts.zstd_level))
-        at = stop
+            _add_segment(out, dense.smaller(_encode_segment(tensor, at, stop, old, p, old[p], vals[a:b], d, thr,
+                                                            opts.zstd_level, seed),
+                                            tensor, at, stop, old, new_words, d.width, opts.zstd_level))
+            at = stop
     return out
 
 
@@ -334,8 +343,15 @@ def _collect(kind: str, base: ModelState, results: Iterator[SegmentBatch], opts:
 
     chunks: list[bytes] = []
     try:
-        block = (lambda seg: block_key(base.specs, seg)) if kind == "delta" else None
-        for i, chunk in enumerate(pack_chunks(segments(), opts.chunk_size, block)):
+        block = None
+        ordered: Iterable[bytes | bytearray] = segments()
+        if kind == "delta":
+            # Where a job cut its range is known once it ran: the packing order
+            # (p2psync.codec.slices.order_key) is taken over all segments, which a delta holds in
+            # memory anyway (its chunks do).
+            block = lambda seg: block_key(base.specs, seg)  # noqa: E731
+            ordered = order_segments(list(ordered), base.specs)
+        for i, chunk in enumerate(pack_chunks(ordered, opts.chunk_size, block)):
             if sink is None:
                 chunks.append(chunk)
             else:
@@ -355,14 +371,8 @@ def encode_delta(base: ModelState, new: ModelState, opts: CodecOptions | None = 
     for i, spec in enumerate(base.specs):
         old_w, new_w = base.words(spec.name), new.words(spec.name)
         for s, e in delta_ranges(spec, opts.segment_elements):
-            jobs.append((order_key(base.specs, i, s), (_scan_job, (i, spec, old_w, new_w, s, e, opts), e - s)))
-    return _collect("delta", base, _run(_in_slice_order(jobs), opts), opts)
-
-
-def _in_slice_order(keyed: list[tuple[tuple, tuple]]) -> list[tuple]:
-    """Jobs in packing order (:func:`p2psync.codec.slices.order_key`: each job lies inside one row
-    block, so its segments keep their place)."""
-    return [job for _, job in sorted(keyed, key=lambda kj: kj[0])]
+            jobs.append((_scan_job, (i, spec, old_w, new_w, s, e, opts), e - s))
+    return _collect("delta", base, _run(jobs, opts), opts)
 
 
 def encode_delta_sparse(
@@ -386,9 +396,8 @@ def encode_delta_sparse(
         if pos.shape[0] == 0:
             continue
         for s, e in delta_ranges(spec, opts.segment_elements):
-            jobs.append((order_key(base.specs, i, s),
-                         (encode_sparse_range, (i, spec, base.words(spec.name), pos, vals, s, e, opts), e - s)))
-    return _collect("delta", base, _run(_in_slice_order(jobs), opts), opts)
+            jobs.append((encode_sparse_range, (i, spec, base.words(spec.name), pos, vals, s, e, opts), e - s))
+    return _collect("delta", base, _run(jobs, opts), opts)
 
 
 def encode_snapshot(state: ModelState, opts: CodecOptions | None = None,

@@ -259,6 +259,47 @@ def change_sample(old, new, start, stop, shift, mask, hist):
 
 
 @njit(nogil=True, cache=True)
+def cut_sample(old, new, lo, hi, cuts, stride, out):
+    """Changes in the sampled elements (the first 64 of every ``stride`` from the array's start) of
+    ``[lo, hi)``, per interval that the sorted offsets ``cuts`` make of it (``out``: one more than
+    ``cuts``, zeroed first). For ``p2psync.codec.slices.pieces``."""
+    out[:] = 0
+    k = 0
+    nc = cuts.shape[0]
+    per_line = 64 // old.itemsize
+    blk = (lo // stride) * stride
+    while blk < hi:
+        # Each sampled block is a few lines ``stride`` words from the last: ask for them 16 blocks
+        # ahead, or each waits for memory.
+        ahead = blk + 16 * stride
+        for ln in range(0, 64, per_line):
+            prefetch_read(old, ahead + ln)
+            prefetch_read(new, ahead + ln)
+        for p in range(max(blk, lo), min(blk + 64, hi)):
+            if old[p] != new[p]:
+                while k < nc and p >= cuts[k]:
+                    k += 1
+                out[k] += 1
+        blk += stride
+
+
+@njit(nogil=True, cache=True)
+def cut_sample_sparse(positions, offset, lo, hi, cuts, stride, out):
+    """:func:`cut_sample` from the sorted changed ``positions`` of an array that starts at element
+    ``offset`` of its tensor (the sample is the tensor's; ``lo``, ``hi``, ``cuts`` in positions)."""
+    out[:] = 0
+    k = 0
+    nc = cuts.shape[0]
+    for j in range(positions.shape[0]):
+        p = positions[j]
+        if p < lo or p >= hi or (offset + p) % stride >= 64:
+            continue
+        while k < nc and p >= cuts[k]:
+            k += 1
+        out[k] += 1
+
+
+@njit(nogil=True, cache=True)
 def change_sample_sparse(old, positions, start, stop, shift, mask, hist):
     """:func:`change_sample` from the sorted changed ``positions`` (those outside ``[start, stop)``
     are ignored)."""

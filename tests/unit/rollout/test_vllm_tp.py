@@ -260,6 +260,7 @@ def test_ranks_apply_a_delta_bit_exact_and_refuse_together(sliced, streamed, gat
     goes to three others, each sent only its own columns' changes."""
     if sliced:
         monkeypatch.setattr("p2psync.codec.slices.MIN_SLICED", 256)
+        monkeypatch.setattr("p2psync.codec.slices.MIN_PIECE_CHANGES", 0)  # every split, however few changes
     old = _state(0)
     new, m, chunks = _delta(old, 1)
     segments = sum(len(e) // 3 for e in m.segments)

@@ -68,7 +68,7 @@ def test_a_refused_placement_names_the_parameter():
         box_indices((4, 4), (Partial(),), (2,), (0,), "layers.0.w")
 
 
-def test_rank0_encode_of_strided_changes_is_a_single_process_base_free_encode():
+def test_rank0_encode_of_strided_changes_is_a_single_process_base_free_encode(monkeypatch):
     """Two ranks holding alternate column blocks of a tensor send their changes; rank 0's segments are,
     byte for byte, what one process holding the tensor encodes with the base-free coding."""
     from p2psync import dtypes
@@ -78,7 +78,8 @@ def test_rank0_encode_of_strided_changes_is_a_single_process_base_free_encode():
     from trainer.strided import encode_strided, pack_changes
 
     rng = np.random.default_rng(3)
-    rows, cols = 300, 96  # >= MIN_SLICED elements: cut at row blocks too
+    rows, cols = 300, 96  # >= MIN_SLICED elements: cut at every row block (as if each piece paid)
+    monkeypatch.setattr("p2psync.codec.slices.MIN_PIECE_CHANGES", 0)
     w = torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32))
     old = dtypes.words_of(w.to(torch.bfloat16).contiguous()).copy()
     w2 = w * (1 + 0.02 * torch.from_numpy((rng.random((rows, cols)) < 0.1).astype(np.float32)))
@@ -93,6 +94,7 @@ def test_rank0_encode_of_strided_changes_is_a_single_process_base_free_encode():
     blobs = [pack_changes(spec, pos[m], old[pos[m]], new[pos[m]], 3) for m in (col < 40, col >= 40)]
     got, stats = encode_strided(7, spec, blobs, opts)
     assert [bytes(s) for s in got] == [bytes(s) for s in want] and stats.changed == pos.shape[0]
+    assert len(got) > len(delta_ranges(spec, opts.segment_elements))  # cut inside the jobs' ranges
     assert sum(map(len, blobs)) < 1.1 * sum(map(len, want))  # what crosses is about the payload
 
 
