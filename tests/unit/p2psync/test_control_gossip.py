@@ -27,7 +27,7 @@ def _signed_sim(n: int, seed: int = 3) -> tuple[Sim, object]:
 def test_signed_entries_spread_and_forged_ones_are_refused_with_state_untouched():
     sim, priv = _signed_sim(40)
     trainer = sim.nodes[default_member(0).address]
-    e = trainer.publish("plan", {"epoch": 1, "root": trainer.id, "parents": {"n00001": trainer.id}}, sim.now)
+    [e] = trainer.publish_plan(1, trainer.id, {"n00001": trainer.id}, sim.now)
     assert e.signature and loads(dumps(Delta(trainer.id, coord=(e,)))).coord[0] == e  # survives the wire
     assert sim.rounds_until(lambda nd: nd.coord.plan is not None, share=1.0) is not None
 
@@ -35,9 +35,9 @@ def test_signed_entries_spread_and_forged_ones_are_refused_with_state_untouched(
     before = (dict(victim.coord.entries), victim.index.root)
     evil = {"epoch": 2, "root": trainer.id, "parents": {"n00001": "n00007"}}
     forgeries = [
-        CoordEntry("plan", e.version + 10, trainer.id, evil),                     # unsigned, claims the trainer
-        signer(keys.generate())(CoordEntry("plan", e.version + 10, trainer.id, evil)),  # another key
-        CoordEntry("plan", e.version + 10, trainer.id, evil, e.signature),         # a real signature, altered entry
+        CoordEntry(e.name, e.version + 10, trainer.id, evil),                     # unsigned, claims the trainer
+        signer(keys.generate())(CoordEntry(e.name, e.version + 10, trainer.id, evil)),  # another key
+        CoordEntry(e.name, e.version + 10, trainer.id, evil, e.signature),         # a real signature, altered entry
         CoordEntry("head", e.version + 10, trainer.id, {"version": 99}, "!!notbase64"),
     ]
     for f in forgeries:

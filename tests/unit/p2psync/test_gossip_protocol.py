@@ -100,7 +100,7 @@ def test_coordinator_entries_spread_and_forgeries_are_rejected():
     sim = Sim.cluster(50, seed=6)
     trainer = sim.nodes[default_member(0).address]
     trainer.publish("head", {"version": 7})
-    trainer.publish("plan", {"epoch": 2, "root": trainer.id, "parents": {"n00001": trainer.id}})
+    trainer.publish_plan(2, trainer.id, {"n00001": trainer.id})
     assert sim.rounds_until(lambda nd: nd.coord.head == 7 and nd.coord.plan is not None, share=1.0) is not None
 
     rogue = sim.nodes[default_member(11).address]
