@@ -121,16 +121,20 @@ class Sim:
     def _send(self, src: str, out: list[tuple[str, Message]]) -> None:
         f = self.faults
         rng = self.rng
+        sizes: dict[int, int] = {}  # a Syn or Heartbeat goes to several peers: serialize it once
         for dest, msg in out:
             self.messages += 1
             if self.count_bytes:
-                data = dumps(msg)
-                self.bytes_sent[src] += len(data)
-                if len(data) > self.max_body:
+                size = sizes.get(id(msg))
+                if size is None or self.wire:
+                    data = dumps(msg)
+                    size = sizes[id(msg)] = len(data)
+                    if self.wire:
+                        msg = loads(data)
+                self.bytes_sent[src] += size
+                if size > self.max_body:
                     self.oversize += 1
                     continue
-                if self.wire:
-                    msg = loads(data)
             if self._side is not None and self._side(src) != self._side(dest):
                 self.dropped += 1
                 continue
