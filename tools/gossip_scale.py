@@ -63,7 +63,6 @@ class Coordinator:
         self.planner = LivePlanner(self.g.id)
         self.cpu = 0.0  # process time inside the trainer's gossip node and its re-plans
         self.replans: list[float] = []
-        self.alive_key: frozenset[str] = frozenset()
         g, tick, receive = self.g, self.g.tick, self.g.receive
 
         def timed_tick(now):
@@ -82,18 +81,17 @@ class Coordinator:
         g.tick, g.receive = timed_tick, timed_receive  # type: ignore[method-assign]
 
     def react(self) -> bool:
-        """What the gossip service does after a change: re-plan when the alive set moved."""
+        """What the gossip service's plan task does after a change (``GossipService._replan``): the
+        members to plan for, ``LivePlanner.update`` (None unless membership or figures moved), and
+        the changed plan shards published. The service runs it after each change, at most every
+        ``control.replan_delay`` (0.5 s); here once per round."""
         t = time.process_time()
-        alive = frozenset(e.id for e in self.g.members.entries.values() if e.status == "alive")
-        changed = alive != self.alive_key
-        if changed:
-            self.alive_key = alive
-            new = self.planner.update(plan_gossip.plan_members(self.g))
-            if new is not None:
-                plan_gossip.publish(self.g, new, self.sim.now)
+        new = self.planner.update(plan_gossip.plan_members(self.g))
+        if new is not None:
+            plan_gossip.publish(self.g, new, self.sim.now)
             self.replans.append(time.process_time() - t)
         self.cpu += time.process_time() - t
-        return changed
+        return new is not None
 
     def step(self, seconds: int = 1) -> None:
         for _ in range(seconds):
