@@ -17,6 +17,8 @@ Phases, each on a fresh cluster so that memory stays one cluster's:
 - ``partition``: regions r00-r03 cut off from r04-r07 for ``--partition-seconds`` (each side
   declares the other dead), then healed: rounds until 99 % (and all) of the nodes hold one
   membership view (the same table root) in which every running node is alive.
+- ``leases`` (not by default): 30 s in which each node's lease entry is rewritten every
+  ``--lease-seconds`` (60): the bytes per node that lease entries add.
 - ``loss``: ``--loss-rounds`` rounds at 5 % and at 20 % message loss (plus 5 % delayed up to 2 s):
   members ever suspected (all are alive).
 
@@ -192,6 +194,30 @@ def phase_cluster(n: int, seed: int, step_seconds: int, out: dict[str, Any], log
         f"{out['coordinator_cpu_per_round_s_churn'] * 1e3:.2f} ms per round; oversize messages {sim.oversize}")
 
 
+def phase_leases(n: int, seed: int, lease_seconds: int, out: dict[str, Any], log) -> None:
+    """30 s in which every node's ``leases/<node>`` entry is rewritten once per ``lease_seconds`` (a
+    work item granted or completed, as ``lease_core._publish_leases`` writes it): these entries go to
+    every node, so each node's share grows with n."""
+    sim = Sim.cluster(n, seed=seed + 5, count_bytes=True)
+    coord = Coordinator(sim)
+    coord.step(3)
+    ids = [nd.id for nd in sim.nodes.values() if nd is not coord.g]
+    rng = random.Random(seed)
+    before, cpu0, t0 = dict(sim.bytes_sent), coord.cpu, sim.now
+    for s in range(30):
+        t = time.process_time()
+        for k in range(len(ids) * s // lease_seconds, len(ids) * (s + 1) // lease_seconds):
+            node = ids[k % len(ids)]
+            coord.g.publish(f"leases/{node}", [[f"w{rng.randrange(10**6)}", round(sim.now + 30.0, 3)]], sim.now)
+        coord.cpu += time.process_time() - t
+        coord.step()
+    rate = per_node_rate(sim, before, sim.now - t0)
+    out["bytes_per_node_per_s_leases"] = round(rate[0])
+    out["coordinator_cpu_per_round_s_leases"] = round((coord.cpu - cpu0) / (sim.now - t0), 5)
+    log(f"a lease entry per node every {lease_seconds} s: {rate[0]:.0f} B/s per node (max {rate[1]:.0f}), "
+        f"coordinator CPU {out['coordinator_cpu_per_round_s_leases'] * 1e3:.2f} ms per round")
+
+
 def one_view(sim: Sim) -> tuple[float, bool]:
     """Share of running nodes on the most common table root, and whether every running node is alive there."""
     run = sim.running()
@@ -246,7 +272,9 @@ def main() -> None:
     ap.add_argument("--loss-rounds", type=int, default=120)
     ap.add_argument("--partition-seconds", type=int, default=60)
     ap.add_argument("--step-seconds", type=int, default=30, help="seconds between head versions in the churn minute")
-    ap.add_argument("--phases", default="cluster,partition,loss", help="comma-separated subset of the phases")
+    ap.add_argument("--lease-seconds", type=int, default=60, help="seconds between lease entries of one node (leases)")
+    ap.add_argument("--phases", default="cluster,partition,loss", help="comma-separated subset of the phases "
+                    "(also: leases, 30 s of lease entries; its cost grows as n**2 in the simulator)")
     ap.add_argument("--json", type=Path, help="write the figures here (merged into the file if it exists)")
     args = ap.parse_args()
     n, t0 = args.nodes, time.time()
@@ -261,7 +289,8 @@ def main() -> None:
         t = time.time()
         {"cluster": lambda: phase_cluster(n, args.seed, args.step_seconds, out, log),
          "partition": lambda: phase_partition(n, args.seed, args.partition_seconds, out, log),
-         "loss": lambda: phase_loss(n, args.seed, args.loss_rounds, out, log)}[phase]()
+         "loss": lambda: phase_loss(n, args.seed, args.loss_rounds, out, log),
+         "leases": lambda: phase_leases(n, args.seed, args.lease_seconds, out, log)}[phase]()
         out[f"wall_s_{phase}"] = round(time.time() - t)
         if args.json:
             args.json.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
