@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from p2psync.control import saved_state
+from p2psync.control import plan_gossip, saved_state
 from p2psync.control.saved_state import SavedControl
 from p2psync.errors import CodecError, NotCoordinator, PeerRefused
 from p2psync.gossip import DetectorConfig, GossipConfig, GossipNode, MemberEntry
@@ -283,21 +283,13 @@ class GossipService:
             self._head_published = v
 
     async def _replan(self) -> None:
-        from p2psync.control.live_plan import PlanMember
-
         g, planner = self.gossip, self.planner
         assert g is not None and planner is not None
-        members = []
-        revoked = self.host.tls.revoked
-        for e in g.members.entries.values():
-            if e.status != "alive" or e.id in revoked:
-                continue
-            rep = g.report_of(e.id)
-            members.append(PlanMember(e.id, e.role, e.region, rep.bandwidth if rep else 0.0))
+        members = plan_gossip.plan_members(g, self.host.tls.revoked)
         new = await asyncio.to_thread(planner.update, members, time.time())
         if new is None:
             return
-        g.publish("plan", {"epoch": new.epoch, "root": new.root, "parents": dict(new.parents)}, time.time())
+        plan_gossip.publish(g, new, time.time())
         self.host.log.info("plan epoch %d: %d nodes, %s", new.epoch, len(new.nodes),
                            {c: p for c, p in sorted(new.parents.items())} if len(new.parents) <= 16 else "...")
 
@@ -360,19 +352,13 @@ class GossipService:
     def _follow_plan(self) -> None:
         g = self.gossip
         assert g is not None
-        e = g.coord.get("plan")
-        if e is None:
+        follow = plan_gossip.planned_parent(g, self.host.config.id)
+        if follow is None:
+            return  # not known yet (or the parent is gone): keep what we have until gossip catches up
+        version, url, parent_id = follow
+        if self._plan_applied == (version, url):
             return
-        parent_id = g.coord.parent_of(self.host.config.id)
-        url = None
-        if parent_id is not None:
-            m = g.members.get(parent_id)
-            if m is None or not m.live:
-                return  # not known yet (or gone): keep what we have until gossip catches up
-            url = m.address
-        if self._plan_applied == (e.version, url):
-            return
-        self._plan_applied = (e.version, url)
+        self._plan_applied = (version, url)
         self.host.set_planned_parent(url, parent_id)
 
     # --- views ---------------------------------------------------------------------------------

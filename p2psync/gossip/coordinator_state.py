@@ -1,4 +1,4 @@
-"""Coordinator-owned state that rides gossip: plan, head version, leases per holder.
+"""Coordinator-owned state that rides gossip: plan (in shards), head version, leases per holder.
 
 Contract of :class:`CoordinatorState`:
 
@@ -16,6 +16,13 @@ Contract of :class:`CoordinatorState`:
   ``max(max_version + 1, now in milliseconds)``, so a coordinator that restarts
   with no state still writes versions above its old ones, and an entry's
   version tells when it was written.
+- The plan is :data:`~p2psync.gossip.messages.PLAN_SHARDS` entries ``plan/<k>``, each with the
+  parents of the nodes that hash to shard ``k``; :meth:`write_plan` rewrites only the shards whose
+  parents (or root) changed, so a re-plan that moves a few nodes gossips a few small entries, not
+  the whole parent map. A node follows the shard that holds its own parent; shards of different
+  epochs may be seen side by side while a re-plan spreads, as any change does.
+- No entry is written whose JSON exceeds :data:`~p2psync.gossip.messages.MAX_ENTRY_BYTES`
+  (:class:`~p2psync.errors.CodecError`, nothing changed): it could never ride a message.
 - ``leases/<node>`` with an empty list is a tombstone: every node removes it
   ``tombstone_ttl`` after it was written (:meth:`expire`) and refuses it from
   then on, so the keys of nodes that left do not pile up.
@@ -23,11 +30,14 @@ Contract of :class:`CoordinatorState`:
 
 from __future__ import annotations
 
+import heapq
 from typing import Any, Callable
 
-from p2psync.errors import NotCoordinator
+from p2psync.errors import CodecError, NotCoordinator
 from p2psync.gossip.index import BucketIndex
-from p2psync.gossip.messages import LEASES_PREFIX, CoordEntry, _check_coord_value
+from p2psync.gossip.messages import (
+    LEASES_PREFIX, MAX_ENTRY_BYTES, PLAN_PREFIX, PLAN_SHARDS, CoordEntry, _check_coord_value, plan_shard,
+)
 
 
 def is_tombstone(e: CoordEntry) -> bool:
@@ -48,6 +58,8 @@ class CoordinatorState:
         self.tombstone_ttl = tombstone_ttl
         self.entries: dict[str, CoordEntry] = {}
         self.max_version = 0
+        self._expiry: list[tuple[float, str]] = []
+        """(removal time, name) of lease tombstones, a heap: a round checks only the ones due."""
         self.rejected = 0
         """Entries refused because their writer is not the coordinator (or failed ``verify``)."""
 
@@ -73,6 +85,8 @@ class CoordinatorState:
         self.entries[e.name] = e
         self.index.replace(e.key, cur.hash if cur else None, e.hash)
         self.max_version = max(self.max_version, e.version)
+        if is_tombstone(e):
+            heapq.heappush(self._expiry, (e.version / 1000.0 + self.tombstone_ttl, e.name))
         return True
 
     def restore(self, e: CoordEntry) -> bool:
@@ -99,17 +113,48 @@ class CoordinatorState:
         if now is not None:
             version = max(version, int(now * 1000))
         e = CoordEntry(name, version, self.my_id, value)
+        if e.wire_bytes > MAX_ENTRY_BYTES:
+            raise CodecError(f"gossip: coordinator entry {name!r} would be {e.wire_bytes} bytes of JSON, over "
+                             f"{MAX_ENTRY_BYTES}: it could not ride a gossip message")
         if self.sign is not None:
             e = self.sign(e)
         self.merge(e, _own=True)
         return e
 
+    def write_plan(self, epoch: int, root: str, parents: dict[str, str], now: float | None = None) -> list[CoordEntry]:
+        """Publish a plan (coordinator only): rewrite the shards whose parents or root differ from
+        what this node holds; the entries written. Every shard is checked before any is written."""
+        if not self.is_coordinator:
+            raise NotCoordinator(self.my_id, self.coordinator, PLAN_PREFIX)
+        shards: list[dict[str, str]] = [{} for _ in range(PLAN_SHARDS)]
+        for child, parent in parents.items():
+            shards[plan_shard(child)][child] = parent
+        todo = []
+        for k, part in enumerate(shards):
+            cur = self.entries.get(f"{PLAN_PREFIX}{k}")
+            if cur is None and not part:
+                continue
+            if cur is not None and cur.value["root"] == root and cur.value["parents"] == part:
+                continue
+            value = {"epoch": epoch, "root": root, "parents": part}
+            _check_coord_value(f"{PLAN_PREFIX}{k}", value)
+            size = CoordEntry(f"{PLAN_PREFIX}{k}", 1, self.my_id, value).wire_bytes + 200  # + version, signature
+            if size > MAX_ENTRY_BYTES:
+                raise CodecError(f"gossip: plan shard {k} would be {size} bytes of JSON, over {MAX_ENTRY_BYTES} "
+                                 f"({len(part)} nodes): too many nodes for {PLAN_SHARDS} shards")
+            todo.append((k, value))
+        return [self.write(f"{PLAN_PREFIX}{k}", value, now) for k, value in todo]
+
     def expire(self, now: float) -> list[str]:
         """Remove lease tombstones older than ``tombstone_ttl``; the names removed."""
-        gone = [n for n, e in self.entries.items() if is_tombstone(e) and self._expired(e, now)]
-        for n in gone:
-            e = self.entries.pop(n)
-            self.index.replace(e.key, e.hash, None)
+        gone = []
+        while self._expiry and self._expiry[0][0] <= now:
+            _, n = heapq.heappop(self._expiry)
+            e = self.entries.get(n)
+            if e is not None and is_tombstone(e) and self._expired(e, now):
+                del self.entries[n]
+                self.index.replace(e.key, e.hash, None)
+                gone.append(n)
         return gone
 
     # ------------------------------------------------------------ typed views
@@ -124,13 +169,24 @@ class CoordinatorState:
 
     @property
     def plan(self) -> tuple[int, str, dict[str, str]] | None:
-        """(epoch, root, parents) of the current plan, or None."""
-        e = self.entries.get("plan")
-        return None if e is None else (e.value["epoch"], e.value["root"], dict(e.value["parents"]))
+        """(epoch, root, parents) of the plan as the shards held here give it (the newest epoch
+        among them, and its root), or None if no shard arrived yet."""
+        shards = [e for k in range(PLAN_SHARDS) if (e := self.entries.get(f"{PLAN_PREFIX}{k}")) is not None]
+        if not shards:
+            return None
+        newest = max(shards, key=lambda e: (e.value["epoch"], e.version))
+        parents: dict[str, str] = {}
+        for e in shards:
+            parents.update(e.value["parents"])
+        return newest.value["epoch"], newest.value["root"], parents
+
+    def plan_entry_of(self, node: str) -> CoordEntry | None:
+        """The plan shard entry that holds ``node``'s parent (None if not arrived)."""
+        return self.entries.get(f"{PLAN_PREFIX}{plan_shard(node)}")
 
     def parent_of(self, node: str) -> str | None:
-        p = self.plan
-        return None if p is None else p[2].get(node)
+        e = self.plan_entry_of(node)
+        return None if e is None else e.value["parents"].get(node)
 
     def leases_of(self, node: str) -> list[tuple[str, float]]:
         """(work id, expires_at) of the leases the coordinator last published for ``node``."""

@@ -23,21 +23,31 @@ Contract of :class:`MemberTable`:
 
 Why these defaults (interval 1 s): with message loss p, a live member is falsely
 suspected by one watcher only after ``suspect_after / interval`` heartbeats in a
-row are lost: 0.2**10 = 1e-7 per watcher and round at 20 % loss, about one false
-suspicion per hour in a 1,000-node cluster, and it is refuted within a round or
-two (the watcher answers the next heartbeat with the suspect entry). Declaring
-dead 20 s later leaves ample time for that refutation even at 20 % loss. A
-crash is detected in suspect_after + dead_after plus spreading, about 40 s;
-leases (30 s) and transport errors, not gossip, are what move work and re-parent
-children quickly. A watch that never heard the member directly waits three
-times longer, because the member may not know this watcher yet.
+row are lost: 0.2**10 = 1e-7 per watcher and round at 20 % loss. There are
+``watchers * n`` watches, so the expected false suspicions per round grow with n
+and the wait must grow with log n to hold them: each tenfold of live members
+beyond 1,000 adds ``suspect_per_decade`` (2 s: 0.2**2 = 1/25 < 1/10), so at
+10,000 members and 20 % loss a watch raises a false suspicion about once in
+8e8 rounds (0.2**12), i.e. one every ~9 hours for the whole cluster, and it is
+refuted within a round or two (the watcher answers the next heartbeat with the
+suspect entry). A suspect is declared dead only after ``dead_after`` (20 s,
+plus ``dead_per_decade`` per tenfold beyond 1,000), the time a refutation
+needs to reach every node that holds the suspicion: spreading takes about
+log(n) rounds, and longer under loss. A crash is known (suspect at 99 % of the
+nodes) in ``suspect_after`` plus the spreading, about 14 s at 1,000 nodes and
+18 s at 10,000; leases (30 s) and transport errors, not gossip, are what move
+work and re-parent children quickly. A watch that never heard the member
+directly waits ``unheard_factor`` times longer, because the member may not know
+this watcher yet.
 """
 
 from __future__ import annotations
 
 import bisect
+import heapq
 import logging
-from collections.abc import Iterable
+import math
+import random
 from dataclasses import dataclass, replace
 
 from p2psync.gossip.index import BucketIndex
@@ -63,6 +73,10 @@ class DetectorConfig:
     """A watch that never heard its member directly waits this many times longer."""
     tombstone_ttl: float = 300.0
     """Dead and left entries are removed this long after ``status_at``."""
+    suspect_per_decade: float = 2.0
+    """Added to ``suspect_after`` per tenfold of live members beyond 1,000 (see the module doc)."""
+    dead_per_decade: float = 5.0
+    """Added to ``dead_after`` per tenfold of live members beyond 1,000."""
 
     def __post_init__(self) -> None:
         for name in ("suspect_after", "dead_after", "tombstone_ttl", "unheard_factor"):
@@ -70,6 +84,15 @@ class DetectorConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.watchers < 1 or self.slack < 0:
             raise ValueError("watchers must be >= 1 and slack >= 0")
+        if self.suspect_per_decade < 0 or self.dead_per_decade < 0:
+            raise ValueError("suspect_per_decade and dead_per_decade must be >= 0")
+
+    def timeouts(self, live: int) -> tuple[float, float]:
+        """(suspect wait, dead wait) in a cluster of ``live`` members: longer by the per-decade
+        figures for each tenfold beyond 1,000."""
+        decades = max(0.0, math.log10(max(1, live) / 1000))
+        return (self.suspect_after + self.suspect_per_decade * decades,
+                self.dead_after + self.dead_per_decade * decades)
 
 
 def restart_incarnation(saved: int, now: float) -> int:
@@ -81,11 +104,6 @@ def restart_incarnation(saved: int, now: float) -> int:
     from 0 again, its entry lost against every peer's and the peers kept it out of their views.
     """
     return max(saved + 1, int(now))
-
-
-def ring_order(entries: Iterable[MemberEntry]) -> list[tuple[int, str]]:
-    """The watcher ring of the live members among ``entries``."""
-    return sorted((ring_hash(e.id), e.id) for e in entries if e.live)
 
 
 class _Watch:
@@ -108,8 +126,18 @@ class MemberTable:
         """Largest heartbeat counter heard directly, per member (watched ones and senders)."""
         self._suspect_since: dict[str, float] = {}
         self._tombstones: set[str] = set()
+        # Deadlines as heaps (lazy: an entry is checked against the table when it comes due), so a
+        # round costs O(log n) per due entry, not a scan of every suspect and tombstone (after a
+        # partition, thousands of each).
+        self._dead_due: list[tuple[float, str]] = []
+        self._drop_due: list[tuple[float, str]] = []
+        self._dead: dict[str, int] = {}
+        self._dead_list: list[str] = []
+        """Members held ``dead`` (not ``left``), for :meth:`random_dead` in O(1)."""
         self._watch: dict[str, _Watch] = {}
-        self._ring: list[tuple[int, str]] | None = None
+        self._ring: list[tuple[int, str]] = []
+        self._ring_shared = False
+        """True while ``_ring`` is another table's list (simulator set-up): copied on the first change."""
         self.suspicions: list[tuple[float, str]] = []
         """(time, member) of every suspicion this node raised: the false-suspicion figure."""
         self.my_heartbeat = 0
@@ -130,7 +158,7 @@ class MemberTable:
         return [self.entries[i] for _, i in self._ring_ids()]
 
     def live_ids(self) -> list[str]:
-        """Ids of alive and suspect members, in ring order (cached until liveness changes)."""
+        """Ids of alive and suspect members, in ring order (kept sorted as liveness changes)."""
         return [i for _, i in self._ring_ids()]
 
     def __len__(self) -> int:
@@ -142,21 +170,63 @@ class MemberTable:
         old = self.entries.get(e.id)
         self.entries[e.id] = e
         self.index.replace(e.key, old.hash if old else None, e.hash)
-        if old is None or old.live != e.live:
-            self._ring = None
+        was_live = old is not None and old.live
+        if was_live != e.live:
+            self._ring_change(e.id, e.live)
         if e.status == "suspect":
             if old is None or old.status != "suspect" or old.incarnation != e.incarnation:
                 self._suspect_since[e.id] = now
+                heapq.heappush(self._dead_due, (now + self.config.timeouts(len(self._ring))[1], e.id))
         else:
             self._suspect_since.pop(e.id, None)
+        self._mark_dead(e.id, e.status == "dead")
         if e.live:
             self._tombstones.discard(e.id)
         else:
+            if e.id not in self._tombstones or old is None or old.status_at != e.status_at:
+                heapq.heappush(self._drop_due, (e.status_at + self.config.tombstone_ttl, e.id))
             self._tombstones.add(e.id)
+
+    def _mark_dead(self, member_id: str, dead: bool) -> None:
+        i = self._dead.get(member_id)
+        if dead and i is None:
+            self._dead[member_id] = len(self._dead_list)
+            self._dead_list.append(member_id)
+        elif not dead and i is not None:
+            last = self._dead_list.pop()
+            if last != member_id:
+                self._dead_list[i] = last
+                self._dead[last] = i
+            del self._dead[member_id]
+
+    def dead_count(self) -> int:
+        return len(self._dead_list)
+
+    def random_dead(self, rng: random.Random) -> MemberEntry | None:
+        """A member held dead, chosen at random (None if none): a reconnection target."""
+        if not self._dead_list:
+            return None
+        return self.entries[self._dead_list[rng.randrange(len(self._dead_list))]]
+
+    def _ring_change(self, member_id: str, live: bool) -> None:
+        """Insert or remove one member on the ring: O(log n) search plus a list shift, not a re-sort."""
+        if self._ring_shared:
+            self._ring = list(self._ring)
+            self._ring_shared = False
+        item = (ring_hash(member_id), member_id)
+        i = bisect.bisect_left(self._ring, item)
+        present = i < len(self._ring) and self._ring[i] == item
+        if live and not present:
+            self._ring.insert(i, item)
+        elif not live and present:
+            del self._ring[i]
 
     def _drop(self, member_id: str) -> None:
         old = self.entries.pop(member_id)
         self.index.replace(old.key, old.hash, None)
+        if old.live:
+            self._ring_change(member_id, False)
+        self._mark_dead(member_id, False)
         self._tombstones.discard(member_id)
         self._suspect_since.pop(member_id, None)
         self.heartbeats.pop(member_id, None)
@@ -194,7 +264,12 @@ class MemberTable:
         self.entries = dict(other.entries)
         self._suspect_since = dict(other._suspect_since)
         self._tombstones = set(other._tombstones)
-        self._ring = None if other._ring is None else list(other._ring)
+        self._dead_due = list(other._dead_due)
+        self._drop_due = list(other._drop_due)
+        self._dead = dict(other._dead)
+        self._dead_list = list(other._dead_list)
+        self._ring = other._ring
+        self._ring_shared = other._ring_shared = True
 
     def update_self(self, now: float, **fields: object) -> MemberEntry:
         """Publish new content for this node (``versions``, ``throughput``, ...): bumps ``rev``."""
@@ -211,8 +286,6 @@ class MemberTable:
     # ------------------------------------------------------------ ring and heartbeats
 
     def _ring_ids(self) -> list[tuple[int, str]]:
-        if self._ring is None:
-            self._ring = ring_order(self.entries.values())
         return self._ring
 
     def _neighbours(self, member_id: str, k: int, step: int) -> list[str]:
@@ -260,6 +333,7 @@ class MemberTable:
     def check(self, now: float) -> list[MemberEntry]:
         """Run the failure detector and remove old tombstones; returns entries it changed."""
         c = self.config
+        suspect_after, dead_after = c.timeouts(len(self._ring))
         changed: list[MemberEntry] = []
         if self.me.status != "left":
             watched = set(self.watched())
@@ -272,7 +346,7 @@ class MemberTable:
                     self._watch[mid] = _Watch(now)
                     continue
                 e = self.entries[mid]
-                wait = c.suspect_after if w.heard else c.suspect_after * c.unheard_factor
+                wait = suspect_after if w.heard else suspect_after * c.unheard_factor
                 if e.status == "alive" and now - w.heard_at > wait:
                     s = replace(e, status="suspect", status_at=now)
                     self._put(s, now)
@@ -280,13 +354,23 @@ class MemberTable:
                     logger.info("suspecting %s: no heartbeat for %.1f s", mid, now - w.heard_at)
                     w.heard_at = now  # a refuted member gets a fresh wait
                     changed.append(s)
-            for mid, since in list(self._suspect_since.items()):
-                if now - since > c.dead_after:
-                    d = replace(self.entries[mid], status="dead", status_at=now)
-                    self._put(d, now)
-                    logger.info("declaring %s dead: suspect for %.1f s", mid, now - since)
-                    changed.append(d)
-        for mid in list(self._tombstones):
-            if self.entries[mid].status_at + c.tombstone_ttl <= now:
+            due = self._dead_due
+            while due and due[0][0] < now:
+                _, mid = heapq.heappop(due)
+                since = self._suspect_since.get(mid)
+                if since is None:
+                    continue  # refuted
+                if now - since <= dead_after:  # suspected again later, or the cluster grew since
+                    heapq.heappush(due, (since + dead_after, mid))
+                    continue
+                d = replace(self.entries[mid], status="dead", status_at=now)
+                self._put(d, now)
+                logger.info("declaring %s dead: suspect for %.1f s", mid, now - since)
+                changed.append(d)
+        due = self._drop_due
+        while due and due[0][0] <= now:
+            _, mid = heapq.heappop(due)
+            t = self.entries.get(mid)
+            if t is not None and not t.live and t.status_at + c.tombstone_ttl <= now:
                 self._drop(mid)
         return changed

@@ -16,8 +16,9 @@ Exchange, initiated each round with ``fanout`` random live peers::
 
 So an idle cluster exchanges ~100-byte Syns, and a change costs each node a few
 bucket digests plus the changed entries. Messages are bounded: at most
-``max_entries`` entries and ``max_digest_items`` digest items each; what does not
-fit goes in a later round. Each round a node also sends a ``Heartbeat`` to its
+``max_entries`` entries and ``max_digest_items`` digest items each, and at most
+``max_message_bytes`` of JSON (under the 64 KiB a node's server accepts in one
+body); what does not fit goes in a later round. Each round a node also sends a ``Heartbeat`` to its
 ring successors (see :mod:`p2psync.gossip.membership`), and a ``Report`` of its
 versions held and measured throughput to the coordinator when they changed (at
 least every ``report_interval``): those figures change on every node with every
@@ -30,6 +31,15 @@ table holds. Peers that saw a node leave or die keep its tombstone and never pic
 it as a gossip peer again, so after a restart it is the restarted node that must
 call them, and the seed probe heals a split when the restarted node remembers
 nobody (its data dir lost) while its seeds remember it as gone.
+
+Healing a partition: each side declares the other dead, and dead members are
+never picked as gossip peers. So each round a node also calls one member it
+holds dead with probability ``min(1, dead / live) * interval / reconnect_interval``
+(after a split into halves every node calls across about every
+``reconnect_interval``; one crashed member of 10,000 costs the cluster a call
+every few thousand rounds). A node that gets a Syn from a member it holds
+suspect or dead sends that member its entry at once, so it refutes within a
+round; the refutations then spread like any change.
 Leaving: :meth:`GossipNode.leave` returns the tombstone pushed to a few peers;
 keep the node answering for a round or two if possible, then stop it.
 """
@@ -47,7 +57,7 @@ from p2psync.gossip.coordinator_state import CoordinatorState
 from p2psync.gossip.index import BucketIndex
 from p2psync.gossip.membership import DetectorConfig, MemberTable
 from p2psync.gossip.messages import (
-    MAX_VERSIONS, Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Message, Report, Syn, item_version,
+    MAX_VERSIONS, Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Message, Report, Syn,
 )
 
 logger = logging.getLogger(__name__)
@@ -63,10 +73,15 @@ class GossipConfig:
     """Seconds between rounds."""
     fanout: int = 2
     """Peers a round opens an exchange with."""
-    max_entries: int = 128
+    max_entries: int = 256
     """Entries per Delta at most (a full member entry is ~200 bytes of JSON)."""
     max_digest_items: int = 512
     """Keys and versions per Digest at most."""
+    max_message_bytes: int = 60_000
+    """JSON bytes per Delta or Digest at most (estimated per item): a node's server refuses a
+    gossip body over ``limits.max_body_bytes`` (64 KiB by default)."""
+    reconnect_interval: float = 5.0
+    """With as many members dead as alive, each node calls a dead one about this often (see above)."""
     metrics_interval: float = 30.0
     """Throughput/bandwidth are reported at most this often unless they move by 25 %."""
     report_interval: float = 10.0
@@ -82,6 +97,10 @@ class GossipConfig:
             raise ValueError("report_interval and rejoin_interval must be > 0")
         if self.fanout < 1 or self.max_entries < 1 or self.max_digest_items < 1:
             raise ValueError("fanout, max_entries and max_digest_items must be >= 1")
+        if self.max_message_bytes < 1024:
+            raise ValueError("max_message_bytes must be >= 1024")
+        if not self.reconnect_interval > 0:
+            raise ValueError("reconnect_interval must be > 0")
 
 
 class GossipNode:
@@ -144,6 +163,14 @@ class GossipNode:
             lost = self._lost_seeds()
             if lost:
                 out.append((self.rng.choice(lost), syn))
+        dead = self.members.dead_count()
+        if dead:
+            c = self.config
+            p = min(1.0, dead / max(1, len(self.members._ring_ids()))) * c.interval / c.reconnect_interval
+            if self.rng.random() < p:
+                e = self.members.random_dead(self.rng)
+                if e is not None:
+                    out.append((e.address, syn))
         me = self.members.me
         hb = Heartbeat(self.id, me.incarnation, self.members.next_heartbeat())
         for e in self.members.heartbeat_targets():
@@ -167,7 +194,10 @@ class GossipNode:
 
     def _lost_seeds(self) -> list[str]:
         """Seeds that no live member of this table holds (a split, or a seed that is really gone)."""
-        live = {e.address for e in self.members.live()}
+        if not self.seeds:
+            return []  # (most nodes: no O(n) scan every rejoin_interval; at 10,000 nodes it was the top cost)
+        seeds = set(self.seeds)
+        live = {e.address for e in self.members.entries.values() if e.live and e.address in seeds}
         return [a for a in self.seeds if a not in live]
 
     def _pick_peers(self, k: int) -> list[str]:
@@ -195,9 +225,13 @@ class GossipNode:
         if self.stopped:
             return []
         if isinstance(msg, Syn):
-            if msg.root == self.index.root:
-                return []
-            return [(sender, Buckets(self.id, self.index.bucket_hex()))]
+            out: Outgoing = []
+            e = self.members.get(msg.sender)
+            if e is not None and e.status in ("suspect", "dead"):
+                out.append((sender, Delta(self.id, members=(e,))))  # it is alive: let it refute at once
+            if msg.root != self.index.root:
+                out.append((sender, Buckets(self.id, self.index.bucket_hex())))
+            return out
         if isinstance(msg, Buckets):
             return self._on_buckets(sender, msg)
         if isinstance(msg, Digest):
@@ -220,12 +254,20 @@ class GossipNode:
         self.rng.shuffle(diff)
         chosen: list[int] = []
         items: list[tuple[str, tuple[int, ...]]] = []
+        size = 0
+        members, coord = self.members.entries, self.coord.entries
         for b in diff:
             keys = self.index.keys_in(b)
             if chosen and len(items) + len(keys) > self.config.max_digest_items:
                 break
+            # (inlined _item/item_version: a digest at 10,000 members lists ~500 items)
+            more = [(k, members[k[2:]].version if k[0] == "m" else (coord[k[2:]].version,)) for k in keys]
+            more_size = sum(len(k) + 6 + 4 * len(v) for k, v in more)  # '["m:id",12,0,3],' with room
+            if chosen and size + more_size > self.config.max_message_bytes - 200:
+                break
             chosen.append(b)
-            items.extend((k, item_version(self._item(k))) for k in sorted(keys))
+            items.extend(more)
+            size += more_size
         return [(sender, Digest(self.id, tuple(sorted(chosen)), tuple(items)))]
 
     def _item(self, key: str) -> MemberEntry | CoordEntry:
@@ -244,14 +286,20 @@ class GossipNode:
         theirs = dict(msg.items)
         send: list[str] = []
         want: list[str] = []
+        members, coord = self.members.entries, self.coord.entries
         for k, v in msg.items:
-            mine = self._has(k)
+            if k[0] == "m":
+                e = members.get(k[2:])
+                mine = None if e is None else e.version
+            else:
+                c = coord.get(k[2:])
+                mine = None if c is None else (c.version,)
             if mine is None or v > mine:
                 want.append(k)
             elif mine > v:
                 send.append(k)
         for b in msg.buckets:
-            send.extend(k for k in sorted(self.index.keys_in(b)) if k not in theirs)
+            send.extend(k for k in self.index.keys_in(b) if k not in theirs)
         delta = self._delta(send, tuple(want[: self.config.max_entries]))
         return [] if delta is None else [(sender, delta)]
 
@@ -260,8 +308,13 @@ class GossipNode:
         coord: list[CoordEntry] = []
         # Member status changes first: they are what the cluster waits on.
         keys = sorted(keys, key=lambda k: (not k.startswith("m:"), k))[: self.config.max_entries]
+        budget = self.config.max_message_bytes - 200 - sum(len(k) + 3 for k in want)
         for k in keys:
             it = self._item(k)
+            size = it.wire_bytes
+            if size > budget:
+                continue  # a later round, with a smaller item first
+            budget -= size
             (members if isinstance(it, MemberEntry) else coord).append(it)  # type: ignore[arg-type]
         if not members and not coord and not want:
             return None
@@ -320,10 +373,16 @@ class GossipNode:
         return published or bool(changes)
 
     def publish(self, name: str, value: object, now: float | None = None) -> CoordEntry:
-        """Write a coordinator entry (``plan``, ``head``, ``leases/<node>``); coordinator only.
+        """Write a coordinator entry (``head``, ``revoked``, ``leases/<node>``); coordinator only (the
+        plan: :meth:`publish_plan`).
         With ``now``, the entry's version is at least ``now`` in milliseconds (see
         :class:`~p2psync.gossip.coordinator_state.CoordinatorState`)."""
         return self.coord.write(name, value, now)
+
+    def publish_plan(self, epoch: int, root: str, parents: dict[str, str], now: float | None = None) -> list[CoordEntry]:
+        """Publish a plan as shard entries, only those that changed (coordinator only; see
+        :meth:`~p2psync.gossip.coordinator_state.CoordinatorState.write_plan`)."""
+        return self.coord.write_plan(epoch, root, parents, now)
 
     def leave(self, now: float) -> Outgoing:
         """Leave gracefully: mark this node left and push the tombstone to ``2 * fanout`` peers."""
@@ -342,6 +401,7 @@ class GossipNode:
         self.coord.index = self.index
         self.coord.entries = dict(other.coord.entries)
         self.coord.max_version = other.coord.max_version
+        self.coord._expiry = list(other.coord._expiry)
 
     # ------------------------------------------------------------ views for the host
 

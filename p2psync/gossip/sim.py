@@ -5,7 +5,11 @@ so a test that fails fails the same way every time. Messages are delivered
 after a random latency; with the fault knobs a message may be dropped, held
 back by an extra delay (which also reorders it behind later ones), and with
 ``wire=True`` every message goes through ``messages.dumps``/``loads`` as on
-HTTP. Byte counts are of the compact JSON a message serializes to.
+HTTP. Byte counts are of the compact JSON a message serializes to; when bytes
+are counted, a message over ``max_body`` (a node's server limit, 64 KiB) is
+dropped as the server would refuse it, and counted in ``oversize``.
+:meth:`Sim.partition` cuts the network between groups of nodes until
+:meth:`Sim.heal`.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ class Sim:
         self.bytes_sent: dict[str, int] = {}
         self.messages = 0
         self.dropped = 0
+        self.oversize = 0
+        self.max_body = 64 << 10
+        self._side: Callable[[str], object] | None = None
 
     # ------------------------------------------------------------ building
 
@@ -97,6 +104,14 @@ class Sim:
         self._send(addr, node.leave(self.now))
         self._push(self.now + 2 * node.config.interval, addr, "stop", addr, None)
 
+    def partition(self, side: Callable[[str], object]) -> None:
+        """Drop every message between addresses on different sides (``side(address)``) from now on."""
+        self._side = side
+
+    def heal(self) -> None:
+        """End :meth:`partition`."""
+        self._side = None
+
     # ------------------------------------------------------------ running
 
     def _push(self, t: float, dest: str, kind: str, src: str, msg: Message | None) -> None:
@@ -106,13 +121,23 @@ class Sim:
     def _send(self, src: str, out: list[tuple[str, Message]]) -> None:
         f = self.faults
         rng = self.rng
+        sizes: dict[int, int] = {}  # a Syn or Heartbeat goes to several peers: serialize it once
         for dest, msg in out:
             self.messages += 1
             if self.count_bytes:
-                data = dumps(msg)
-                self.bytes_sent[src] += len(data)
-                if self.wire:
-                    msg = loads(data)
+                size = sizes.get(id(msg))
+                if size is None or self.wire:
+                    data = dumps(msg)
+                    size = sizes[id(msg)] = len(data)
+                    if self.wire:
+                        msg = loads(data)
+                self.bytes_sent[src] += size
+                if size > self.max_body:
+                    self.oversize += 1
+                    continue
+            if self._side is not None and self._side(src) != self._side(dest):
+                self.dropped += 1
+                continue
             if f.drop and rng.random() < f.drop:
                 self.dropped += 1
                 continue

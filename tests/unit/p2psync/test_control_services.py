@@ -16,7 +16,7 @@ import tlsutil
 from p2psync import config, keys
 from p2psync.control.api import ResponseResult
 from p2psync.errors import LeaseExpired
-from p2psync.gossip.messages import CoordEntry, Delta, Report, dumps
+from p2psync.gossip.messages import CoordEntry, Delta, Report, dumps, plan_shard
 from p2psync.gossip.signing import signer
 from p2psync.node import Node
 
@@ -237,11 +237,12 @@ def test_forged_coordinator_entries_are_refused(tmp_path):
             evil = {"epoch": 99, "root": "trainer", "parents": {"leaf": "relay-evil"}}
             # A relay claiming the trainer as writer: unsigned, signed by another key, or altered.
             other = signer(keys.generate())
-            good = signer(k.priv)(CoordEntry("plan", 10**15, "trainer",
+            shard = f"plan/{plan_shard('leaf')}"
+            good = signer(k.priv)(CoordEntry(shard, 10**15, "trainer",
                                              {"epoch": 1, "root": "trainer", "parents": {"leaf": "trainer"}}))
-            forged = [CoordEntry("plan", 10**15, "trainer", evil),
-                      other(CoordEntry("plan", 10**15, "trainer", evil)),
-                      CoordEntry("plan", 10**15, "trainer", evil, good.signature)]
+            forged = [CoordEntry(shard, 10**15, "trainer", evil),
+                      other(CoordEntry(shard, 10**15, "trainer", evil)),
+                      CoordEntry(shard, 10**15, "trainer", evil, good.signature)]
             # A relay with a valid certificate of its own, forging what the coordinator writes.
             async with aiohttp.ClientSession(headers=hdr, connector=tlsutil.node_tls("relay-evil").connector()) as s:
                 for e in forged:

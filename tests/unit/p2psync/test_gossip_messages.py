@@ -12,7 +12,7 @@ from p2psync.gossip.messages import (
 )
 
 M = MemberEntry("n1", "10.0.0.1:7070", "rollout", "r01", "preemptible", 2, "suspect", 5, (3, 4), 1234.5, 1.25e8, 7.0)
-C = CoordEntry("plan", 9, "trainer", {"epoch": 3, "root": "trainer", "parents": {"n1": "trainer"}})
+C = CoordEntry("plan/7", 9, "trainer", {"epoch": 3, "root": "trainer", "parents": {"n1": "trainer"}})
 MESSAGES = [
     Syn("n1", "0123456789abcdef", 10),
     Buckets("n1", "0" * 8 * BUCKETS),
@@ -58,6 +58,9 @@ BAD = {
     "empty id": _delta_with(member={"id": ""}),
     "unknown coordinator entry": _delta_with(coord={"name": "root-password"}),
     "plan without parents": _delta_with(coord={"value": {"epoch": 1, "root": "t"}}),
+    "plan shard out of range": _delta_with(coord={"name": "plan/64"}),
+    "plan shard not canonical": _delta_with(coord={"name": "plan/07"}),
+    "unsharded plan": _delta_with(coord={"name": "plan"}),
     "zero version": _delta_with(coord={"version": 0}),
     "want not strings": {**encode(MESSAGES[3]), "want": [1]},
     "heartbeat string": {**encode(MESSAGES[4]), "hb": "7"},

@@ -19,7 +19,7 @@ def _status_is(member_id: str, status: str):
     return pred
 
 
-# Shorter detector timeouts than the defaults keep the 1,000-node failure case quick;
+# Shorter detector timeouts than the defaults keep the failure case quick;
 # tools/gossip_scale.py measures the defaults.
 FAST = GossipConfig(detector=DetectorConfig(suspect_after=5.0, dead_after=5.0))
 
@@ -43,20 +43,15 @@ def _scenario(n: int, seed: int = 1) -> dict[str, int | None]:
     return rounds
 
 
-@pytest.mark.parametrize("n", [100, 1000])
+@pytest.mark.parametrize("n", [100, 300])
 def test_join_leave_failure_converge(n):
     r = _scenario(n)
     # 99 % of nodes within 15 rounds; a failure adds suspect_after + dead_after (10 rounds here).
+    # (tools/gossip_scale.py measures 10,000 nodes with the default detector.)
     assert r["join"] is not None and r["join"] <= 15, r
     assert r["leave"] is not None and r["leave"] <= 15, r
     assert r["failure"] is not None and r["failure"] <= 10 + 15, r
     assert r["false_suspects"] == 0, r
-
-
-@pytest.mark.slow
-def test_join_leave_failure_converge_5000():
-    r = _scenario(5000)
-    assert r["join"] <= 15 and r["leave"] <= 15 and r["failure"] <= 25 and r["false_suspects"] == 0, r
 
 
 @pytest.mark.parametrize("loss", [0.05, 0.20])
@@ -100,7 +95,7 @@ def test_coordinator_entries_spread_and_forgeries_are_rejected():
     sim = Sim.cluster(50, seed=6)
     trainer = sim.nodes[default_member(0).address]
     trainer.publish("head", {"version": 7})
-    trainer.publish("plan", {"epoch": 2, "root": trainer.id, "parents": {"n00001": trainer.id}})
+    trainer.publish_plan(2, trainer.id, {"n00001": trainer.id})
     assert sim.rounds_until(lambda nd: nd.coord.head == 7 and nd.coord.plan is not None, share=1.0) is not None
 
     rogue = sim.nodes[default_member(11).address]
