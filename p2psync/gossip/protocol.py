@@ -129,6 +129,9 @@ class GossipNode:
         self._last_report = now
         self.reports: dict[str, tuple[float, Report]] = {}
         """Coordinator only: member id -> (time received, its latest report)."""
+        self.report_changes = 0
+        """Coordinator only: reports taken whose bandwidth (what the plan reads) differs from the
+        sender's previous one."""
         self.seeds = tuple(s for s in seeds if s != me.address)
         self.rejoin = tuple(a for a in dict.fromkeys(rejoin) if a != me.address and a not in self.seeds)
         """Addresses of members this node knew before a restart: called like seeds while it knows no live peer."""
@@ -183,7 +186,7 @@ class GossipNode:
         coord = self.coord.coordinator
         rep = replace(self.report, incarnation=self.members.me.incarnation)
         if coord == self.id:
-            self.reports[self.id] = (now, rep)
+            self._take_report(now, rep)
         else:
             e = self.members.get(coord) if coord is not None else None
             if e is None or not e.live:
@@ -243,9 +246,15 @@ class GossipNode:
             return [] if e is None else [(sender, Delta(self.id, members=(e,)))]
         if isinstance(msg, Report):
             if self.coord.is_coordinator:
-                self.reports[msg.sender] = (now, msg)
+                self._take_report(now, msg)
             return []
         raise CodecError(f"gossip: not a gossip message: {type(msg).__name__}")
+
+    def _take_report(self, now: float, rep: Report) -> None:
+        old = self.reports.get(rep.sender)
+        if old is None or old[1].bandwidth != rep.bandwidth:
+            self.report_changes += 1
+        self.reports[rep.sender] = (now, rep)
 
     def _on_buckets(self, sender: str, msg: Buckets) -> Outgoing:
         diff = self.index.differing(msg.buckets)
