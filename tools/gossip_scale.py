@@ -63,7 +63,7 @@ class Coordinator:
         self.g = sim.nodes[TRAINER.address]
         self.g.coord.sign = signer(keys.generate())
         self.planner = LivePlanner(self.g.id)
-        self.step = plan_gossip.PlanStep(self.planner)
+        self.plan_step = plan_gossip.PlanStep(self.planner)
         self.cpu = 0.0  # process time inside the trainer's gossip node and its re-plans
         self.replans: list[float] = []
         g, tick, receive = self.g, self.g.tick, self.g.receive
@@ -90,7 +90,7 @@ class Coordinator:
         the changed plan shards published. The service runs it after each change, at most every
         ``control.replan_delay`` (0.5 s); here once per round."""
         t = time.process_time()
-        new = self.step.run(self.g, (), None)
+        new = self.plan_step.run(self.g, (), None)
         if new is not None:
             plan_gossip.publish(self.g, new, self.sim.now)
             self.replans.append(time.process_time() - t)
