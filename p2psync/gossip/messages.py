@@ -13,7 +13,10 @@ initiator lacks, plus keys it should send) -> ``Delta`` (the wanted entries).
 ``Heartbeat`` goes from a member to its watchers only. ``Report`` (versions held,
 measured throughput and bandwidth) goes from a member to the coordinator only:
 those change every version on every node, and only the coordinator (scheduler,
-planner) reads them, so they stay out of the cluster-wide table.
+planner) reads them, so they stay out of the cluster-wide table. The same holds for
+``leases/<node>`` entries: only the coordinator and the node named read them, so they
+are never in the replicated table (see :func:`is_private`); the coordinator sends each
+to its holder, and the holder's ``Report`` names the version it holds.
 
 Items in the replicated table have a *key* (``m:<id>`` for a member,
 ``c:<name>`` for a coordinator entry) and a *version tuple*; for one key the
@@ -189,6 +192,7 @@ class _Report(msgspec.Struct, tag="report", tag_field="type"):
     tps: Figure
     bw: Figure
     versions: Versions = []
+    leases: Count = 0
 
 
 _Wire = Union[_Syn, _Buckets, _Digest, _Delta, _Heartbeat, _Report]
@@ -272,6 +276,12 @@ LEASES_PREFIX = "leases/"
 PLAN_PREFIX = "plan/"
 
 
+def is_private(name: str) -> bool:
+    """Whether coordinator entry ``name`` is held only by the coordinator and the node it names
+    (``leases/<node>``), outside the replicated table: no anti-entropy carries it."""
+    return name.startswith(LEASES_PREFIX)
+
+
 def _check_coord_value(name: str, value: Any, where: str = "value") -> None:
     """Raise :class:`CodecError` naming the field unless ``value`` fits entry ``name`` (see :class:`CoordEntry`)."""
     if name.startswith(PLAN_PREFIX):
@@ -294,8 +304,9 @@ class CoordEntry:
     """A coordinator-owned entry: ``plan/<shard>`` (``{epoch, root, parents}`` of the nodes in that
     shard, see :data:`PLAN_SHARDS`), ``head``, ``revoked`` (node ids cut off) or ``leases/<node id>``.
 
-    ``leases/<node>`` with an empty list is a tombstone: the node holds nothing, and
-    every node drops the entry ``tombstone_ttl`` after it was written (its version
+    ``leases/<node>`` is held by the coordinator and that node only (:func:`is_private`).
+    With an empty list it is a tombstone: the node holds nothing, and
+    both drop the entry ``tombstone_ttl`` after it was written (its version
     is the coordinator's write time in milliseconds, see
     :meth:`~p2psync.gossip.coordinator_state.CoordinatorState.write`).
 
@@ -414,6 +425,9 @@ class Report:
     """Measured decode throughput, tokens/s (0: not measured)."""
     bandwidth: float = 0.0
     """Measured download bandwidth, bytes/s (0: unknown)."""
+    leases: int = 0
+    """Version of the sender's own ``leases/<sender>`` entry it holds (0: none): the coordinator
+    answers with a newer one, or asks for this one if it holds older (after its restart)."""
 
 
 Message = Union[Syn, Buckets, Digest, Delta, Heartbeat, Report]
@@ -437,6 +451,8 @@ def encode(msg: Message) -> dict[str, Any]:
                  want=list(msg.want))
     elif isinstance(msg, Report):
         d.update(inc=msg.incarnation, versions=list(msg.versions), tps=msg.throughput, bw=msg.bandwidth)
+        if msg.leases:
+            d["leases"] = msg.leases
     else:
         d.update(inc=msg.incarnation, hb=msg.heartbeat)
     return d
@@ -452,7 +468,7 @@ def _message(w: _Wire) -> Message:
     if isinstance(w, _Heartbeat):
         return Heartbeat(w.sender, w.inc, w.hb)
     if isinstance(w, _Report):
-        return Report(w.sender, w.inc, tuple(w.versions), w.tps, w.bw)
+        return Report(w.sender, w.inc, tuple(w.versions), w.tps, w.bw, w.leases)
     if isinstance(w, _Delta):
         return Delta(w.sender, tuple(MemberEntry._of(m) for m in w.members),
                      tuple(CoordEntry._of(c, f"coord.{i}") for i, c in enumerate(w.coord)), tuple(w.want))
