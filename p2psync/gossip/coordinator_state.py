@@ -23,7 +23,7 @@ Contract of :class:`CoordinatorState`:
   epochs may be seen side by side while a re-plan spreads, as any change does.
 - No entry is written whose JSON exceeds :data:`~p2psync.gossip.messages.MAX_ENTRY_BYTES`
   (:class:`~p2psync.errors.CodecError`, nothing changed): it could never ride a message.
-- ``leases/<node>`` is private (:func:`~p2psync.gossip.messages.is_private`): only the
+- ``leases/<node>`` is private (:func:`is_private`): only the
   coordinator and the node it names store it, and it is not in the bucket index, so anti-entropy
   never lists or carries it (every node holding every node's leases made lease traffic grow with
   the cluster). Any other node drops one it is offered (after the writer check) and leaves its
@@ -41,9 +41,14 @@ from typing import Any, Callable
 from p2psync.errors import CodecError, NotCoordinator
 from p2psync.gossip.index import BucketIndex
 from p2psync.gossip.messages import (
-    LEASES_PREFIX, MAX_ENTRY_BYTES, PLAN_PREFIX, PLAN_SHARDS, CoordEntry, _check_coord_value, is_private,
-    plan_shard,
+    LEASES_PREFIX, MAX_ENTRY_BYTES, PLAN_PREFIX, PLAN_SHARDS, CoordEntry, _check_coord_value, plan_shard,
 )
+
+
+def is_private(name: str) -> bool:
+    """Whether coordinator entry ``name`` is held only by the coordinator and the node it names
+    (``leases/<node>``), outside the replicated table: no anti-entropy carries it."""
+    return name.startswith(LEASES_PREFIX)
 
 
 def is_tombstone(e: CoordEntry) -> bool:

@@ -13,10 +13,8 @@ initiator lacks, plus keys it should send) -> ``Delta`` (the wanted entries).
 ``Heartbeat`` goes from a member to its watchers only. ``Report`` (versions held,
 measured throughput and bandwidth) goes from a member to the coordinator only:
 those change every version on every node, and only the coordinator (scheduler,
-planner) reads them, so they stay out of the cluster-wide table. The same holds for
-``leases/<node>`` entries: only the coordinator and the node named read them, so they
-are never in the replicated table (see :func:`is_private`); the coordinator sends each
-to its holder, and the holder's ``Report`` names the version it holds.
+planner) reads them, so they stay out of the cluster-wide table; so do ``leases/<node>``
+entries, sent to the node named only (see :mod:`p2psync.gossip.protocol`).
 
 Items in the replicated table have a *key* (``m:<id>`` for a member,
 ``c:<name>`` for a coordinator entry) and a *version tuple*; for one key the
@@ -276,12 +274,6 @@ LEASES_PREFIX = "leases/"
 PLAN_PREFIX = "plan/"
 
 
-def is_private(name: str) -> bool:
-    """Whether coordinator entry ``name`` is held only by the coordinator and the node it names
-    (``leases/<node>``), outside the replicated table: no anti-entropy carries it."""
-    return name.startswith(LEASES_PREFIX)
-
-
 def _check_coord_value(name: str, value: Any, where: str = "value") -> None:
     """Raise :class:`CodecError` naming the field unless ``value`` fits entry ``name`` (see :class:`CoordEntry`)."""
     if name.startswith(PLAN_PREFIX):
@@ -304,7 +296,7 @@ class CoordEntry:
     """A coordinator-owned entry: ``plan/<shard>`` (``{epoch, root, parents}`` of the nodes in that
     shard, see :data:`PLAN_SHARDS`), ``head``, ``revoked`` (node ids cut off) or ``leases/<node id>``.
 
-    ``leases/<node>`` is held by the coordinator and that node only (:func:`is_private`).
+    ``leases/<node>`` is held by the coordinator and that node only.
     With an empty list it is a tombstone: the node holds nothing, and
     both drop the entry ``tombstone_ttl`` after it was written (its version
     is the coordinator's write time in milliseconds, see
@@ -426,8 +418,7 @@ class Report:
     bandwidth: float = 0.0
     """Measured download bandwidth, bytes/s (0: unknown)."""
     leases: int = 0
-    """Version of the sender's own ``leases/<sender>`` entry it holds (0: none): the coordinator
-    answers with a newer one, or asks for this one if it holds older (after its restart)."""
+    """Version of the sender's own ``leases/<sender>`` entry it holds (0: none)."""
 
 
 Message = Union[Syn, Buckets, Digest, Delta, Heartbeat, Report]

@@ -61,12 +61,12 @@ from dataclasses import dataclass, field, replace
 
 from p2psync.errors import CodecError
 from p2psync.errors import NotCoordinator
-from p2psync.gossip.coordinator_state import CoordinatorState
+from p2psync.gossip.coordinator_state import CoordinatorState, is_private
 from p2psync.gossip.index import BucketIndex
 from p2psync.gossip.membership import DetectorConfig, MemberTable
 from p2psync.gossip.messages import (
     LEASES_PREFIX, MAX_VERSIONS, Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Message, Report,
-    Syn, is_private,
+    Syn,
 )
 
 logger = logging.getLogger(__name__)
