@@ -113,6 +113,11 @@ def rounds(coord: Coordinator, pred, share: float = 0.99, max_rounds: int = 100)
     return None
 
 
+def follows(coord: Coordinator):
+    """Predicate: the node follows a planned parent (or is the coordinator)."""
+    return lambda nd: nd.id == coord.g.id or plan_gossip.planned_parent(nd, nd.id) is not None
+
+
 def per_node_rate(sim: Sim, before: dict[str, int], seconds: float) -> tuple[float, float]:
     sent = [(sim.bytes_sent[a] - before.get(a, 0)) / seconds for a in sim.nodes]
     return sum(sent) / len(sent), max(sent)
@@ -122,8 +127,7 @@ def phase_cluster(n: int, seed: int, step_seconds: int, out: dict[str, Any], log
     sim = Sim.cluster(n, seed=seed, count_bytes=True)
     coord = Coordinator(sim)
     coord.react()
-    follows = lambda nd: nd.id == coord.g.id or plan_gossip.planned_parent(nd, nd.id) is not None  # noqa: E731
-    out["plan_spread_rounds"] = rounds(coord, follows, share=1.0, max_rounds=120)
+    out["plan_spread_rounds"] = rounds(coord, follows(coord), share=1.0, max_rounds=120)
     out["replan_cpu_initial_s"] = round(coord.replans[0], 3)
     log(f"initial plan reached every node after {out['plan_spread_rounds']} rounds")
 
@@ -200,10 +204,15 @@ def phase_cluster(n: int, seed: int, step_seconds: int, out: dict[str, Any], log
 def phase_leases(n: int, seed: int, lease_seconds: int, out: dict[str, Any], log) -> None:
     """30 s in which every node's ``leases/<node>`` entry is rewritten once per ``lease_seconds`` (a
     work item granted or completed, as ``lease_core._publish_leases`` writes it): each goes from the
-    coordinator to its holder only, so a node's share is its own entries."""
+    coordinator to its holder only, so a node's share is its own entries. Measured once the first plan
+    reached every node, after 10 idle seconds (the baseline, ``..._leases_idle``)."""
     sim = Sim.cluster(n, seed=seed + 5, count_bytes=True)
     coord = Coordinator(sim)
-    coord.step(3)
+    coord.react()
+    rounds(coord, follows(coord), share=1.0, max_rounds=120)
+    before, t0 = dict(sim.bytes_sent), sim.now
+    coord.step(10)
+    out["bytes_per_node_per_s_leases_idle"] = round(per_node_rate(sim, before, sim.now - t0)[0])
     ids = [nd.id for nd in sim.nodes.values() if nd is not coord.g]
     rng = random.Random(seed)
     before, cpu0, t0 = dict(sim.bytes_sent), coord.cpu, sim.now
@@ -217,7 +226,8 @@ def phase_leases(n: int, seed: int, lease_seconds: int, out: dict[str, Any], log
     rate = per_node_rate(sim, before, sim.now - t0)
     out["bytes_per_node_per_s_leases"] = round(rate[0])
     out["coordinator_cpu_per_round_s_leases"] = round((coord.cpu - cpu0) / (sim.now - t0), 5)
-    log(f"a lease entry per node every {lease_seconds} s: {rate[0]:.0f} B/s per node (max {rate[1]:.0f}), "
+    log(f"a lease entry per node every {lease_seconds} s: {rate[0]:.0f} B/s per node (max {rate[1]:.0f}; "
+        f"{out['bytes_per_node_per_s_leases_idle']} B/s idle before), "
         f"coordinator CPU {out['coordinator_cpu_per_round_s_leases'] * 1e3:.2f} ms per round")
 
 
