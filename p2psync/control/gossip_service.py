@@ -85,6 +85,7 @@ class GossipService:
         self.settings = host.config.gossip
         self.gossip: GossipNode | None = None
         self.planner: LivePlanner | None = None
+        self._plan_step: plan_gossip.PlanStep | None = None
         self._session: aiohttp.ClientSession | None = None
         self._in_flight: set[asyncio.Task] = set()
         self._tasks: list[asyncio.Task] = []
@@ -151,6 +152,7 @@ class GossipService:
                 from p2psync.control.live_plan import LivePlanner
 
                 self.planner = LivePlanner(cfg.id)
+                self._plan_step = plan_gossip.PlanStep(self.planner)
         headers = {"Authorization": f"Bearer {cfg.token()}", FROM_HEADER: host.address,
                    "Content-Type": "application/json"}
         self._session = aiohttp.ClientSession(
@@ -283,10 +285,14 @@ class GossipService:
             self._head_published = v
 
     async def _replan(self) -> None:
-        g, planner = self.gossip, self.planner
-        assert g is not None and planner is not None
-        members = plan_gossip.plan_members(g, self.host.tls.revoked)
-        new = await asyncio.to_thread(planner.update, members, time.time())
+        g, planner, step = self.gossip, self.planner, self._plan_step
+        assert g is not None and planner is not None and step is not None
+        now = time.time()
+        got = step.inputs(g, self.host.tls.revoked, now)
+        if got is None:
+            return  # nothing the plan reads changed since the last step
+        new = await asyncio.to_thread(planner.update, got[1], now)
+        step.ran(got[0])
         if new is None:
             return
         plan_gossip.publish(g, new, time.time())

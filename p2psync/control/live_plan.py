@@ -137,6 +137,12 @@ class LivePlanner:
         return NetworkModel(specs, kept, probed.regions.values(), probed.region_links.values(), probed.defaults)
 
     # --- updates -----------------------------------------------------------------------------------
+    def settled(self, now: float | None = None) -> bool:
+        """Whether :meth:`update` given the members of its last call again (and ``now``) returns None:
+        a plan exists, no probe figures are waiting and the periodic full plan is not due."""
+        due = now is not None and now - self._last_full >= self.full_every_s
+        return self.plan is not None and not self._probe_fresh and not due
+
     def update(self, members: Iterable[PlanMember], now: float | None = None) -> Plan | None:
         """A new plan if membership changed, the figures moved enough, or (given ``now``) the periodic
         full plan beats the current tree (None if not, or without the root)."""

@@ -12,8 +12,10 @@ from p2psync.gossip import GossipNode
 from p2psync.gossip.messages import CoordEntry
 
 if TYPE_CHECKING:
-    from p2psync.control.live_plan import PlanMember
+    from p2psync.control.live_plan import LivePlanner, PlanMember
     from topology.tree import Plan
+
+Signature = tuple[int, int, int, frozenset[str]]
 
 
 def plan_members(g: GossipNode, revoked: Collection[str] = ()) -> list[PlanMember]:
@@ -28,6 +30,46 @@ def plan_members(g: GossipNode, revoked: Collection[str] = ()) -> list[PlanMembe
         rep = g.report_of(e.id)
         out.append(PlanMember(e.id, e.role, e.region, rep.bandwidth if rep else 0.0))
     return out
+
+
+class PlanStep:
+    """The coordinator's plan step after a gossip change: :func:`plan_members`, then
+    :meth:`LivePlanner.update <p2psync.control.live_plan.LivePlanner.update>`.
+
+    Both walk every member (~0.1 s a round at 10,000), and most rounds change nothing they read. So
+    the step first compares a signature of its inputs (the member table's change count, the count of
+    reports whose bandwidth changed, the revoked set) with the one of the last step that ran; when
+    they are equal and the planner is :meth:`settled <p2psync.control.live_plan.LivePlanner.settled>`
+    (a plan exists, no probe figures wait, the periodic full plan is not due), ``update`` would return
+    None again, and the step is skipped. :attr:`skipped` counts those.
+    """
+
+    def __init__(self, planner: LivePlanner) -> None:
+        self.planner = planner
+        self.skipped = 0
+        self._last: Signature | None = None
+
+    def inputs(self, g: GossipNode, revoked: Collection[str], now: float | None
+               ) -> tuple[Signature, list[PlanMember]] | None:
+        """(signature, members to plan for), or None when the step can be skipped (see the class)."""
+        sig: Signature = (id(g), g.members.changes, g.report_changes, frozenset(revoked))
+        if sig == self._last and self.planner.settled(now):
+            self.skipped += 1
+            return None
+        return sig, plan_members(g, revoked)
+
+    def ran(self, sig: Signature) -> None:
+        """Record that ``planner.update`` ran on the members of ``sig``."""
+        self._last = sig
+
+    def run(self, g: GossipNode, revoked: Collection[str], now: float | None) -> Plan | None:
+        """The whole step in one call: a new plan to publish, or None."""
+        got = self.inputs(g, revoked, now)
+        if got is None:
+            return None
+        new = self.planner.update(got[1], now)
+        self.ran(got[0])
+        return new
 
 
 def publish(g: GossipNode, new: Plan, now: float) -> list[CoordEntry]:

@@ -23,8 +23,13 @@ Contract of :class:`CoordinatorState`:
   epochs may be seen side by side while a re-plan spreads, as any change does.
 - No entry is written whose JSON exceeds :data:`~p2psync.gossip.messages.MAX_ENTRY_BYTES`
   (:class:`~p2psync.errors.CodecError`, nothing changed): it could never ride a message.
-- ``leases/<node>`` with an empty list is a tombstone: every node removes it
-  ``tombstone_ttl`` after it was written (:meth:`expire`) and refuses it from
+- ``leases/<node>`` is private (:func:`is_private`): only the
+  coordinator and the node it names store it, and it is not in the bucket index, so anti-entropy
+  never lists or carries it (every node holding every node's leases made lease traffic grow with
+  the cluster). Any other node drops one it is offered (after the writer check) and leaves its
+  state as it was. :meth:`holds` says which names a node keeps.
+- ``leases/<node>`` with an empty list is a tombstone: the coordinator and the holder remove it
+  ``tombstone_ttl`` after it was written (:meth:`expire`) and refuse it from
   then on, so the keys of nodes that left do not pile up.
 """
 
@@ -38,6 +43,12 @@ from p2psync.gossip.index import BucketIndex
 from p2psync.gossip.messages import (
     LEASES_PREFIX, MAX_ENTRY_BYTES, PLAN_PREFIX, PLAN_SHARDS, CoordEntry, _check_coord_value, plan_shard,
 )
+
+
+def is_private(name: str) -> bool:
+    """Whether coordinator entry ``name`` is held only by the coordinator and the node it names
+    (``leases/<node>``), outside the replicated table: no anti-entropy carries it."""
+    return name.startswith(LEASES_PREFIX)
 
 
 def is_tombstone(e: CoordEntry) -> bool:
@@ -67,6 +78,11 @@ class CoordinatorState:
     def is_coordinator(self) -> bool:
         return self.coordinator is not None and self.coordinator == self.my_id
 
+    def holds(self, name: str) -> bool:
+        """Whether this node keeps entry ``name``: every shared one; a private one (``leases/<node>``)
+        only on the coordinator and on the node it names."""
+        return not is_private(name) or self.is_coordinator or name == LEASES_PREFIX + self.my_id
+
     def merge(self, e: CoordEntry, now: float | None = None, *, _own: bool = False) -> bool:
         """Take ``e`` if newer; True if it changed the state. Raises :class:`NotCoordinator`
         (and changes nothing) if its writer is not the coordinator or ``verify`` refuses it.
@@ -74,6 +90,8 @@ class CoordinatorState:
         if self.coordinator is None or e.writer != self.coordinator:
             self.rejected += 1
             raise NotCoordinator(e.writer, self.coordinator, e.name)
+        if not self.holds(e.name):
+            return False  # another node's lease entry: not kept here (see the module doc)
         cur = self.entries.get(e.name)
         if cur is not None and e.version <= cur.version:
             return False  # not newer: nothing to check (the signature costs ~0.1 ms)
@@ -83,7 +101,8 @@ class CoordinatorState:
         if now is not None and is_tombstone(e) and self._expired(e, now):
             return False
         self.entries[e.name] = e
-        self.index.replace(e.key, cur.hash if cur else None, e.hash)
+        if not is_private(e.name):
+            self.index.replace(e.key, cur.hash if cur else None, e.hash)
         self.max_version = max(self.max_version, e.version)
         if is_tombstone(e):
             heapq.heappush(self._expiry, (e.version / 1000.0 + self.tombstone_ttl, e.name))
@@ -153,7 +172,8 @@ class CoordinatorState:
             e = self.entries.get(n)
             if e is not None and is_tombstone(e) and self._expired(e, now):
                 del self.entries[n]
-                self.index.replace(e.key, e.hash, None)
+                if not is_private(n):
+                    self.index.replace(e.key, e.hash, None)
                 gone.append(n)
         return gone
 
@@ -161,6 +181,11 @@ class CoordinatorState:
 
     def get(self, name: str) -> CoordEntry | None:
         return self.entries.get(name)
+
+    def own_lease_version(self) -> int:
+        """Version of this node's ``leases/<id>`` entry held here (0: none): what its reports say."""
+        e = self.entries.get(LEASES_PREFIX + self.my_id)
+        return 0 if e is None else e.version
 
     @property
     def head(self) -> int | None:
@@ -189,6 +214,7 @@ class CoordinatorState:
         return None if e is None else e.value["parents"].get(node)
 
     def leases_of(self, node: str) -> list[tuple[str, float]]:
-        """(work id, expires_at) of the leases the coordinator last published for ``node``."""
+        """(work id, expires_at) of the leases the coordinator last published for ``node`` (on the
+        coordinator and on ``node`` itself; elsewhere always empty, see :meth:`holds`)."""
         e = self.entries.get(LEASES_PREFIX + node)
         return [] if e is None else [(w, float(t)) for w, t in e.value]

@@ -141,6 +141,9 @@ class MemberTable:
         self.suspicions: list[tuple[float, str]] = []
         """(time, member) of every suspicion this node raised: the false-suspicion figure."""
         self.my_heartbeat = 0
+        self.changes = 0
+        """Entries written or dropped here so far: equal counts mean an unchanged table (what the
+        coordinator's plan step compares before it walks every member)."""
         self.my_id = me.id
         self._put(me, 0.0)
 
@@ -167,6 +170,7 @@ class MemberTable:
     # ------------------------------------------------------------ writing
 
     def _put(self, e: MemberEntry, now: float) -> None:
+        self.changes += 1
         old = self.entries.get(e.id)
         self.entries[e.id] = e
         self.index.replace(e.key, old.hash if old else None, e.hash)
@@ -222,6 +226,7 @@ class MemberTable:
             del self._ring[i]
 
     def _drop(self, member_id: str) -> None:
+        self.changes += 1
         old = self.entries.pop(member_id)
         self.index.replace(old.key, old.hash, None)
         if old.live:
@@ -270,6 +275,7 @@ class MemberTable:
         self._dead_list = list(other._dead_list)
         self._ring = other._ring
         self._ring_shared = other._ring_shared = True
+        self.changes += 1
 
     def update_self(self, now: float, **fields: object) -> MemberEntry:
         """Publish new content for this node (``versions``, ``throughput``, ...): bumps ``rev``."""

@@ -13,7 +13,8 @@ initiator lacks, plus keys it should send) -> ``Delta`` (the wanted entries).
 ``Heartbeat`` goes from a member to its watchers only. ``Report`` (versions held,
 measured throughput and bandwidth) goes from a member to the coordinator only:
 those change every version on every node, and only the coordinator (scheduler,
-planner) reads them, so they stay out of the cluster-wide table.
+planner) reads them, so they stay out of the cluster-wide table; so do ``leases/<node>``
+entries, sent to the node named only (see :mod:`p2psync.gossip.protocol`).
 
 Items in the replicated table have a *key* (``m:<id>`` for a member,
 ``c:<name>`` for a coordinator entry) and a *version tuple*; for one key the
@@ -189,6 +190,7 @@ class _Report(msgspec.Struct, tag="report", tag_field="type"):
     tps: Figure
     bw: Figure
     versions: Versions = []
+    leases: Count = 0
 
 
 _Wire = Union[_Syn, _Buckets, _Digest, _Delta, _Heartbeat, _Report]
@@ -294,8 +296,9 @@ class CoordEntry:
     """A coordinator-owned entry: ``plan/<shard>`` (``{epoch, root, parents}`` of the nodes in that
     shard, see :data:`PLAN_SHARDS`), ``head``, ``revoked`` (node ids cut off) or ``leases/<node id>``.
 
-    ``leases/<node>`` with an empty list is a tombstone: the node holds nothing, and
-    every node drops the entry ``tombstone_ttl`` after it was written (its version
+    ``leases/<node>`` is held by the coordinator and that node only.
+    With an empty list it is a tombstone: the node holds nothing, and
+    both drop the entry ``tombstone_ttl`` after it was written (its version
     is the coordinator's write time in milliseconds, see
     :meth:`~p2psync.gossip.coordinator_state.CoordinatorState.write`).
 
@@ -414,6 +417,8 @@ class Report:
     """Measured decode throughput, tokens/s (0: not measured)."""
     bandwidth: float = 0.0
     """Measured download bandwidth, bytes/s (0: unknown)."""
+    leases: int = 0
+    """Version of the sender's own ``leases/<sender>`` entry it holds (0: none)."""
 
 
 Message = Union[Syn, Buckets, Digest, Delta, Heartbeat, Report]
@@ -437,6 +442,8 @@ def encode(msg: Message) -> dict[str, Any]:
                  want=list(msg.want))
     elif isinstance(msg, Report):
         d.update(inc=msg.incarnation, versions=list(msg.versions), tps=msg.throughput, bw=msg.bandwidth)
+        if msg.leases:
+            d["leases"] = msg.leases
     else:
         d.update(inc=msg.incarnation, hb=msg.heartbeat)
     return d
@@ -452,7 +459,7 @@ def _message(w: _Wire) -> Message:
     if isinstance(w, _Heartbeat):
         return Heartbeat(w.sender, w.inc, w.hb)
     if isinstance(w, _Report):
-        return Report(w.sender, w.inc, tuple(w.versions), w.tps, w.bw)
+        return Report(w.sender, w.inc, tuple(w.versions), w.tps, w.bw, w.leases)
     if isinstance(w, _Delta):
         return Delta(w.sender, tuple(MemberEntry._of(m) for m in w.members),
                      tuple(CoordEntry._of(c, f"coord.{i}") for i, c in enumerate(w.coord)), tuple(w.want))

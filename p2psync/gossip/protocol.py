@@ -24,6 +24,14 @@ versions held and measured throughput to the coordinator when they changed (at
 least every ``report_interval``): those figures change on every node with every
 version, so they go to their only reader instead of through the whole table.
 
+Lease entries (``leases/<node>``) are private to the coordinator and the node named
+(:meth:`~p2psync.gossip.coordinator_state.CoordinatorState.holds`): the coordinator sends a new one
+straight to its holder on its next round, and the holder's ``Report`` names the version it holds, so
+a lost send is repaired within ``report_interval`` (the coordinator answers a report that names an
+older version with its entry, and one that names a newer version, held since before the
+coordinator restarted, with a ``want`` for it). Their traffic per node is the node's own leases,
+whatever the cluster size.
+
 Joining: a node that knows no live peer sends its Syns to the seed addresses and to
 the addresses it remembered from its previous run (``rejoin``). Rejoining: every
 ``rejoin_interval`` a node also sends a Syn to one seed that no live member of its
@@ -53,11 +61,12 @@ from dataclasses import dataclass, field, replace
 
 from p2psync.errors import CodecError
 from p2psync.errors import NotCoordinator
-from p2psync.gossip.coordinator_state import CoordinatorState
+from p2psync.gossip.coordinator_state import CoordinatorState, is_private
 from p2psync.gossip.index import BucketIndex
 from p2psync.gossip.membership import DetectorConfig, MemberTable
 from p2psync.gossip.messages import (
-    MAX_VERSIONS, Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Message, Report, Syn,
+    LEASES_PREFIX, MAX_VERSIONS, Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Message, Report,
+    Syn,
 )
 
 logger = logging.getLogger(__name__)
@@ -127,8 +136,13 @@ class GossipNode:
         """This node's figures as last given to :meth:`update_self`."""
         self._report_due = True
         self._last_report = now
+        self._lease_sends: dict[str, CoordEntry] = {}
+        """Coordinator only: holder id -> its lease entry written since the last round (sent then)."""
         self.reports: dict[str, tuple[float, Report]] = {}
         """Coordinator only: member id -> (time received, its latest report)."""
+        self.report_changes = 0
+        """Coordinator only: reports taken whose bandwidth (what the plan reads) differs from the
+        sender's previous one."""
         self.seeds = tuple(s for s in seeds if s != me.address)
         self.rejoin = tuple(a for a in dict.fromkeys(rejoin) if a != me.address and a not in self.seeds)
         """Addresses of members this node knew before a restart: called like seeds while it knows no live peer."""
@@ -155,6 +169,7 @@ class GossipNode:
         self.coord.expire(now)
         self._next_round = max(self._next_round + self.config.interval, now)
         out: Outgoing = self._send_report(now)
+        out.extend(self._send_leases())
         syn = Syn(self.id, self.index.root, self.index.count)
         for addr in self._pick_peers(self.config.fanout):
             out.append((addr, syn))
@@ -181,9 +196,9 @@ class GossipNode:
         if not self._report_due and now - self._last_report < self.config.report_interval:
             return []
         coord = self.coord.coordinator
-        rep = replace(self.report, incarnation=self.members.me.incarnation)
+        rep = replace(self.report, incarnation=self.members.me.incarnation, leases=self.coord.own_lease_version())
         if coord == self.id:
-            self.reports[self.id] = (now, rep)
+            self._take_report(now, rep)
         else:
             e = self.members.get(coord) if coord is not None else None
             if e is None or not e.live:
@@ -191,6 +206,19 @@ class GossipNode:
         self._report_due = False
         self._last_report = now
         return [] if coord == self.id else [(e.address, rep)]  # type: ignore[union-attr]
+
+    def _send_leases(self) -> Outgoing:
+        """The lease entries written since the last round, each to the node it names (if live here;
+        if not, its next report asks again)."""
+        if not self._lease_sends:
+            return []
+        out: Outgoing = []
+        for holder, e in self._lease_sends.items():
+            m = self.members.get(holder)
+            if m is not None and m.live and holder != self.id:
+                out.append((m.address, Delta(self.id, coord=(e,))))
+        self._lease_sends.clear()
+        return out
 
     def _lost_seeds(self) -> list[str]:
         """Seeds that no live member of this table holds (a split, or a seed that is really gone)."""
@@ -242,10 +270,28 @@ class GossipNode:
             e = self.members.on_heartbeat(now, msg.sender, msg.incarnation, msg.heartbeat)
             return [] if e is None else [(sender, Delta(self.id, members=(e,)))]
         if isinstance(msg, Report):
-            if self.coord.is_coordinator:
-                self.reports[msg.sender] = (now, msg)
-            return []
+            if not self.coord.is_coordinator:
+                return []
+            self._take_report(now, msg)
+            return self._lease_repair(sender, msg)
         raise CodecError(f"gossip: not a gossip message: {type(msg).__name__}")
+
+    def _take_report(self, now: float, rep: Report) -> None:
+        old = self.reports.get(rep.sender)
+        if old is None or old[1].bandwidth != rep.bandwidth:
+            self.report_changes += 1
+        self.reports[rep.sender] = (now, rep)
+
+    def _lease_repair(self, sender: str, msg: Report) -> Outgoing:
+        """Coordinator: bring the reporting node's lease entry and this one's together (see the module doc)."""
+        name = LEASES_PREFIX + msg.sender
+        mine = self.coord.entries.get(name)
+        held = 0 if mine is None else mine.version
+        if mine is not None and held > msg.leases:
+            return [(sender, Delta(self.id, coord=(mine,)))]
+        if msg.leases > held:
+            return [(sender, Delta(self.id, want=("c:" + name,)))]
+        return []
 
     def _on_buckets(self, sender: str, msg: Buckets) -> Outgoing:
         diff = self.index.differing(msg.buckets)
@@ -295,6 +341,8 @@ class GossipNode:
                 c = coord.get(k[2:])
                 mine = None if c is None else (c.version,)
             if mine is None or v > mine:
+                if k[0] == "c" and not self.coord.holds(k[2:]):
+                    continue  # another node's lease entry (a peer that still lists them): not kept here
                 want.append(k)
             elif mine > v:
                 send.append(k)
@@ -377,7 +425,10 @@ class GossipNode:
         plan: :meth:`publish_plan`).
         With ``now``, the entry's version is at least ``now`` in milliseconds (see
         :class:`~p2psync.gossip.coordinator_state.CoordinatorState`)."""
-        return self.coord.write(name, value, now)
+        e = self.coord.write(name, value, now)
+        if is_private(name):
+            self._lease_sends[name[len(LEASES_PREFIX):]] = e
+        return e
 
     def publish_plan(self, epoch: int, root: str, parents: dict[str, str], now: float | None = None) -> list[CoordEntry]:
         """Publish a plan as shard entries, only those that changed (coordinator only; see
@@ -399,7 +450,7 @@ class GossipNode:
         self.index = other.index.copy()
         self.members.copy_from(other.members, self.index)
         self.coord.index = self.index
-        self.coord.entries = dict(other.coord.entries)
+        self.coord.entries = {k: e for k, e in other.coord.entries.items() if self.coord.holds(k)}
         self.coord.max_version = other.coord.max_version
         self.coord._expiry = list(other.coord._expiry)
 

@@ -71,22 +71,91 @@ def test_reports_go_to_the_coordinator_only():
     assert trainer.report_of(node.id).versions == (4, 5)
 
 
-def test_lease_tombstones_are_removed_everywhere_and_not_resurrected():
+def test_lease_tombstones_are_removed_and_not_resurrected():
     sim = Sim.cluster(30, seed=5)
     trainer = sim.nodes[default_member(0).address]
+    holder = sim.nodes[default_member(3).address]
     ttl = trainer.config.detector.tombstone_ttl
     trainer.publish("leases/n00003", [["w1", 40.0]], sim.now)
-    assert sim.rounds_until(lambda nd: nd.coord.leases_of("n00003") == [("w1", 40.0)], share=1.0) is not None
+    sim.run_until(sim.now + 2.0)
+    assert holder.coord.leases_of("n00003") == [("w1", 40.0)]
     trainer.publish("leases/n00003", [], sim.now)  # n00003 holds nothing any more
-    assert sim.rounds_until(lambda nd: nd.coord.get("leases/n00003").value == [], share=1.0) is not None
+    sim.run_until(sim.now + 2.0)
+    assert holder.coord.get("leases/n00003").value == []
     tomb = trainer.coord.get("leases/n00003")
     sim.run_until(sim.now + ttl + 5)
     assert all("leases/n00003" not in nd.coord.entries for nd in sim.nodes.values())
     # A straggler offering the old tombstone again does not bring the key back.
-    peer = sim.nodes[default_member(4).address]
-    peer.receive(sim.now, "10.9.9.9:7070", Delta("n00009", coord=(tomb,)))
-    assert "leases/n00003" not in peer.coord.entries
+    for nd in (holder, trainer):
+        nd.receive(sim.now, "10.9.9.9:7070", Delta("n00009", coord=(tomb,)))
+        assert "leases/n00003" not in nd.coord.entries
     assert len({nd.index.root for nd in sim.nodes.values()}) == 1  # every node holds the same again
+
+
+def _lease_sim(n: int, seed: int) -> tuple[Sim, GossipNode, object]:
+    sim, priv = _signed_sim(n, seed)
+    trainer = sim.nodes[default_member(0).address]
+    for i in range(1, n):
+        trainer.publish(f"leases/{default_member(i).id}", [[f"w{i}", 100.0 + i]], sim.now)
+    return sim, trainer, priv
+
+
+def test_a_lease_entry_reaches_its_holder_only_and_never_rides_anti_entropy():
+    sim, trainer, _ = _lease_sim(40, seed=7)
+    roots = {nd.index.root for nd in sim.nodes.values()}
+    sim.run_until(sim.now + 3.0)
+    for i in range(1, 40):
+        nd = sim.nodes[default_member(i).address]
+        assert nd.coord.leases_of(nd.id) == [(f"w{i}", 100.0 + i)]
+        assert [k for k in nd.coord.entries if k.startswith("leases/")] == [f"leases/{nd.id}"]
+    assert len([k for k in trainer.coord.entries if k.startswith("leases/")]) == 39
+    # The replicated table did not change: no node's root (what Syns compare) moved.
+    assert {nd.index.root for nd in sim.nodes.values()} == roots and len(roots) == 1
+
+    # Another node's entry offered directly (by a peer that still lists them) is not kept.
+    other = trainer.coord.get("leases/n00005")
+    bystander = sim.nodes[default_member(6).address]
+    before = dict(bystander.coord.entries)
+    assert bystander.receive(sim.now, "10.9.9.9:7070", Delta("n00009", coord=(other,))) == []
+    assert bystander.coord.entries == before and bystander.coord.rejected == 0
+    # A forged one for the holder itself is refused, its entry untouched.
+    holder = sim.nodes[default_member(5).address]
+    forged = CoordEntry("leases/n00005", other.version + 5, trainer.id, [["stolen", 1.0]], other.signature)
+    holder.receive(sim.now, "10.9.9.9:7070", Delta("n00009", coord=(forged,)))
+    assert holder.coord.rejected == 1 and holder.coord.leases_of("n00005") == [("w5", 105.0)]
+
+
+def test_a_lost_lease_send_and_both_restarts_are_repaired_by_the_holders_report():
+    sim, trainer, priv = _lease_sim(20, seed=8)
+    report_interval = trainer.config.report_interval
+    holder_entry = default_member(4)
+    holder = sim.nodes[holder_entry.address]
+    sim.run_until(sim.now + 3.0)
+    assert holder.coord.leases_of(holder.id) == [("w4", 104.0)]
+    trainer.publish("leases/n00004", [["w4", 104.0], ["w44", 144.0]], sim.now)
+    trainer._lease_sends.pop(holder_entry.id)  # its send is lost
+    sim.run_until(sim.now + 2.0)
+    assert holder.coord.leases_of(holder.id) == [("w4", 104.0)]
+    sim.run_until(sim.now + report_interval + 2.0)
+    assert holder.coord.leases_of(holder.id) == [("w4", 104.0), ("w44", 144.0)]
+
+    # The holder restarts with no state: its first report fetches its entry again.
+    sim.crash(holder_entry.address)
+    fresh = sim.join(holder_entry, seeds=(trainer.members.me.address,))
+    fresh.coord.verify = verifier(priv.public_key())
+    sim.run_until(sim.now + 3.0)
+    assert fresh.coord.leases_of(fresh.id) == [("w4", 104.0), ("w44", 144.0)]
+
+    # The coordinator restarts with no lease entries: the holders' reports bring them back to it.
+    t_addr = trainer.members.me.address
+    sim.crash(t_addr)
+    new = GossipNode(trainer.members.me, coordinator=trainer.id, seed=9, now=sim.now, seeds=(),
+                     rejoin=tuple(nd.members.me.address for nd in sim.running()),
+                     verify=verifier(priv.public_key()), sign=signer(priv))
+    sim.add(new)
+    sim.run_until(sim.now + report_interval + 3.0)
+    assert new.coord.leases_of("n00004") == [("w4", 104.0), ("w44", 144.0)]
+    assert len([k for k in new.coord.entries if k.startswith("leases/")]) == 19
 
 
 def test_versions_follow_the_clock_so_a_restarted_coordinator_wins():

@@ -8,7 +8,7 @@ import pytest
 
 from p2psync.errors import CodecError
 from p2psync.gossip.messages import (
-    BUCKETS, Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Syn, decode, dumps, encode, loads,
+    BUCKETS, Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Report, Syn, decode, dumps, encode, loads,
 )
 
 M = MemberEntry("n1", "10.0.0.1:7070", "rollout", "r01", "preemptible", 2, "suspect", 5, (3, 4), 1234.5, 1.25e8, 7.0)
@@ -20,6 +20,7 @@ MESSAGES = [
     Delta("n1", (M,), (C, CoordEntry("head", 4, "trainer", {"version": 12}),
                       CoordEntry("leases/n1", 5, "trainer", [["w1", 30.5]])), ("m:n2",)),
     Heartbeat("n1", 2, 99),
+    Report("n1", 3, (41, 42), 900.0, 1e8, 1764331200123),  # with the version of its lease entry
 ]
 
 
@@ -64,6 +65,7 @@ BAD = {
     "zero version": _delta_with(coord={"version": 0}),
     "want not strings": {**encode(MESSAGES[3]), "want": [1]},
     "heartbeat string": {**encode(MESSAGES[4]), "hb": "7"},
+    "negative lease version": {**encode(MESSAGES[5]), "leases": -1},
 }
 
 
