@@ -244,6 +244,18 @@ def check_file(test_file: str, per_file: int, rng: random.Random, timeout: float
     return res
 
 
+def summary(results: list[dict], seconds: float, a: argparse.Namespace) -> dict:
+    tried = [r for r in results if r["mutants"]]
+    return {"files": len(results), "files_mutated": len(tried),
+            "mutants": sum(len(r["mutants"]) for r in tried),
+            "killed": sum(m["killed"] for r in tried for m in r["mutants"]),
+            "files_no_mutant_killed": [r["file"] for r in tried if not any(m["killed"] for m in r["mutants"])],
+            "files_not_mutated": [{"file": r["file"], "baseline": r["baseline"], "sites": r.get("sites", 0),
+                                   "why": r.get("why", "")} for r in results if not r["mutants"]],
+            "seconds": round(seconds, 1), "seed": a.seed, "per_file": a.per_file,
+            "date": time.strftime("%Y-%m-%d"), "results": results}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="*", help="test files (default: tests/unit/**/test_*.py)")
@@ -252,34 +264,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run of a test file")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args(argv)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *PACKAGES], cwd=REPO,
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *SOURCES], cwd=REPO,
                            capture_output=True, text=True, check=False).stdout.strip()
     if dirty:
-        print(f"mutation_check: the packages have local changes; run it on a clean checkout:\n{dirty}",
+        print(f"mutation_check: the code has local changes; run it on a clean checkout:\n{dirty}",
               file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # restore the module being mutated
     files = a.files or sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "unit").rglob("test_*.py"))
     rng = random.Random(a.seed)
-    results, t0 = [], time.monotonic()
+    results: list[dict] = []
+    t0 = time.monotonic()
+    out = summary(results, 0.0, a)
     for f in files:
         print(f"{f}", flush=True)
         results.append(check_file(f, a.per_file, rng, a.timeout))
-    tried = [r for r in results if r["mutants"]]
-    weak = [r["file"] for r in tried if not any(m["killed"] for m in r["mutants"])]
-    out = {"files": len(results), "files_mutated": len(tried),
-           "mutants": sum(len(r["mutants"]) for r in tried),
-           "killed": sum(m["killed"] for r in tried for m in r["mutants"]),
-           "files_no_mutant_killed": weak,
-           "files_not_mutated": [{"file": r["file"], "baseline": r["baseline"], "sites": r.get("sites", 0),
-                                  "why": r.get("why", "")}
-                                 for r in results if not r["mutants"]],
-           "seconds": round(time.monotonic() - t0, 1), "seed": a.seed, "per_file": a.per_file,
-           "date": time.strftime("%Y-%m-%d"), "results": results}
+        out = summary(results, time.monotonic() - t0, a)
+        if a.json:  # after every file: a run stopped part-way keeps what it found
+            Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps({k: v for k, v in out.items() if k != "results"}, indent=1))
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
-    return 1 if weak else 0
+    return 1 if out["files_no_mutant_killed"] else 0
 
 
 if __name__ == "__main__":
