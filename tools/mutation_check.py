@@ -8,7 +8,8 @@ For every test file given (default: every ``tests/unit/**/test_*.py``) this tool
    ``in`` to ``not in``), ``and``/``or`` swapped, ``+``/``-`` swapped, an ``if``/``while`` condition
    negated, an integer constant moved by one, ``True``/``False`` swapped, a ``return`` of a value
    made ``return None``; never inside a compiled (numba) kernel, a log or an error message, and no
-   constant of a module-level setting or an argument's default (a correct program survives those);
+   constant of a module-level setting, an argument's or a field's default, a class option or an
+   ``if TYPE_CHECKING`` (a correct program survives those);
 3. runs the file against each mutant (the module rewritten in place, restored after; its
    modification time too, so numba's cache of the other kernels stays valid) and counts the
    mutant killed when the run fails or times out.
@@ -82,12 +83,17 @@ def _excluded_lines(tree: ast.Module) -> set[int]:
 
 
 def _settings(tree: ast.Module) -> set[int]:
-    """ids of the nodes under module-level assignments and argument defaults: constants there are
-    settings (a chunk size, a default timeout) whose change a correct program survives."""
+    """ids of the nodes under module-level assignments, argument and field defaults, class options
+    and ``if TYPE_CHECKING``: settings (a chunk size, a default timeout) whose change a correct
+    program survives."""
     roots: list[ast.AST] = [n for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))]
     for node in ast.walk(tree):
         if isinstance(node, ast.arguments):
             roots += [d for d in (*node.defaults, *node.kw_defaults) if d is not None]
+        elif isinstance(node, ast.ClassDef):  # field defaults and class options (msgspec's forbid_unknown_fields)
+            roots += [n for n in node.body if isinstance(n, (ast.Assign, ast.AnnAssign))] + list(node.keywords)
+        elif isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            roots.append(node)  # imports for the type checker only
     return {id(n) for r in roots for n in ast.walk(r)}
 
 
@@ -107,7 +113,7 @@ def sites(source: str, lines: set[int]) -> list[tuple[int, int, str]]:
             out.append((k, line, f"{type(node.op).__name__} swapped"))
         elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
             out.append((k, line, f"{type(node.op).__name__} swapped"))
-        elif isinstance(node, (ast.If, ast.While)):
+        elif isinstance(node, (ast.If, ast.While)) and id(node) not in settings:
             out.append((k, line, f"{type(node).__name__} condition negated"))
         elif isinstance(node, ast.Constant) and id(node) in settings:
             continue
