@@ -84,7 +84,11 @@ def _served() -> tuple[torch.nn.Module, ModelState]:
 
 
 def _reader(state: ModelState):
-    return lambda specs: {s.name: state.words(s.name).copy() for s in specs}
+    """The checkpoint ``state`` as a :data:`~rollout.engines.vllm.apply.kept.Reader` (a box of each tensor)."""
+    def read(specs, boxes):
+        return {s.name: state.words(s.name).reshape(s.shape)[tuple(slice(a, b) for a, b in box)].reshape(-1).copy()
+                for s, box in zip(specs, boxes)}
+    return read
 
 
 NORM = "model.layers.0.input_layernorm.weight"
@@ -162,7 +166,7 @@ def test_the_kept_words_must_be_the_checkpoint_vllm_loaded():
     other.invalidate()
     with pytest.raises(NotTheLoadedCheckpoint, match=f"{NORM}: element 5 .* the engine does not hold that"):
         LiveWeights(model, old.specs, checkpoint=_reader(other))
-    short = lambda specs: {s.name: old.words(s.name)[:-1] for s in specs}  # noqa: E731
+    short = lambda specs, boxes: {s.name: old.words(s.name)[:-1] for s in specs}  # noqa: E731
     with pytest.raises(CheckpointUnreadable, match="no tensor of that name, dtype and size"):
         LiveWeights(model, old.specs, checkpoint=short)
     low = old.clone()

@@ -35,6 +35,7 @@ from rollout.engines.vllm.placement.rules import LayoutError
 if TYPE_CHECKING:
     import torch
 
+    from rollout.engines.vllm.apply.kept import Kept
     from rollout.engines.vllm.placement.boxes import Placement
 
 MASK64 = 0xFFFFFFFFFFFFFFFF
@@ -69,7 +70,7 @@ class Committer:
     host_memory: bool
     sums: list[tuple[int, int]]
     word_types: list[Any]
-    kept: list[np.ndarray | None]
+    kept: list[Kept | None]
     casts: list[Any]
     seeds: list[Any]
     _maps: list[tuple[int, np.ndarray, np.ndarray] | None]
@@ -171,7 +172,7 @@ class Committer:
             undo[j] = (old, before)
             wordops.scatter(words, local, new)
             self._keep(t, glob, item[3], words[local], new)
-            a, b = wordops.hash_change(glob, before, kept[glob], seed)
+            a, b = wordops.hash_change(glob, before, kept.at(glob), seed)
         else:  # mapped (positions in memory are not the hashed ones) or converted: hashed as checkpoint words
             old = words[local]
             undo[j] = old
@@ -205,7 +206,7 @@ class Committer:
         written = to_host(flat.index_select(0, idx))
         if kept is not None and before is not None:  # rounded at load: the kept words take the new ones
             self._keep(t, glob, new, written, live_new)
-            a, b = wordops.hash_change(glob, before, kept[glob], np.uint64(self.seeds[t]))
+            a, b = wordops.hash_change(glob, before, kept.at(glob), np.uint64(self.seeds[t]))
         else:
             a, b = wordops.hash_change(glob, self.checkpoint_words(t, to_host(old), glob),
                                        self.checkpoint_words(t, written, glob), np.uint64(self.seeds[t]))
@@ -216,7 +217,7 @@ class Committer:
         checking that the live words ``written`` there are their rounding ``live_new``."""
         kept = self.kept[t]
         assert kept is not None
-        kept[glob] = new  # first: the undo restores these whatever the check says
+        kept.put(glob, new)  # first: the undo restores these whatever the check says
         bad = np.ascontiguousarray(written).view(live_new.dtype) != live_new
         if bad.any():
             k = int(np.flatnonzero(bad)[0])
@@ -244,4 +245,4 @@ class Committer:
                 self.flat[t].index_copy_(0, idx, old)
             kept = self.kept[t]
             if before is not None and kept is not None:
-                kept[glob] = before
+                kept.put(glob, before)

@@ -45,7 +45,7 @@ from p2psync.codec.segindex import Index, index_of
 from p2psync.errors import CodecError, SegmentIndexError, WrongBase
 from p2psync.workers import run_ordered
 from rollout.engines.vllm.placement.boxes import Family, Placement
-from rollout.engines.vllm.apply.ranks import RankRefused, gather_ranges
+from rollout.engines.vllm.apply.ranks import RankRefused
 
 if TYPE_CHECKING:
     from p2psync.artifact import Manifest
@@ -332,9 +332,7 @@ def decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, 
     with pinned_pool(live.threads, live.cpus, "p2psync-gathered") as pool:
         pending: list[concurrent.futures.Future[tuple[Any, tuple[int, int] | None]]] = []
         for batch in batches:
-            bases = gather_ranges(live.group, [(live.places[refs[k].tensor], live.flat[refs[k].tensor],
-                                                refs[k].start, refs[k].stop, live.word_types[refs[k].tensor])
-                                               for k in batch])
+            bases = live.rebuilt([(refs[k].tensor, refs[k].start, refs[k].stop) for k in batch])
             collect(pending)  # at most this batch and the last one held
             pending = [] if err else [pool.submit(one, k, base) for k, base in zip(batch, bases) if refs[k].need]
         collect(pending)

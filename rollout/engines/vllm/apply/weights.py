@@ -79,7 +79,7 @@ from rollout.engines.vllm.placement.rules import LayoutError
 from rollout.engines.vllm.placement.boxes import Placement
 from rollout.engines.vllm.placement.casts import Cast, cast_for
 from rollout.engines.vllm.placement.probe import placements
-from rollout.engines.vllm.apply.ranks import RankGroup, RankRefused, Solo, together
+from rollout.engines.vllm.apply.ranks import RankGroup, RankRefused, Solo, gather_ranges, together
 
 if TYPE_CHECKING:
     import torch
@@ -140,10 +140,10 @@ class LiveWeights(Committer):
         of a ``bfloat16`` checkpoint): the live words are the converted checkpoint words; reads give
         the checkpoint's words back and writes convert (:mod:`rollout.engines.vllm.placement.casts`)."""
         for spec, place in zip(self.specs, self.places):
-            if place is None:
+            if place is None:  # an empty binding of the checkpoint's word size (ranges rebuilt add none)
                 self.casts.append(None)
                 self.offset.append(None)
-                self.flat.append(torch.empty(0, dtype=torch.int16))
+                self.flat.append(torch.empty(0, dtype=getattr(torch, _SIGNED[dtypes.from_code(spec.dtype).width])))
                 continue
             p = params[place.param]
             cast = cast_for(spec.name, dtypes.from_code(spec.dtype).torch_dtype(), p.dtype)
@@ -184,8 +184,8 @@ class LiveWeights(Committer):
         """The live words are in host memory: decode against them in place and write them with
         compiled loops. Else (a device) decode against a host copy of one segment's range at a time
         and write with torch's index ops."""
-        self.kept: list[np.ndarray | None] = kept_words.load(self, checkpoint)
-        """The checkpoint words of each tensor vLLM rounds at load, in checkpoint order (None for the
+        self.kept: list[kept_words.Kept | None] = kept_words.load(self, checkpoint)
+        """The checkpoint words of each tensor vLLM rounds at load, this rank's box of it (None for the
         others; :mod:`rollout.engines.vllm.apply.kept`)."""
         self._maps: list[tuple[int, np.ndarray, np.ndarray] | None] = []
         """Tensors held whole as one strided block (an expert in a repacked ``w13_weight``, a transposed
@@ -209,15 +209,20 @@ class LiveWeights(Committer):
         together before decoding), and a check that the ranks' counted elements add up to every
         tensor (each change is counted by the rank that owns its position)."""
         marks = "".join("0" if pl is None else "1" if pl.whole else "2" for pl in self.places)
+        targets = ",".join(c.target if c is not None else "" for c in self.casts)
         counted = [pl.held if pl is not None and pl.counted else 0 for pl in self.places]
-        every = self.group.texts(marks)
+        every = [t.split("|", 1) for t in self.group.texts(f"{marks}|{targets}")]
         if self.group.size > 1:
             counted = self.group.sum_u64(counted)
-        self.sharded = [any(m[k] == "2" for m in every) for k in range(len(self.specs))]
-        converted = [s.name for s, c, sh in zip(self.specs, self.casts, self.sharded) if c is not None and sh]
-        if converted:  # the ranges rebuilt with the group are exchanged as checkpoint words
-            raise LayoutError(f"{converted[0]}: vLLM converts its dtype at load and shards it over the ranks; "
-                              "a converted tensor is placed only where every rank holds it whole or not at all")
+        self.sharded = [any(m[k] == "2" for m, _ in every) for k in range(len(self.specs))]
+        held_as = [[t for t in ts.split(",")] for _, ts in every]
+        self.rebuild_casts: list[Cast | None] = []
+        """The dtype conversion of each sharded tensor, as every rank knows it (also one holding none
+        of it): its ranges are rebuilt with the group as checkpoint words (:meth:`rebuilt`)."""
+        for k, spec in enumerate(self.specs):
+            target = next((h[k] for h in held_as if h[k]), "") if self.sharded[k] else ""
+            self.rebuild_casts.append(cast_for(spec.name, dtypes.from_code(spec.dtype).torch_dtype(), target)
+                                      if target else None)
         wrong = [(s.name, c, s.numel) for s, c in zip(self.specs, counted) if c != s.numel]
         if wrong:
             name, c, n = wrong[0]
@@ -339,6 +344,58 @@ class LiveWeights(Committer):
         ck = np.concatenate([p[0] for p in parts])
         return np.concatenate([p[1] for p in parts])[np.argsort(ck, kind="stable")]
 
+    def rebuilt(self, ranges: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
+        """Checkpoint words ``[start, stop)`` of sharded tensor ``t`` for each ``(t, start, stop)``,
+        rebuilt with the group (:func:`~rollout.engines.vllm.apply.ranks.gather_ranges`; every rank
+        calls it with the same ranges). A tensor vLLM converts at load is rebuilt as checkpoint words
+        too: a rounded one from the kept words (a host collective of their own), a widened one from
+        the live words, read back exactly."""
+        import torch
+
+        plain: list[int] = []
+        host: list[int] = []
+        for k, (t, _, _) in enumerate(ranges):
+            cast = self.rebuild_casts[t]
+            (host if cast is not None and not cast.readable else plain).append(k)
+        out: list[np.ndarray] = [np.empty(0)] * len(ranges)
+        args = []
+        for k in plain:
+            t, start, stop = ranges[k]
+            cast, flat, word = self.rebuild_casts[t], self.flat[t], self.word_types[t]
+            if cast is not None:  # widened: rebuilt as live words, each owned by one rank
+                word = cast.live
+                if self.places[t] is None:
+                    flat = torch.empty(0, dtype=getattr(torch, _SIGNED[np.dtype(word).itemsize]))
+            args.append((self.places[t], flat, start, stop, word))
+        for k, got in zip(plain, gather_ranges(self.group, args)):
+            t = ranges[k][0]
+            cast = self.rebuild_casts[t]
+            out[k] = got if cast is None else cast.to_checkpoint(got, self.specs[t].name)
+        args = []
+        for k in host:
+            t, start, stop = ranges[k]
+            kept, place, word = self.kept[t], self.places[t], self.word_types[t]
+            if kept is None or place is None:  # this rank holds none of it
+                args.append((None, torch.empty(0, dtype=getattr(torch, _SIGNED[np.dtype(word).itemsize])),
+                             start, stop, word))
+            else:
+                self._check_kept(t, start, stop)
+                args.append((kept.placement(place), torch.from_numpy(kept.words.view(np_signed(kept.words))),
+                             start, stop, word))
+        for k, got in zip(host, gather_ranges(self.group, args)):
+            out[k] = got
+        return out
+
+    def _check_kept(self, t: int, start: int, stop: int) -> None:
+        """Raise :class:`LayoutError` naming tensor ``t`` unless the kept words this rank holds in
+        ``[start, stop)`` round to the live words there (the check every read of them makes)."""
+        place = self.places[t]
+        assert place is not None
+        ck = np.arange(start, stop, dtype=np.int64)
+        which, dst = place.local(ck)
+        if which.shape[0]:
+            self.checkpoint_words(t, self.live_at(t, dst), ck[which])
+
     # --- applying -----------------------------------------------------------------------
     def check_manifest(self, manifest: Manifest) -> None:
         """Raise :class:`~p2psync.errors.TensorTableMismatch` unless ``manifest``'s table is this model's."""
@@ -455,7 +512,7 @@ class LiveWeights(Committer):
                 self.flat[i].index_copy_(0, torch.from_numpy(dst).to(self.device),
                                          torch.from_numpy(self.live_words(i, w[ck])).to(self.device))
                 if kept is not None:  # a rounded tensor: its checkpoint words kept beside the live ones
-                    kept[ck] = w[ck]
+                    kept.put(ck, w[ck])
         got = self.audit()
         if got != manifest.target_fingerprint:
             raise FingerprintMismatch(manifest.target_fingerprint, got)
