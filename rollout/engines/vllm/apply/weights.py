@@ -49,7 +49,9 @@ checkpoint): reads give the checkpoint's words back from the live ones (checked 
 widen the new words as vLLM's load does. Rounded (a ``float32`` checkpoint served in
 ``bfloat16``): the checkpoint's words are kept in host memory beside the live ones, read at
 binding from the checkpoint vLLM loaded (``checkpoint``), and every read checks that they round
-to the live words (:mod:`rollout.engines.vllm.apply.kept`).
+to the live words (:mod:`rollout.engines.vllm.apply.kept`). Sharded over tensor-parallel ranks,
+each rank keeps its own slice of those words; the ranges the ranks rebuild together are exchanged as
+checkpoint words (:meth:`LiveWeights.rebuilt`).
 
 Parameters the model does not compute with (size-0 weights of layers whose
 matmul was repacked, e.g. by oneDNN on CPU, or layers whose matmul closes over a
