@@ -45,7 +45,7 @@ from p2psync.codec.segindex import Index, index_of
 from p2psync.errors import CodecError, SegmentIndexError, WrongBase
 from p2psync.workers import run_ordered
 from rollout.engines.vllm.placement.boxes import Family, Placement
-from rollout.engines.vllm.apply.ranks import RankRefused
+from rollout.engines.vllm.apply.ranks import RankRefused, gather_ranges
 
 if TYPE_CHECKING:
     from p2psync.artifact import Manifest
@@ -332,7 +332,7 @@ def decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, 
     with pinned_pool(live.threads, live.cpus, "p2psync-gathered") as pool:
         pending: list[concurrent.futures.Future[tuple[Any, tuple[int, int] | None]]] = []
         for batch in batches:
-            bases = live.rebuilt([(refs[k].tensor, refs[k].start, refs[k].stop) for k in batch])
+            bases = rebuilt(live, [(refs[k].tensor, refs[k].start, refs[k].stop) for k in batch])
             collect(pending)  # at most this batch and the last one held
             pending = [] if err else [pool.submit(one, k, base) for k, base in zip(batch, bases) if refs[k].need]
         collect(pending)
@@ -340,6 +340,59 @@ def decode_gathered(live: LiveWeights, refs: list[SegmentRef], heads: dict[int, 
     received = _swap(live, [] if err else [o for o, _ in out if (o[0], o[1][0]) in for_group]) \
         if live.group.size > 1 and for_group else []
     return out, received, (err[0] if err else None)
+
+
+def _empty(word: Any) -> Any:
+    """A binding of no words of ``word``'s size (a rank holding none of a range adds nothing)."""
+    import torch
+
+    return torch.empty(0, dtype={1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[np.dtype(word).itemsize])
+
+
+def rebuilt(live: LiveWeights, ranges: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
+    """Checkpoint words ``[start, stop)`` of sharded tensor ``t`` for each ``(t, start, stop)``,
+    rebuilt with the group (:func:`~rollout.engines.vllm.apply.ranks.gather_ranges`; every rank calls
+    it with the same ranges). A tensor vLLM converts at load (``live.rebuild_casts``, known to every
+    rank) is rebuilt as checkpoint words too: a rounded one from each rank's kept box of it
+    (:class:`~rollout.engines.vllm.apply.kept.Kept`, checked against the live words first; one host
+    collective of their own), a widened one as live words, read back exactly after the sum."""
+    import torch
+
+    plain: list[int] = []
+    kept_ones: list[int] = []
+    for k, (t, _, _) in enumerate(ranges):
+        cast = live.rebuild_casts[t]
+        (kept_ones if cast is not None and not cast.readable else plain).append(k)
+    out: list[np.ndarray] = [np.empty(0)] * len(ranges)
+    args = []
+    for k in plain:
+        t, start, stop = ranges[k]
+        cast, flat, word = live.rebuild_casts[t], live.flat[t], live.word_types[t]
+        if cast is not None:  # widened: rebuilt as live words, each owned by one rank
+            word = cast.live
+            if live.places[t] is None:
+                flat = _empty(word)
+        args.append((live.places[t], flat, start, stop, word))
+    for k, got in zip(plain, gather_ranges(live.group, args)):
+        t = ranges[k][0]
+        cast = live.rebuild_casts[t]
+        out[k] = got if cast is None else cast.to_checkpoint(got, live.specs[t].name)
+    args = []
+    for k in kept_ones:
+        t, start, stop = ranges[k]
+        kept, place, word = live.kept[t], live.places[t], live.word_types[t]
+        if kept is None or place is None:  # this rank holds none of it
+            args.append((None, _empty(word), start, stop, word))
+            continue
+        ck = np.arange(start, stop, dtype=np.int64)
+        which, dst = place.local(ck)
+        if which.shape[0]:  # the check every read of kept words makes: they round to the live words
+            live.checkpoint_words(t, live.live_at(t, dst), ck[which])
+        signed = kept.words.view(np.dtype(f"<i{kept.words.itemsize}"))
+        args.append((kept.placement(place), torch.from_numpy(signed), start, stop, word))
+    for k, got in zip(kept_ones, gather_ranges(live.group, args)):
+        out[k] = got
+    return out
 
 
 def _swap(live: LiveWeights, mine: list[Any]) -> list[Any]:

@@ -51,7 +51,7 @@ widen the new words as vLLM's load does. Rounded (a ``float32`` checkpoint serve
 binding from the checkpoint vLLM loaded (``checkpoint``), and every read checks that they round
 to the live words (:mod:`rollout.engines.vllm.apply.kept`). Sharded over tensor-parallel ranks,
 each rank keeps its own slice of those words; the ranges the ranks rebuild together are exchanged as
-checkpoint words (:meth:`LiveWeights.rebuilt`).
+checkpoint words (:func:`rollout.engines.vllm.apply.slices.rebuilt`).
 
 Parameters the model does not compute with (size-0 weights of layers whose
 matmul was repacked, e.g. by oneDNN on CPU, or layers whose matmul closes over a
@@ -81,7 +81,7 @@ from rollout.engines.vllm.placement.rules import LayoutError
 from rollout.engines.vllm.placement.boxes import Placement
 from rollout.engines.vllm.placement.casts import Cast, cast_for
 from rollout.engines.vllm.placement.probe import placements
-from rollout.engines.vllm.apply.ranks import RankGroup, RankRefused, Solo, gather_ranges, together
+from rollout.engines.vllm.apply.ranks import RankGroup, RankRefused, Solo, together
 
 if TYPE_CHECKING:
     import torch
@@ -220,7 +220,8 @@ class LiveWeights(Committer):
         held_as = [[t for t in ts.split(",")] for _, ts in every]
         self.rebuild_casts: list[Cast | None] = []
         """The dtype conversion of each sharded tensor, as every rank knows it (also one holding none
-        of it): its ranges are rebuilt with the group as checkpoint words (:meth:`rebuilt`)."""
+        of it): its ranges are rebuilt with the group as checkpoint words
+        (:func:`rollout.engines.vllm.apply.slices.rebuilt`)."""
         for k, spec in enumerate(self.specs):
             target = next((h[k] for h in held_as if h[k]), "") if self.sharded[k] else ""
             self.rebuild_casts.append(cast_for(spec.name, dtypes.from_code(spec.dtype).torch_dtype(), target)
@@ -345,58 +346,6 @@ class LiveWeights(Committer):
                  for ck, dst in place.chunks(_HOST_RANGE)]
         ck = np.concatenate([p[0] for p in parts])
         return np.concatenate([p[1] for p in parts])[np.argsort(ck, kind="stable")]
-
-    def rebuilt(self, ranges: Sequence[tuple[int, int, int]]) -> list[np.ndarray]:
-        """Checkpoint words ``[start, stop)`` of sharded tensor ``t`` for each ``(t, start, stop)``,
-        rebuilt with the group (:func:`~rollout.engines.vllm.apply.ranks.gather_ranges`; every rank
-        calls it with the same ranges). A tensor vLLM converts at load is rebuilt as checkpoint words
-        too: a rounded one from the kept words (a host collective of their own), a widened one from
-        the live words, read back exactly."""
-        import torch
-
-        plain: list[int] = []
-        host: list[int] = []
-        for k, (t, _, _) in enumerate(ranges):
-            cast = self.rebuild_casts[t]
-            (host if cast is not None and not cast.readable else plain).append(k)
-        out: list[np.ndarray] = [np.empty(0)] * len(ranges)
-        args = []
-        for k in plain:
-            t, start, stop = ranges[k]
-            cast, flat, word = self.rebuild_casts[t], self.flat[t], self.word_types[t]
-            if cast is not None:  # widened: rebuilt as live words, each owned by one rank
-                word = cast.live
-                if self.places[t] is None:
-                    flat = torch.empty(0, dtype=getattr(torch, _SIGNED[np.dtype(word).itemsize]))
-            args.append((self.places[t], flat, start, stop, word))
-        for k, got in zip(plain, gather_ranges(self.group, args)):
-            t = ranges[k][0]
-            cast = self.rebuild_casts[t]
-            out[k] = got if cast is None else cast.to_checkpoint(got, self.specs[t].name)
-        args = []
-        for k in host:
-            t, start, stop = ranges[k]
-            kept, place, word = self.kept[t], self.places[t], self.word_types[t]
-            if kept is None or place is None:  # this rank holds none of it
-                args.append((None, torch.empty(0, dtype=getattr(torch, _SIGNED[np.dtype(word).itemsize])),
-                             start, stop, word))
-            else:
-                self._check_kept(t, start, stop)
-                args.append((kept.placement(place), torch.from_numpy(kept.words.view(np_signed(kept.words))),
-                             start, stop, word))
-        for k, got in zip(host, gather_ranges(self.group, args)):
-            out[k] = got
-        return out
-
-    def _check_kept(self, t: int, start: int, stop: int) -> None:
-        """Raise :class:`LayoutError` naming tensor ``t`` unless the kept words this rank holds in
-        ``[start, stop)`` round to the live words there (the check every read of them makes)."""
-        place = self.places[t]
-        assert place is not None
-        ck = np.arange(start, stop, dtype=np.int64)
-        which, dst = place.local(ck)
-        if which.shape[0]:
-            self.checkpoint_words(t, self.live_at(t, dst), ck[which])
 
     # --- applying -----------------------------------------------------------------------
     def check_manifest(self, manifest: Manifest) -> None:
