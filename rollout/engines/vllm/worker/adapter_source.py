@@ -230,9 +230,7 @@ def install() -> bool:
                 return original(self, lora_request)
             return SOURCE.load(self, where[0], where[1], int(lora_request.lora_int_id))
         except P2PSyncError as exc:
-            from rollout.engines.vllm.worker.backend import tagged
-
-            text = tagged(exc)
+            text = f"{type(exc).__name__}: {exc}"  # as the backend tags its refusals
             logger.error("p2psync adapter %s refused: %s", lora_request.lora_path, text)
             if isinstance(exc, MissingVersion):
                 # vLLM's API server answers its own not-found error (404) for this one.
