@@ -10,7 +10,9 @@ path; the workers pull it from the adapter's node. Greedy tokens and logprobs se
 ``policy@v<N>`` and under ``policy`` (the newest) equal those of the same server given the same
 adapter from a PEFT folder (vLLM's own folder loader), for three consecutive versions; a request
 in flight while the next version loads finishes on the version it started with; the window keeps
-two versions named. Every refusal answers its HTTP error and leaves the named models, the
+two versions named. vLLM's own LRU holds two adapters (``--max-cpu-loras 2``), so versions are
+evicted behind the test's back and registered again from the workers' memory when a request names
+them (no folder exists for them). Every refusal answers its HTTP error and leaves the named models, the
 workers' registered adapters and the served tokens as they were. Processes are ended by the ids
 of the process groups this module started.
 """
@@ -102,7 +104,7 @@ def served(tmp_path_factory):
                          "--model", str(root / "model"), "--skip-tokenizer-init", "--dtype", "bfloat16",
                          "--max-model-len", "256", "--enforce-eager", "--kv-cache-memory-bytes", "1G",
                          "--logprobs-mode", "processed_logprobs", "--weight-transfer-config", '{"backend": "p2psync"}',
-                         "--enable-lora", "--max-lora-rank", str(R), "--max-loras", "2", "--max-cpu-loras", "8",
+                         "--enable-lora", "--max-lora-rank", str(R), "--max-loras", "2", "--max-cpu-loras", "2",
                          "--port", str(port)], root, env, root / "serve.log")
     trainers: dict[str, Trainer] = {}
     try:
@@ -212,7 +214,7 @@ def test_served_versions_equal_vllm_from_a_peft_folder(served):
     named = models(url)
     assert {n: r for n, r in named.items() if n.startswith("policy")} == {
         "policy@v1": "p2psync:policy@1", "policy@v2": "p2psync:policy@2", "policy": "p2psync:policy@2"}
-    assert greedy(url, "policy@v1") == got[1]  # still served beside the newest
+    assert greedy(url, "policy@v1") == got[1]  # still served beside the newest (vLLM's LRU had evicted it)
     code, body = call(url + "/v1/completions", {"model": "policy@v0", "prompt": [1, 2], "max_tokens": 2})
     assert code == 404, body  # left the window
 
