@@ -67,3 +67,13 @@ def test_init_info_names_a_node_per_adapter_with_the_parents_credentials(tmp_pat
         with pytest.raises(TransferInfoError) as err:
             init_info({**good, "adapters": bad})
         assert err.value.field.startswith(field), (bad, err.value.field)
+
+
+def test_engine_vllm_lora_is_registered_and_needs_the_base_checkpoint():
+    pytest.importorskip("vllm")
+    from rollout.engines import EngineConfig, build_engine, check_name
+
+    check_name("vllm-lora")
+    with pytest.raises(ConfigError) as err:
+        build_engine(EngineConfig(engine="vllm-lora", model_config={"model_type": "qwen3"}))
+    assert err.value.field == "model_path"
