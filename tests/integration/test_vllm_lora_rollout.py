@@ -31,6 +31,7 @@ def test_rollouts_record_and_use_the_newest_adapter_version(tmp_path):
     from vllm import SamplingParams
     from vllm.lora.request import LoRARequest
 
+    import tlsutil
     from p2psync.control.api import RolloutRequest
     from p2psync.node import Node
     from rollout.options import WorkerOptions
@@ -38,10 +39,8 @@ def test_rollouts_record_and_use_the_newest_adapter_version(tmp_path):
     from trainer.adapter import AdapterPublisher
     from trainer.background import BackgroundNode
 
-    import tlsutil
-
     torch.manual_seed(0)
-    model = AutoModel()
+    model = _base_model()
     model.save_pretrained(tmp_path / "base")
     base_fp = checkpoint.load(tmp_path / "base").state.fingerprint
     priv = keys.generate()
@@ -128,7 +127,8 @@ def test_rollouts_record_and_use_the_newest_adapter_version(tmp_path):
         bg.stop()
 
 
-def AutoModel():
+def _base_model():
+    """The tiny Qwen3 base (bf16), as test_vllm_lora builds it."""
     from transformers import AutoModelForCausalLM
 
     m = AutoModelForCausalLM.from_config(hf_config("qwen3", False), dtype=torch.bfloat16)

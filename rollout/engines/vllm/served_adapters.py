@@ -32,6 +32,7 @@ import logging
 from http import HTTPStatus
 from typing import Any
 
+from p2psync.errors import ConfigError
 from rollout.engines.vllm.worker.adapter_source import parse_path, served_name, window
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,7 @@ def install() -> bool:
     async def load_lora_adapter(self: Any, request: Any, base_model_name: str | None = None) -> Any:
         try:
             where = parse_path(str(request.lora_path or ""))
-        except Exception as exc:  # noqa: BLE001 - a ConfigError: the client's path
+        except ConfigError as exc:  # the client's path
             return _bad_request(str(exc))
         if where is None:
             return await load(self, request, base_model_name)
@@ -102,7 +103,7 @@ def _after_load(models: Any, adapter: str) -> None:
 def _version_of(lora: Any, adapter: str) -> int | None:
     try:
         where = parse_path(str(lora.lora_path))
-    except Exception:  # noqa: BLE001 - not ours
+    except ConfigError:  # not a path of ours
         return None
     return where[1] if where is not None and where[0] == adapter else None
 

@@ -109,6 +109,7 @@ class AdapterSource:
     def load(self, mgr: Any, adapter: str, version: int, lora_int_id: int) -> Any:
         """vLLM's ``LoRAModel`` of ``adapter`` at ``version`` under ``lora_int_id`` (``mgr``: the
         worker's ``WorkerLoRAManager``), pulled and checked if not held (module docstring)."""
+        keep = window()  # a bad setting is refused before anything changes
         with self._lock:
             h = self._held.get(adapter)
             if h is not None and version in h.models:
@@ -124,7 +125,7 @@ class AdapterSource:
                 h = self._held[adapter] = _Held(state, version, config)
             h.state, h.version, h.config = state, version, config
             h.models[version] = lora
-            for old in list(h.models)[:-window()]:
+            for old in list(h.models)[:-keep]:
                 del h.models[old]
             logger.info("p2psync: adapter %s version %d loaded from memory (lora_int_id %d; held %s)",
                         adapter, version, lora_int_id, list(h.models))
