@@ -15,7 +15,8 @@ class WorkerOptions:
     """The job config (``--job-config``), validated; unknown keys are an error."""
 
     engine: str = "hf"
-    """An engine of :data:`rollout.engines.ENGINES`: ``"hf"`` (transformers) or ``"vllm"``."""
+    """An engine of :data:`rollout.engines.ENGINES`: ``"hf"`` (transformers), ``"vllm"``, or ``"vllm-lora"``
+    (the node follows a LoRA adapter's stream; ``model_path`` is the frozen base)."""
     preset: str = "small"
     """Model preset (as the trainer's); ignored with ``model_path`` or ``model_config``."""
     model_path: str | None = None

@@ -14,6 +14,7 @@ from rollout.engines.base import EngineConfig, RolloutEngine
 ENGINES: dict[str, tuple[str, str]] = {
     "hf": ("rollout.engines.hf", "HFEngine"),
     "vllm": ("rollout.engines.vllm.engine", "VLLMEngine"),
+    "vllm-lora": ("rollout.engines.vllm.adapter_engine", "VLLMAdapterEngine"),
 }
 """Engine name -> (module, class). The class has ``build(config: EngineConfig)``."""
 

@@ -21,7 +21,7 @@ from p2psync.errors import ConfigError
 BACKEND = "p2psync"
 """The name the engine is registered under in vLLM's ``WeightTransferTrainerFactory`` (the worker side's too)."""
 
-WORKER_INIT_KEYS = ("url", "token", "public_key", "version", "node_id", "threads", "timeout", "tls_dir")
+WORKER_INIT_KEYS = ("url", "token", "public_key", "version", "node_id", "threads", "timeout", "tls_dir", "adapters")
 """The keys of the ``init_info`` the ``p2psync`` worker backend accepts (its ``worker/infos.py``; a test
 checks that the two lists agree, since neither package imports the other)."""
 

@@ -385,6 +385,10 @@ class VLLMEngine(RolloutEngine):
             raise FingerprintMismatch(m.target_fingerprint, fp)
         return fp
 
+    def lora_request(self) -> Any:
+        """The ``LoRARequest`` every request of a new batch names (None: the base weights alone)."""
+        return None
+
     def start(self, requests: Sequence[SeqRequest]) -> VLLMGeneration:
         if self.version is None:
             raise RuntimeError("the engine holds no weights yet (call load() first)")
@@ -428,6 +432,7 @@ class VLLMGeneration(Generation):
             self._add(llm.llm_engine, requests, SamplingParams)
 
     def _add(self, core: Any, requests: list[SeqRequest], params: Any) -> None:
+        lora = self.engine.lora_request()
         for i, (s, r) in enumerate(zip(self.seqs, requests)):
             if s.length >= r.max_new_tokens:
                 s.finish_reason = "length"
@@ -438,7 +443,7 @@ class VLLMGeneration(Generation):
             rid = f"p2psync-{uuid.uuid4().hex}"
             self._ids[rid] = i
             core.add_request(rid, {"prompt_token_ids": list(r.prompt_ids) + list(r.prefix)},
-                             params(**sampling_params(r)))
+                             params(**sampling_params(r)), lora_request=lora)
 
     def step(self) -> list[TokenEvent]:
         version = self.engine.version

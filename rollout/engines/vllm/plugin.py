@@ -16,6 +16,10 @@ vLLM logs a WARNING with a traceback (``Chat template warmup failed ...
 Tokenizer not available``); :func:`register` installs
 :class:`SkippedTokenizerWarmup` on that logger, which drops exactly that record.
 
+Adapters. :func:`serve_adapters` lets ``vllm serve`` load LoRA adapter versions from p2psync
+streams without a folder (``POST /v1/load_lora_adapter`` with a ``p2psync:<adapter>@<version>``
+path) and names them ``<adapter>@v<version>`` and ``<adapter>`` (the newest); docs/ROLLOUT.md.
+
 Owner watch. vLLM's engine-core process does not notice that the process that
 built the ``LLM`` died without shutting it down (SIGKILL, OOM kill), and its
 workers only follow the engine core, so all of them would keep running,
@@ -65,7 +69,19 @@ def register() -> None:
 
         ops._supports_onednn = False
     quiet_skipped_tokenizer_warmup()
+    serve_adapters()
     watch_owner()
+
+
+def serve_adapters() -> None:
+    """LoRA adapter versions from p2psync streams: ``p2psync:<adapter>@<version>`` paths served
+    from memory in the workers (:mod:`rollout.engines.vllm.worker.adapter_source`), their names
+    and window in the API server (:mod:`rollout.engines.vllm.served_adapters`)."""
+    from rollout.engines.vllm import served_adapters
+    from rollout.engines.vllm.worker import adapter_source
+
+    adapter_source.install()
+    served_adapters.install()
 
 
 class SkippedTokenizerWarmup(logging.Filter):

@@ -143,6 +143,9 @@ class P2PSyncWeightTransfer(WeightTransferEngine[P2PSyncInitInfo, P2PSyncUpdateI
         super().__init__(config, vllm_config, device, model)
         self.info: infos.InitFields | None = None
         self.version: int | None = None
+        from rollout.engines.vllm.worker.adapter_source import SOURCE
+
+        SOURCE.backend = self  # `vllm serve`'s p2psync: adapter paths pull through this init
         self.live: LiveWeights | None = None
         self.timing: dict[str, Any] = {}
         """The last artifact's bytes fetched, and fetch, decode and commit seconds (see :meth:`status`)."""

@@ -16,6 +16,7 @@ fields become one :class:`~p2psync.transport.leaf.Parent`, built here once.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -57,6 +58,14 @@ class InitFields:
     threads: int = 0
     """Decode, write and hash threads; 0: one per CPU the update may use, the worker's own cores and
     those vLLM's thread binding leaves free (:mod:`rollout.engines.vllm.worker.cpus`)."""
+    adapters: dict[str, Parent] | None = None
+    """Where each LoRA adapter's stream (``lora:<name>``) is pulled from, by adapter name: the node
+    given in ``init_info.adapters``, presenting the parent's token, key and certificate; an adapter
+    not named there is pulled from :attr:`parent` (:mod:`rollout.engines.vllm.worker.adapter_source`)."""
+
+    def adapter_parent(self, name: str) -> Parent:
+        """The node adapter ``name``'s stream is pulled from."""
+        return (self.adapters or {}).get(name, self.parent)
 
 
 @dataclass
@@ -84,6 +93,7 @@ class _InitInfo(msgspec.Struct, forbid_unknown_fields=True):
     threads: Count = 0
     timeout: Annotated[float, Meta(gt=0)] = 30.0
     tls_dir: Text = ""
+    adapters: dict[Text, Text] = {}
 
 
 INIT_KEYS: tuple[str, ...] = _InitInfo.__struct_fields__
@@ -106,7 +116,14 @@ def init_info(value: Any) -> InitFields:
                                prefix=f"{where}.")
     except ConfigError as exc:
         raise TransferInfoError(exc.field, str(exc).removeprefix(f"{exc.field}: ")) from None
-    return InitFields(parent, d.version, d.threads)
+    adapters: dict[str, Parent] = {}
+    for name, url in d.adapters.items():
+        if not url.startswith(("http://", "https://")):
+            raise TransferInfoError(f"{where}.adapters.{name}", f"must be an http:// or https:// address, got {url!r}")
+        if url.startswith("https://") and parent.tls is None:
+            raise TransferInfoError(f"{where}.tls_dir", "missing: an https:// adapter node takes only mutual TLS")
+        adapters[name] = dataclasses.replace(parent, url=url.rstrip("/"))
+    return InitFields(parent, d.version, d.threads, adapters)
 
 
 def update_info(value: Any) -> UpdateFields:

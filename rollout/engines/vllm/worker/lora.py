@@ -50,16 +50,43 @@ def rpc_lora_add(worker: Any, lora_int_id: int, peft_config: dict[str, Any],
                  tensors: dict[str, tuple[str, list[int], bytes]]) -> dict[str, Any]:
     """Register the adapter ``tensors`` (PEFT name -> (dtype code, shape, raw bytes)) with
     ``peft_config`` (its ``adapter_config.json``) under ``lora_int_id`` and pin it."""
+    mgr = _manager(worker)
+    am = mgr._adapter_manager
+    if lora_int_id in mgr.list_adapters():
+        return {"ok": False, "kind": "exists", "reason": f"lora_int_id {lora_int_id} is already registered"}
+    lora = lora_model(mgr, lora_int_id, peft_config, tensors)
+    if isinstance(lora, dict):
+        return lora
+    if len(am) >= am.capacity:
+        # As vLLM's own add does: the least recently used adapter that is not pinned (one loaded
+        # from a folder) makes room; pinned versions are the callers' to remove.
+        try:
+            am.remove_oldest_adapter()
+        except (RuntimeError, ValueError):
+            pass
+        if len(am) >= am.capacity:
+            return {"ok": False, "kind": "capacity",
+                    "reason": f"{len(am)} adapter versions pinned, the engine holds {am.capacity} (max_cpu_loras)"}
+    am.add_adapter(lora)
+    # Pinned in the registered (CPU) cache only: vLLM's pin_adapter also pins a GPU slot, and
+    # max_loras pinned versions would leave no slot for any other adapter a batch names.
+    am._pin_lora_in_cpu_cache(lora_int_id)
+    return {"ok": True}
+
+
+def lora_model(mgr: Any, lora_int_id: int, peft_config: dict[str, Any],
+               tensors: dict[str, tuple[str, list[int], bytes]]) -> Any:
+    """vLLM's ``LoRAModel`` of the adapter ``tensors`` (PEFT name -> (dtype code, shape, raw bytes))
+    with ``peft_config``, built in memory under ``lora_int_id`` with the checks vLLM's folder load
+    makes against the engine's LoRA config (``mgr``: the worker's ``WorkerLoRAManager``); or a
+    refusal ``{"ok": False, "kind": ..., "reason": ...}``. Registers nothing."""
     import torch
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
 
     from p2psync import dtypes
 
-    mgr = _manager(worker)
     am = mgr._adapter_manager
-    if lora_int_id in mgr.list_adapters():
-        return {"ok": False, "kind": "exists", "reason": f"lora_int_id {lora_int_id} is already registered"}
     targets = set(peft_config.get("target_modules") or ())
     served = _expected_modules(mgr)
     if not targets <= served:
@@ -71,16 +98,6 @@ def rpc_lora_add(worker: Any, lora_int_id: int, peft_config: dict[str, Any],
         helper.validate_legal(mgr.lora_config)
     except ValueError as exc:
         return {"ok": False, "kind": "config", "reason": str(exc)}
-    if len(am) >= am.capacity:
-        # As vLLM's own add does: the least recently used adapter that is not pinned (one loaded
-        # from a folder) makes room; pinned versions are the callers' to remove.
-        try:
-            am.remove_oldest_adapter()
-        except (RuntimeError, ValueError):
-            pass
-        if len(am) >= am.capacity:
-            return {"ok": False, "kind": "capacity",
-                    "reason": f"{len(am)} adapter versions pinned, the engine holds {am.capacity} (max_cpu_loras)"}
     loaded: dict[str, torch.Tensor] = {}
     for name, (code, shape, raw) in tensors.items():
         dt = dtypes.from_code(code).torch_dtype()
@@ -95,11 +112,7 @@ def rpc_lora_add(worker: Any, lora_int_id: int, peft_config: dict[str, Any],
         am._validate_modules_to_save(lora)
     except ValueError as exc:
         return {"ok": False, "kind": "config", "reason": str(exc)}
-    am.add_adapter(lora)
-    # Pinned in the registered (CPU) cache only: vLLM's pin_adapter also pins a GPU slot, and
-    # max_loras pinned versions would leave no slot for any other adapter a batch names.
-    am._pin_lora_in_cpu_cache(lora_int_id)
-    return {"ok": True}
+    return lora
 
 
 def rpc_lora_remove(worker: Any, lora_int_ids: list[int]) -> list[int]:
