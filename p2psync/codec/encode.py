@@ -209,6 +209,25 @@ def _densest(encoded: tuple[bytes, SegmentStats, tuple[int, int]], tensor: int, 
     return dense.smaller(encoded, tensor, at, stop, old, lambda: new[at:stop], width, opts.zstd_level)
 
 
+def _all_changed(old: np.ndarray, new: np.ndarray, at: int, end: int, cap: int) -> int | None:
+    """Where the scan's next segment from ``at`` ends when every word of it changed (it then holds
+    ``min(cap, end - at)`` changes: :func:`~p2psync.codec.dense.dense_first`), else ``None``
+    (the scan decides). One compare of the segment's words."""
+    stop = min(end, at + cap)
+    if stop < end and old[stop] == new[stop]:
+        return None  # the scan's segment would run on past unchanged words
+    if np.count_nonzero(old[at:stop] == new[at:stop]):
+        return None
+    return stop
+
+
+def _dense_range(tensor: int, at: int, stop: int, old: np.ndarray, new: np.ndarray, seed: np.uint64,
+                 opts: CodecOptions) -> tuple[bytes, SegmentStats, tuple[int, int]]:
+    """The dense segment of ``[at, stop)``, every word of which changed."""
+    return dense.encode_range(tensor, at, old[at:stop], new[at:stop], np.arange(at, stop, dtype=np.int64),
+                              old[at:stop], new[at:stop], seed, opts.zstd_level)
+
+
 def _scan_job(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.ndarray, s: int, e: int, opts: CodecOptions):
     d = dtypes.from_code(spec.dtype)
     cap = opts.max_changes(d.width)
@@ -222,6 +241,11 @@ def _scan_job(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.ndarray, s
             thr = _thresholds(d, old, new, a, b, opts.context_buckets)
             at = a
             while at < b:
+                stop = _all_changed(old, new, at, b, cap)
+                if stop is not None:  # the segment the scan would make, dense_first: no sparse encode
+                    _add_segment(out, _dense_range(tensor, at, stop, old, new, seed, opts))
+                    at = stop
+                    continue
                 stop, encoded = segencode.scan(tensor, d, old, new, at, b, cap, thr, opts.zstd_level, seed, bufs)
                 if encoded is not None:
                     _add_segment(out, _densest(encoded, tensor, at, stop, old, new, d.width, opts))
@@ -247,6 +271,11 @@ def _scan_job_reference(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.
             consts = context.consts_for(d, thr)
             at = a
             while at < e_:
+                stop_ = _all_changed(old, new, at, e_, cap)
+                if stop_ is not None:
+                    _add_segment(out, _dense_range(tensor, at, stop_, old, new, seed, opts))
+                    at = stop_
+                    continue
                 if thr.shape[0]:
                     stop, n = kernels.find_ranked_changes(old, new, at, e_, cap, consts, pos_b, old_b, new_b, bkt_b,
                                                           rank_b)
@@ -295,9 +324,13 @@ def encode_sparse_range(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.
                 w[p - at] = v
                 return w
 
-            _add_segment(out, dense.smaller(_encode_segment(tensor, at, stop, old, p, old[p], vals[a:b], d, thr,
-                                                            opts.zstd_level, seed),
-                                            tensor, at, stop, old, new_words, d.width, opts.zstd_level))
+            if dense.dense_first(b - a, stop - at):  # the sparse coding cannot pay here: not tried
+                _add_segment(out, dense.encode_range(tensor, at, old[at:stop], new_words(), p, old[p], vals[a:b],
+                                                     seed, opts.zstd_level))
+            else:
+                _add_segment(out, dense.smaller(_encode_segment(tensor, at, stop, old, p, old[p], vals[a:b], d, thr,
+                                                                opts.zstd_level, seed),
+                                                tensor, at, stop, old, new_words, d.width, opts.zstd_level))
             at = stop
     return out
 

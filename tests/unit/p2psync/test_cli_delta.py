@@ -60,7 +60,10 @@ def test_single_file_roundtrip_and_inspect(tmp_path, keypair, capsys):
     rep = json.loads(capsys.readouterr().out)
     assert rep["base_version"] == 5 and rep["target_version"] == 6
     assert rep["signature"].startswith("valid")
-    assert rep["ratio"] > 1 and rep["stream_bytes"]["positions"] > 0
+    # ~96 % of the bf16 words moved by a few ULPs: coded as their integer difference (dense), smaller
+    # than positions plus residuals
+    assert rep["ratio"] > 1 and rep["stream_bytes"]["raw"] > 0
+    assert "dense-diff-zstd" in rep["codings"]
     changed = {t["name"]: t["changed"] for t in rep["tensors"]}
     assert changed["model.norm.weight"] == 1 and changed["model.step"] == 1
     assert main(["delta", "inspect", str(d)]) == 0

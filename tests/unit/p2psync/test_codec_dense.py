@@ -176,3 +176,56 @@ def test_a_copy_of_the_range_with_its_origin_decodes_like_the_whole_tensor():
         part = segdecode.decode(seg, p.body_at, p.start, p.stop, d, old[p.start:p.stop].copy(), seed, origin=p.start)
         assert np.array_equal(whole[0], part[0]) and np.array_equal(whole[1], part[1]) and whole[2] == part[2]
         assert np.array_equal(new.words("lora_B")[whole[0]], whole[1])
+
+
+def test_all_changed_ranges_skip_the_sparse_encode_on_every_path(monkeypatch):
+    """A range where every word changed (an adapter step) is coded densely outright: neither the scan
+    nor the changes-found-elsewhere path runs the sparse encoder on it, and both write the same bytes."""
+    from p2psync.codec import encode as enc_mod
+
+    base, new = _adapter_step(9)
+    old_w, new_w = base.words("lora_A"), new.words("lora_A")
+    pos = np.flatnonzero(old_w != new_w)
+    assert pos.shape[0] == old_w.shape[0]  # every word moved
+
+    def no_sparse(*a, **k):
+        raise AssertionError("the sparse encoder ran on an all-changed range")
+
+    monkeypatch.setattr(enc_mod.segencode, "scan", no_sparse)
+    monkeypatch.setattr(enc_mod, "_encode_segment", no_sparse)
+    a = encode_delta(base, new, SMALL)
+    b = encode_delta_sparse(base, {"lora_A": (pos, new_w[pos])}, SMALL)
+    assert a.chunks == b.chunks and {k for k, _ in _kinds(a)} == {segment.KIND_DENSE}
+    assert a.target_fingerprint == new.fingerprint
+    assert np.array_equal(_apply(base, a).words("lora_A"), new_w)
+
+
+def test_a_few_ulp_step_takes_the_difference_coding_and_wraps_bit_exact():
+    """An Adam-like step of a few ULPs codes as the words' integer difference (smaller than their XOR
+    and than the sparse coding); words whose difference wraps (0x0000 <-> 0xFFFF, NaN payloads, -0.0)
+    land bit-exact."""
+    base, new = _adapter_step(10)
+    w = new.words("lora_A")
+    b = base.words("lora_A")
+    b[:4] = [0x0000, 0xFFFF, 0x7FC1, 0x8000]  # +0.0, a NaN, a NaN payload, -0.0
+    w[:4] = [0xFFFF, 0x0000, 0x7FC0, 0x0000]
+    base.invalidate()
+    new.invalidate()
+    enc = encode_delta(base, new, SMALL)
+    assert {c for _, c in _kinds(enc)} == {dense.CODING_DIFF_ZSTD}
+    got = _apply(base, enc)
+    assert np.array_equal(got.words("lora_A"), w)
+    assert got.fingerprint == new.fingerprint == got.audit()
+
+
+@pytest.mark.parametrize("word", [np.uint8, np.uint16, np.uint32])
+def test_zigzag_difference_inverts_at_every_width(word):
+    rng = np.random.default_rng(11)
+    top = np.iinfo(word).max
+    old = rng.integers(0, top, 5000, dtype=word, endpoint=True)
+    new = rng.integers(0, top, 5000, dtype=word, endpoint=True)
+    new[:2500] = old[:2500] + rng.integers(0, 4, 2500).astype(word)  # small steps up, wrapping at the top
+    new[2500:2510] = old[2500:2510] - word(1)  # one down: zigzag 1
+    z = dense.zigzag_diff(old, new)
+    assert z.dtype == old.dtype and int(z[2500:2510].max()) == 1 and int(z[:2500].max()) <= 6
+    assert np.array_equal(dense.add_unzigzag(z, old), new)
