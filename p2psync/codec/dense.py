@@ -13,18 +13,20 @@ header. Layout (little-endian), after the common header (``segment``, kind 3)::
     u8 coding          0 = new words raw, 1 = new words zstd, 2 = XOR with base zstd,
                        3 = zigzag(new - base) zstd (wrapping integer difference of the words)
     u32 len            payload bytes
-    payload            byte planes of the words (or of the XOR), as ``coding`` says
+    payload            byte planes of the words (or of the XOR, or the difference), as ``coding`` says
 
 A range where at least :data:`DENSE_SHARE` of the words changed (an adapter step: every word
-moves) is coded densely outright: near all-changed the sparse coding is as large or larger (it pays
-for positions; measured on adapter-like steps, it wins only up to about 95 % changed, and then by a
-few percent), and its encode is the costly part (7x the dense one), so an encoder that knows the
-count first (changes found elsewhere: the trainer's publisher) skips it. Elsewhere the encoder makes
+moves) is coded densely outright: near all-changed the sparse coding is within a few percent of
+the dense one either way (it pays for positions, and its residuals are coded by context; -3 to +5 %
+per version on the LoRA benchmark's adapter), and its encode is the costly part (7x the dense
+one), so an encoder that knows the count (changes found elsewhere: the trainer's publisher; an
+all-changed segment found by one compare on the scan path) skips it. Elsewhere the encoder makes
 a sparse segment first and swaps in the dense one only where the sparse one came out larger than a
 quarter of the range's raw words (cheap to test, so sparse RL deltas pay no extra work) and the
 dense one is smaller. Both are deterministic choices from the segment's own words, so every encode
-path (whole states, changes found elsewhere, the step-by-step reference) writes the same bytes. Decoding yields what a sparse segment yields: the changed positions (words equal
-to the base are dropped), their new words and the fingerprint sums' change.
+path (whole states, changes found elsewhere, the step-by-step reference) writes the same bytes.
+Decoding yields what a sparse segment yields: the changed positions (words equal to the base are
+dropped), their new words and the fingerprint sums' change.
 """
 
 from __future__ import annotations

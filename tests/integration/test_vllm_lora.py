@@ -173,14 +173,14 @@ def test_refusals_leave_the_loaded_set_untouched(engine):
 
 def test_published_versions_reach_the_engine_through_the_tree(engine, tmp_path):
     """The trainer's AdapterPublisher signs each version onto the stream ``lora:tree``; a rollout node
-    follows it on loopback and :func:`follow` loads every version it applies into the engine."""
+    follows it on loopback and :func:`following` loads every version it applies into the engine."""
     import asyncio
 
     from vllm.lora.request import LoRARequest
 
     from p2psync import config as p2pconfig
     from p2psync.node import Node
-    from rollout.engines.vllm.lora import AdapterSlots, follow
+    from rollout.engines.vllm.lora import AdapterSlots, following
     from trainer.adapter import AdapterPublisher
 
     llm, _, _, base_fp, root = engine
@@ -194,13 +194,13 @@ def test_published_versions_reach_the_engine_through_the_tree(engine, tmp_path):
     config = adapter.AdapterConfig("tree", R, 16.0, TARGETS, base_fp)
 
     async def go():
-        tr = await Node.create(p2pconfig.load(overrides={
-            **common, "id": "trainer", "role": "trainer", "data_dir": str(tmp_path / "t"),
-            "trainer_private_key": str(tmp_path / "keys" / "trainer.key")}))
-        fol = await Node.create(p2pconfig.load(overrides={
-            **common, "id": "rollout", "role": "rollout", "data_dir": str(tmp_path / "r"), "parents": [tr.address]}))
-        follower = asyncio.create_task(follow(fol, slots), name="follow-adapter")
-        try:
+        async with await Node.create(p2pconfig.load(overrides={
+                **common, "id": "trainer", "role": "trainer", "data_dir": str(tmp_path / "t"),
+                "trainer_private_key": str(tmp_path / "keys" / "trainer.key")})) as tr, \
+                await Node.create(p2pconfig.load(overrides={
+                    **common, "id": "rollout", "role": "rollout", "data_dir": str(tmp_path / "r"),
+                    "parents": [tr.address]})) as fol, \
+                following(fol, slots) as follower:
             pub = await AdapterPublisher.create(master, tr, name="tree", base_fingerprint=base_fp, r=R,
                                                 lora_alpha=16, target_modules=TARGETS, chunk_size=64 << 10)
             for v in range(3):
@@ -211,11 +211,8 @@ def test_published_versions_reach_the_engine_through_the_tree(engine, tmp_path):
                     assert await pub.publish() == v
                     await pub.flush()
                 published = {n: t.to(torch.bfloat16) for n, t in master.items()}
-                for _ in range(600):
-                    if slots.loaded("tree") and slots.loaded("tree")[-1] == v:
-                        break
-                    assert not follower.done(), follower
-                    await asyncio.sleep(0.05)
+                async with asyncio.timeout(30):
+                    await follower.until("tree", v)
                 assert slots.loaded("tree")[-1] == v
                 got = await asyncio.to_thread(_greedy, llm, slots.request("tree"))
                 folder = adapter.write_peft_folder(tmp_path / f"tree-v{v}", published, config)
@@ -223,11 +220,6 @@ def test_published_versions_reach_the_engine_through_the_tree(engine, tmp_path):
                     _greedy, llm, LoRARequest(lora_name=f"tree-folder-{v}", lora_int_id=200 + v, lora_path=str(folder)))
                 assert got == want, v
             await pub.close()
-        finally:
-            follower.cancel()
-            await asyncio.gather(follower, return_exceptions=True)
-            await fol.close()
-            await tr.close()
 
     asyncio.run(go())
     assert slots.loaded("tree") == [1, 2]

@@ -22,8 +22,11 @@ above ``max_lora_rank``, target modules the engine does not serve LoRA on),
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
-from collections.abc import Iterable
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +36,7 @@ from p2psync.artifact import Manifest
 from p2psync.codec.decode import Applier
 from p2psync.errors import AdapterMismatch, ConfigError, MissingVersion, WrongBase
 from p2psync.state import ModelState
+from p2psync.transport.client import cancel_quietly
 
 
 @dataclass
@@ -61,10 +65,14 @@ class AdapterSlots:
         self.public_key = public_key
         self.allow_unsigned = allow_unsigned
         self.window = window
+        self.last_load_s: float | None = None
+        """Seconds the last successful :meth:`load` took (the round trip to the workers included)."""
         self._streams: dict[str, _Stream] = {}
         from rollout.engines.vllm.worker.lora import rpc_lora_limits
 
-        self.limits: dict[str, Any] = self._rpc(rpc_lora_limits)[0]
+        ranks = self._rpc(rpc_lora_limits)
+        self.limits: dict[str, Any] = ranks[0]
+        self._ranks = len(ranks)
         # Ids clear of those a caller picks for folder adapters and of any registered already.
         self._ids = itertools.count(max([1 << 20, *(i + 1 for i in self.limits["registered"])]))
         cap = int(self.limits["max_cpu_loras"])
@@ -114,6 +122,7 @@ class AdapterSlots:
 
     def load(self, name: str, state: ModelState, version: int) -> int:
         """Load the adapter state ``state`` (already verified) as ``version`` of adapter ``name``."""
+        t0 = time.perf_counter()
         config, words = split_state(state)
         if config.name != name:
             raise AdapterMismatch(name, f"the state is adapter {config.name!r}")
@@ -126,7 +135,13 @@ class AdapterSlots:
         lora_id = next(self._ids)
         tensors = {n: (spec.dtype, list(spec.shape), words[n].tobytes())
                    for n, spec in ((sp.name, sp) for sp in state.specs) if n in words}
-        results = self._rpc(rpc_lora_add, lora_id, config.peft_json(), tensors)
+        # The versions this one pushes out of the window. One worker: removed in the add's own call
+        # (only once the add succeeded there), so a version costs one round trip to the worker.
+        # Several: after every rank took it, so that a rank's refusal leaves every rank's set as it was.
+        drop = list(s.loaded)[:max(0, len(s.loaded) + 1 - self.window)] if s is not None else []
+        ids = [s.loaded[v] for v in drop] if s is not None else []
+        together = self._ranks == 1
+        results = self._rpc(rpc_lora_add, lora_id, config.peft_json(), tensors, ids if together else None)
         failed = [r for r in results if not r["ok"]]
         if failed:
             self._rpc(rpc_lora_remove, [lora_id])  # ranks that took it give it back
@@ -135,9 +150,11 @@ class AdapterSlots:
             s = self._streams[name] = _Stream(state, version, config)
         s.state, s.version, s.config = state, version, config
         s.loaded[version] = lora_id
-        drop = list(s.loaded)[:-self.window]
-        if drop:
-            self._rpc(rpc_lora_remove, [s.loaded.pop(v) for v in drop])
+        for v in drop:
+            s.loaded.pop(v)
+        if ids and not together:
+            self._rpc(rpc_lora_remove, ids)
+        self.last_load_s = time.perf_counter() - t0
         return version
 
     def _check_fit(self, config: AdapterConfig) -> None:
@@ -153,13 +170,12 @@ class AdapterSlots:
                                                f"not served with LoRA by this engine (it serves {sorted(served)})")
 
 
-async def follow(node: Any, slots: AdapterSlots) -> None:
+async def follow(node: Any, slots: AdapterSlots, on_load: Callable[[str, int], None] | None = None) -> None:
     """Load into ``slots`` every version of the adapter stream that ``node`` (a p2psync node
     following ``lora:<name>``; it verified signature, chunks and fingerprint) applies, newest first
     where several arrived meanwhile. Runs until cancelled; a refused version (e.g. an adapter that
-    does not fit the engine) is raised and ends the loop, the loaded set untouched."""
-    import asyncio
-
+    does not fit the engine) is raised and ends the loop, the loaded set untouched.
+    ``on_load(name, version)``: called on the event loop after each version is loaded."""
     async def take(model_id: str) -> None:
         state, version = node.state, node.version
         if state is None or version is None:
@@ -169,6 +185,8 @@ async def follow(node: Any, slots: AdapterSlots) -> None:
         if have and version <= have[-1]:
             return
         await asyncio.to_thread(slots.load, name, state.clone(), version)
+        if on_load is not None:
+            on_load(name, version)
 
     subscription = node.subscribe()
     # Started before the version held now is loaded, so that none applied meanwhile is missed.
@@ -183,6 +201,55 @@ async def follow(node: Any, slots: AdapterSlots) -> None:
             await take(m.model_id)
     finally:
         nxt.cancel()
+
+
+class Following:
+    """:func:`follow` of one node into one :class:`AdapterSlots`, running as a task (:func:`following`).
+
+    Contract: :meth:`until` returns once the version asked for (or a newer one) is loaded, and
+    raises the loop's own error if the loop ended (a refused version), instead of waiting on."""
+
+    def __init__(self, node: Any, slots: AdapterSlots, name: str = "follow-adapter") -> None:
+        self.slots = slots
+        self._loaded = asyncio.Event()
+        self.task = asyncio.get_running_loop().create_task(follow(node, slots, self._on_load), name=name)
+        self.task.add_done_callback(lambda _: self._loaded.set())
+
+    def _on_load(self, name: str, version: int) -> None:
+        self._loaded.set()
+
+    async def until(self, name: str, version: int) -> None:
+        """Wait until ``version`` of adapter ``name`` or a newer one is loaded (no timeout: wrap it
+        in ``asyncio.timeout``)."""
+        while True:
+            have = self.slots.loaded(name)
+            if have and have[-1] >= version:
+                return
+            if self.task.done():
+                self.task.result()  # the loop's error
+                raise MissingVersion(name, version, have)  # it returned: cancelled from elsewhere
+            self._loaded.clear()
+            await self._loaded.wait()
+
+
+@contextlib.asynccontextmanager
+async def following(node: Any, slots: AdapterSlots) -> AsyncIterator[Following]:
+    """Run :func:`follow` of ``node`` into ``slots`` for the block; on leaving it the loop is
+    cancelled and waited for (its error, if it ended on one, is raised unless the block raised)."""
+    f = Following(node, slots)
+    failed = False
+    try:
+        yield f
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        if not f.task.done():
+            await cancel_quietly(f.task)
+        elif not f.task.cancelled():
+            exc = f.task.exception()  # looked at either way: never "exception was never retrieved"
+            if exc is not None and not failed:
+                raise exc
 
 
 def _name(model_id: str) -> str:

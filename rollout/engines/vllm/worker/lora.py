@@ -47,9 +47,11 @@ def rpc_lora_limits(worker: Any) -> dict[str, Any]:
 
 
 def rpc_lora_add(worker: Any, lora_int_id: int, peft_config: dict[str, Any],
-                 tensors: dict[str, tuple[str, list[int], bytes]]) -> dict[str, Any]:
+                 tensors: dict[str, tuple[str, list[int], bytes]], remove: list[int] | None = None) -> dict[str, Any]:
     """Register the adapter ``tensors`` (PEFT name -> (dtype code, shape, raw bytes)) with
-    ``peft_config`` (its ``adapter_config.json``) under ``lora_int_id`` and pin it."""
+    ``peft_config`` (its ``adapter_config.json``) under ``lora_int_id`` and pin it; then, only if
+    that succeeded, remove the adapters ``remove`` (the versions the caller's window drops: one
+    round trip to the worker per version instead of two). A refusal removes nothing."""
     mgr = _manager(worker)
     am = mgr._adapter_manager
     if lora_int_id in mgr.list_adapters():
@@ -71,6 +73,8 @@ def rpc_lora_add(worker: Any, lora_int_id: int, peft_config: dict[str, Any],
     # Pinned in the registered (CPU) cache only: vLLM's pin_adapter also pins a GPU slot, and
     # max_loras pinned versions would leave no slot for any other adapter a batch names.
     am._pin_lora_in_cpu_cache(lora_int_id)
+    for i in remove or ():
+        mgr.remove_adapter(i)
     return {"ok": True}
 
 
