@@ -8,7 +8,9 @@ segments. The fast Rice reader is checked against a reader that peeks every code
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator
 from unittest import mock
 
 import numpy as np
@@ -99,6 +101,16 @@ CASES = st.tuples(
 )
 
 
+@contextlib.contextmanager
+def _sparse_only() -> Iterator[None]:
+    """The encoder writes sparse segments at any density: no dense swap, no all-changed shortcut."""
+    from p2psync.codec import encode
+
+    with mock.patch.object(dense, "smaller", lambda encoded, *a: encoded), \
+            mock.patch.object(encode, "_all_changed", lambda *a: None):
+        yield
+
+
 def _encoded(case):
     code, n, density, ulps, buckets, level, seed = case
     rng = np.random.default_rng(seed)
@@ -108,7 +120,7 @@ def _encoded(case):
                         context_buckets=buckets)
     # Sparse segments at every density, the dense ones' too (the encoder would code some of those
     # ranges densely: ``dense``, tested in test_codec_dense.py), so the sparse decoder's dense paths stay covered.
-    with mock.patch.object(dense, "smaller", lambda encoded, *a: encoded):
+    with _sparse_only():
         segs = [s for c in encode_delta(base, target, opts).chunks for s in split_chunk(c)]
     return base, target, segs
 
@@ -246,7 +258,7 @@ def test_dense_segments_take_the_fast_paths_and_decode_exactly():
     rng = np.random.default_rng(5)
     old, new = _step(rng, "BF16", 1 << 15, 1.0, 300)
     base, target = state_from_words({"w": ("BF16", old)}), state_from_words({"w": ("BF16", new)})
-    with mock.patch.object(dense, "smaller", lambda encoded, *a: encoded):  # sparse, however large
+    with _sparse_only():  # sparse, however large
         enc = encode_delta(base, target, CodecOptions(threads=1, context_buckets=4))
     segs = [s for c in enc.chunks for s in split_chunk(c)]
     assert len(parse_segment(segs[0]).thresholds) >= 1
