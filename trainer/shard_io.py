@@ -183,7 +183,7 @@ class ShardIO:
                 # cut at the tensor's row blocks where they pay (p2psync.codec.slices), in piece positions
                 off = piece.offset
                 jobs = [self._pool.submit(encode_sparse_range, piece.index, piece.spec, old, pos, vals, s - off,
-                                          e - off, self.opts, off)
+                                          e - off, self.opts, off, False)  # sums: _collect_delta's
                         for s, e in delta_ranges(piece.spec, self.opts.segment_elements, off, off + piece.numel)]
                 out.append((k, piece, pos, vals, jobs))
         return out, time.perf_counter() - t0

@@ -3,11 +3,12 @@
 The sparse coding (``sparse``, ``segencode``) pays for positions; when nearly every element
 of a range changes (a LoRA adapter's step, a large learning rate) the positions cost more than
 the words they save, and the segment grows past the raw words. A delta then codes that range
-densely instead: the new words themselves, their XOR with the base words, or the zigzagged
-integer difference of the new and base words (what the sparse coding's residual is: an Adam step
-of a few ULPs is a small integer, while its XOR spreads over the low bits), as byte planes (the
-high plane of a bf16 XOR or difference is mostly zero: sign and exponent rarely move), raw or
-zstd, whichever is smallest. So a dense segment never holds more than the range's raw words plus its
+densely instead: the new words themselves, or the zigzagged integer difference of the new and
+base words (what the sparse coding's residual is: an Adam step of a few ULPs is a small integer),
+as byte planes (the high plane of a bf16 difference is mostly zero: sign and exponent rarely
+move), raw or zstd, whichever is smallest. (Coding 2, the words' XOR with the base, is decoded but
+no longer written: on adapter steps it was never smaller than the better of the other two, and
+each coding tried is a zstd pass over the range on the publisher's critical path.) So a dense segment never holds more than the range's raw words plus its
 header. Layout (little-endian), after the common header (``segment``, kind 3)::
 
     u8 coding          0 = new words raw, 1 = new words zstd, 2 = XOR with base zstd,
@@ -101,9 +102,6 @@ def encode(tensor: int, start: int, old: np.ndarray, new: np.ndarray, level: int
         z = compress(raw, level)
         if len(z) < len(best):
             best_coding, best = CODING_ZSTD, memoryview(z)
-        x = compress(planes(np.bitwise_xor(old, new)), level)
-        if len(x) < len(best):
-            best_coding, best = CODING_XOR_ZSTD, memoryview(x)
         df = compress(planes(zigzag_diff(old, new)), level)
         if len(df) < len(best):
             best_coding, best = CODING_DIFF_ZSTD, memoryview(df)
@@ -118,15 +116,19 @@ def dense_first(changed: int, n: int) -> bool:
     return den * changed >= num * n
 
 
-def encode_range(tensor: int, start: int, old: np.ndarray, new: np.ndarray, pos: np.ndarray, old_w: np.ndarray,
-            new_w: np.ndarray, seed: np.uint64, level: int) -> tuple[bytes, SegmentStats, tuple[int, int]]:
+def encode_range(tensor: int, start: int, old: np.ndarray, new: np.ndarray, pos: np.ndarray,
+                 old_w: np.ndarray | None, new_w: np.ndarray, seed: np.uint64, level: int
+                 ) -> tuple[bytes, SegmentStats, tuple[int, int]]:
     """The dense segment of ``[start, start + len(new))`` with its statistics and fingerprint sum
     change, as the encoders' segment functions return them. ``old``/``new``: the range's base and
-    new words; ``pos``/``old_w``/``new_w``: its changed positions (in the tensor) and their words."""
+    new words; ``pos``/``old_w``/``new_w``: its changed positions (in the tensor) and their words
+    (``old_w`` ``None``: the sum change is not computed, ``(0, 0)``)."""
     seg, _ = encode(tensor, start, old, new, level)
-    a, b = hash_change(pos, old_w, new_w, seed)
-    return seg, SegmentStats(header=HEADER_BYTES, raw=len(seg) - HEADER_BYTES, changed=int(pos.shape[0])), \
-        (int(a), int(b))
+    h = (0, 0)
+    if old_w is not None:
+        a, b = hash_change(pos, old_w, new_w, seed)
+        h = (int(a), int(b))
+    return seg, SegmentStats(header=HEADER_BYTES, raw=len(seg) - HEADER_BYTES, changed=int(pos.shape[0])), h
 
 
 def smaller(encoded: tuple[bytes, SegmentStats, tuple[int, int]], tensor: int, start: int, stop: int,

@@ -294,13 +294,15 @@ def _scan_job_reference(tensor: int, spec: TensorSpec, old: np.ndarray, new: np.
 
 
 def encode_sparse_range(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.ndarray, vals: np.ndarray, s: int,
-                        e: int, opts: CodecOptions, offset: int = 0) -> SegmentBatch:
+                        e: int, opts: CodecOptions, offset: int = 0, hashes: bool = True) -> SegmentBatch:
     """The delta segments of elements ``[s, e)`` of tensor #``tensor`` from changes found
     elsewhere (e.g. on a GPU): ``pos`` sorted changed positions of the whole tensor, ``vals``
     their new words, ``old`` the base words. Same bytes as :func:`encode_delta` gives for that
     range; ranges from :func:`p2psync.codec.slices.delta_ranges` with ``opts.segment_elements``.
     ``offset``: where ``old`` starts in the tensor, for a shard of it (positions and ranges are
-    then the shard's; the row-block cuts and their sample are the tensor's). Thread-safe."""
+    then the shard's; the row-block cuts and their sample are the tensor's). ``hashes=False``: the
+    caller sums the fingerprint change itself (the publisher does, from the changes it extracted),
+    so ``hash_delta`` is left ``(0, 0)`` and dense ranges skip that pass. Thread-safe."""
     d = dtypes.from_code(spec.dtype)
     cap = opts.max_changes(d.width)
     seed = tensor_seed(spec.name)
@@ -325,13 +327,15 @@ def encode_sparse_range(tensor: int, spec: TensorSpec, old: np.ndarray, pos: np.
                 return w
 
             if dense.dense_first(b - a, stop - at):  # the sparse coding cannot pay here: not tried
-                _add_segment(out, dense.encode_range(tensor, at, old[at:stop], new_words(), p, old[p], vals[a:b],
-                                                     seed, opts.zstd_level))
+                _add_segment(out, dense.encode_range(tensor, at, old[at:stop], new_words(), p,
+                                                     old[p] if hashes else None, vals[a:b], seed, opts.zstd_level))
             else:
                 _add_segment(out, dense.smaller(_encode_segment(tensor, at, stop, old, p, old[p], vals[a:b], d, thr,
                                                                 opts.zstd_level, seed),
                                                 tensor, at, stop, old, new_words, d.width, opts.zstd_level))
             at = stop
+    if not hashes:
+        out.hash_delta = (0, 0)
     return out
 
 

@@ -229,3 +229,43 @@ def test_zigzag_difference_inverts_at_every_width(word):
     z = dense.zigzag_diff(old, new)
     assert z.dtype == old.dtype and int(z[2500:2510].max()) == 1 and int(z[:2500].max()) <= 6
     assert np.array_equal(dense.add_unzigzag(z, old), new)
+
+
+def test_an_xor_coded_segment_still_decodes_bit_exact():
+    """Coding 2 (XOR with the base) is no longer written but stays readable: a segment built by hand
+    in that coding decodes to the new words and the right fingerprint change."""
+    from p2psync import dtypes
+    from p2psync.codec import segdecode
+    from p2psync.state import tensor_seed
+    from p2psync.wordops import hash_change
+
+    base, new = _adapter_step(12, n=5000)
+    old_w, new_w = base.words("lora_A"), new.words("lora_A")
+    payload = segment.compress(segment.planes(np.bitwise_xor(old_w, new_w)), 3)
+    seg = (segment.encode_header(segment.KIND_DENSE, 0, 0, old_w.shape[0])
+           + dense._BODY.pack(dense.CODING_XOR_ZSTD, len(payload)) + payload)
+    assert dense.coding_of(memoryview(seg))[1] == "dense-xor-zstd"
+    seed = tensor_seed("lora_A")
+    p = segment.parse_head(seg)
+    pos, vals, sums = segdecode.decode(seg, p.body_at, 0, old_w.shape[0], dtypes.from_code("BF16"), old_w, seed)
+    assert np.array_equal(pos, np.flatnonzero(old_w != new_w)) and np.array_equal(vals, new_w[pos])
+    a, b = hash_change(pos, old_w[pos], vals, seed)
+    assert sums == (int(a), int(b))
+
+
+def test_a_caller_that_sums_the_fingerprint_itself_gets_the_same_segments():
+    """``hashes=False`` (the publisher, which sums the change from its own extraction): the same bytes,
+    and no sum is claimed."""
+    from p2psync.codec.encode import encode_sparse_range
+    from p2psync.state import tensor_seed
+    from p2psync.wordops import hash_change
+
+    base, new = _adapter_step(13)
+    old_w, new_w = base.words("lora_A"), new.words("lora_A")
+    pos = np.flatnonzero(old_w != new_w)
+    spec = base.specs[0]
+    full = encode_sparse_range(0, spec, old_w, pos, new_w[pos], 0, old_w.shape[0], SMALL)
+    bare = encode_sparse_range(0, spec, old_w, pos, new_w[pos], 0, old_w.shape[0], SMALL, hashes=False)
+    assert bare.segments == full.segments and bare.hash_delta == (0, 0)
+    a, b = hash_change(pos, old_w[pos], new_w[pos], tensor_seed(spec.name))
+    assert full.hash_delta == (int(a), int(b))
