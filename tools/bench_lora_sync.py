@@ -9,7 +9,8 @@ by vLLM (CPU build, ``enable_lora=True``); an adapter of rank ``--rank`` on ever
 ``--lr``: an adapter step's sign update). Per version: ``AdapterPublisher.publish`` on a trainer
 node, a rollout node following it on loopback (plain HTTP, no TLS),
 :func:`rollout.engines.vllm.lora.following` loading each version the node applied into the
-engine's LoRA slots. ``--warmup`` versions go first and are not counted.
+engine's LoRA slots. Measured once both nodes are warm (each warms its codec in the background for
+~2 s after it starts); ``--warmup`` versions go first and are not counted.
 
 Reported: per version the payload against the adapter's raw bf16 bytes and the seconds from the
 call to ``publish()`` to the version being servable (``request()`` gives it; vLLM copies an
@@ -152,6 +153,11 @@ async def _measure(args: argparse.Namespace, root: Path, llm: Any) -> dict:
                                                 "down_proj"], chunk_size=1 << 20)
         try:
             await follower.until("bench", 0)
+            # Each node warms its codec in a background thread for ~2 s after it starts (imports,
+            # compiled kernels), and the rollout node then re-opens its push stream: one-off costs
+            # of a node's first seconds, waited out here so that the figures are the steady state.
+            await asyncio.gather(tr.replica.warm.wait(), fol.replica.warm.wait())
+            await asyncio.sleep(0.5)
             for v in range(1, args.warmup + args.versions + 1):
                 g = torch.Generator().manual_seed(v)
                 for t in master.values():
