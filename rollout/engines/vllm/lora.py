@@ -7,8 +7,10 @@ names the version it is served with: :meth:`AdapterSlots.request` gives the ``Lo
 the newest version or of a named one. Because every version has its own id, loading version
 ``v + 1`` never touches version ``v``: a request in flight finishes on the version it started
 with, and a new request gets the newest version as soon as :meth:`AdapterSlots.apply` returned.
-The last ``window`` versions of each adapter stay loaded (TRL's ``max_staleness + 1``); older
-ones are removed once a newer version is loaded. Requests still running on a version the window
+:func:`following` keeps a node's versions flowing into the slots for the length of a block
+(:func:`follow` as a task; ``until`` waits for a version). The last ``window`` versions of each
+adapter stay loaded (TRL's ``max_staleness + 1``); older ones are removed once a newer version is
+loaded (with one worker, in the same call to it). Requests still running on a version the window
 drops need ``window`` at least their staleness (vLLM would otherwise look for the version's
 folder, which does not exist).
 
@@ -226,8 +228,9 @@ class Following:
             if have and have[-1] >= version:
                 return
             if self.task.done():
-                self.task.result()  # the loop's error
-                raise MissingVersion(name, version, have)  # it returned: cancelled from elsewhere
+                if not self.task.cancelled():
+                    self.task.result()  # the loop's error
+                raise MissingVersion(name, version, have)  # the loop was stopped from elsewhere
             self._loaded.clear()
             await self._loaded.wait()
 
