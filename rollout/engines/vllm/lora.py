@@ -8,9 +8,9 @@ the newest version or of a named one. Because every version has its own id, load
 ``v + 1`` never touches version ``v``: a request in flight finishes on the version it started
 with, and a new request gets the newest version as soon as :meth:`AdapterSlots.apply` returned.
 The last ``window`` versions of each adapter stay loaded (TRL's ``max_staleness + 1``); older
-ones are removed once a newer version is loaded. Requests still running on a version the window
-drops need ``window`` at least their staleness (vLLM would otherwise look for the version's
-folder, which does not exist).
+ones are removed once a newer version is loaded, except a version pinned by a batch still running
+on it (:meth:`AdapterSlots.pin`; :mod:`rollout.engines.vllm.pins`): it stays, taking no place in
+the window, and is removed when its last batch lets it go.
 
 Refusals, each typed and each leaving the loaded set and the stream's state untouched:
 :class:`~p2psync.errors.SignatureError` (wrong key, unsigned),
@@ -23,7 +23,8 @@ above ``max_lora_rank``, target modules the engine does not serve LoRA on),
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ from p2psync.artifact import Manifest
 from p2psync.codec.decode import Applier
 from p2psync.errors import AdapterMismatch, ConfigError, MissingVersion, WrongBase
 from p2psync.state import ModelState
+from rollout.engines.vllm.pins import Pins, kept
 
 
 @dataclass
@@ -62,6 +64,8 @@ class AdapterSlots:
         self.allow_unsigned = allow_unsigned
         self.window = window
         self._streams: dict[str, _Stream] = {}
+        self._pins = Pins()
+        self._lock = threading.RLock()  # a batch pins from the generating thread while follow() loads
         from rollout.engines.vllm.worker.lora import rpc_lora_limits
 
         self.limits: dict[str, Any] = self._rpc(rpc_lora_limits)[0]
@@ -92,6 +96,36 @@ class AdapterSlots:
             raise MissingVersion(name, v, have)
         return LoRARequest(lora_name=f"{name}@{v}", lora_int_id=s.loaded[v], lora_path=f"p2psync:{name}@{v}")
 
+    def pin(self, name: str, version: int) -> Callable[[], None]:
+        """Keep ``version`` of adapter ``name`` loaded while a batch runs on it, whatever newer
+        versions load meanwhile; returns the release (call it once the batch ended; idempotent),
+        which removes the version if the window has moved past it and no other batch holds it.
+        :class:`~p2psync.errors.MissingVersion` when that version is not loaded."""
+        with self._lock:
+            self.request(name, version)  # loaded?
+            self._pins.start(name, version)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if released:
+                    return
+                released = True
+                if self._pins.finish(name, version):
+                    self._evict(name)
+        return release
+
+    def _evict(self, name: str) -> None:
+        """Remove the versions of ``name`` neither in the window nor pinned (caller holds the lock)."""
+        s = self._streams[name]
+        keep = kept(s.loaded, self.window, self._pins.pinned(name))
+        drop = [v for v in s.loaded if v not in keep]
+        if drop:
+            from rollout.engines.vllm.worker.lora import rpc_lora_remove
+
+            self._rpc(rpc_lora_remove, [s.loaded.pop(v) for v in drop])
+
     # --- taking versions ------------------------------------------------------------------
     def apply(self, manifest: Manifest, chunks: Iterable[tuple[int, bytes | memoryview]]) -> int:
         """Check the adapter artifact ``manifest`` (signature, base, fit) and its chunks (hashes are
@@ -114,6 +148,10 @@ class AdapterSlots:
 
     def load(self, name: str, state: ModelState, version: int) -> int:
         """Load the adapter state ``state`` (already verified) as ``version`` of adapter ``name``."""
+        with self._lock:
+            return self._load(name, state, version)
+
+    def _load(self, name: str, state: ModelState, version: int) -> int:
         config, words = split_state(state)
         if config.name != name:
             raise AdapterMismatch(name, f"the state is adapter {config.name!r}")
@@ -135,9 +173,7 @@ class AdapterSlots:
             s = self._streams[name] = _Stream(state, version, config)
         s.state, s.version, s.config = state, version, config
         s.loaded[version] = lora_id
-        drop = list(s.loaded)[:-self.window]
-        if drop:
-            self._rpc(rpc_lora_remove, [s.loaded.pop(v) for v in drop])
+        self._evict(name)
         return version
 
     def _check_fit(self, config: AdapterConfig) -> None:
