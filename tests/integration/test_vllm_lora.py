@@ -5,8 +5,10 @@ Versions 0..2 of an adapter (an Adam-like step changes every element) are signed
 stream ``lora:policy``; :class:`AdapterSlots` loads each from memory. Greedy tokens and logprobs
 with the delivered version equal those vLLM gives for the same adapter loaded from a PEFT folder
 (``LoRARequest`` with a path), for two consecutive versions; the previous version stays served
-beside the new one, the one before is evicted by the window; every refusal leaves the loaded set
-(and the engine's registered adapters) untouched.
+beside the new one, the one before is evicted by the window; a batch in flight on a version the
+window moves past keeps it (pinned) and finishes as the folder load serves it, and the version is
+removed once the batch lets it go; every refusal leaves the loaded set (and the engine's registered
+adapters) untouched.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ def engine(tmp_path_factory):
         model.get_input_embeddings().weight.mul_(3.0)
     model.save_pretrained(root / "model")
     kw = llm_kwargs(EngineConfig(engine="vllm", model_path=str(root / "model"),
-                                 vllm=dict(enable_lora=True, max_lora_rank=R, max_loras=2, max_cpu_loras=6)),
+                                 vllm=dict(enable_lora=True, max_lora_rank=R, max_loras=2, max_cpu_loras=8)),
                     str(root / "model"))
     kw["max_model_len"] = 256
     llm = start_llm(kw)
@@ -223,3 +225,47 @@ def test_published_versions_reach_the_engine_through_the_tree(engine, tmp_path):
 
     asyncio.run(go())
     assert slots.loaded("tree") == [1, 2]
+
+
+@pytest.mark.timeout(240)  # without the pin vLLM's engine core dies mid-batch and step() never returns
+def test_a_batch_in_flight_keeps_its_version_until_it_is_done(engine):
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+
+    from rollout.engines.vllm.lora import AdapterSlots
+
+    llm, _, priv, base_fp, root = engine
+    slots = AdapterSlots(llm, base_fingerprint=base_fp, public_key=priv.public_key(), window=2)  # ids clear of others
+    config = adapter.AdapterConfig("pinned", R, 16.0, TARGETS, base_fp, "tiny-qwen3")
+    stream = _Stream(priv, config, _tensors(7))
+    stream.step(8)
+    stream.step(9)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    sp = SamplingParams(temperature=0, max_tokens=24, logprobs=1, detokenize=False)
+    folder = adapter.write_peft_folder(root / "pinned-v0", stream.tensors[0], config)
+    want = llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False,
+                        lora_request=LoRARequest(lora_name="pinned-folder", lora_int_id=300, lora_path=str(folder)))[0]
+    assert slots.apply(*stream.artifact(0)) == 0
+    release = slots.pin("pinned", 0)  # as the vllm-lora engine does for each batch
+    core = llm.llm_engine
+    core.add_request("pinned-0", {"prompt_token_ids": prompt}, sp, lora_request=slots.request("pinned", 0))
+    outs = core.step()  # running on version 0
+    for v in (1, 2):  # the window (2) moves past version 0 while the batch runs
+        assert slots.apply(*stream.artifact(v)) == v
+    assert slots.loaded("pinned") == [0, 1, 2]
+    id0 = slots.request("pinned", 0).lora_int_id
+    for _ in range(100):
+        if any(o.request_id == "pinned-0" and o.finished for o in outs):
+            break
+        outs = core.step()
+    else:
+        pytest.fail("the batch did not finish in 100 steps")
+    got = next(o for o in outs if o.request_id == "pinned-0").outputs[0]
+    assert (list(got.token_ids), [lp[t].logprob for t, lp in zip(got.token_ids, got.logprobs)]) == (
+        list(want.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(want.outputs[0].token_ids,
+                                                                          want.outputs[0].logprobs)])
+    release()  # the batch is done: version 0 leaves
+    assert slots.loaded("pinned") == [1, 2]
+    assert id0 not in _registered(slots)
+    with pytest.raises(MissingVersion):
+        slots.request("pinned", 0)

@@ -3,7 +3,7 @@
 One server (the CPU build's ``vllm serve`` entry, tiny random Qwen3, ``--enable-lora``,
 ``--max-lora-rank 8``, the ``p2psync`` weight-transfer backend, ``P2PSYNC_LORA_WINDOW=2``) serves
 every check. Trainer nodes in this process publish signed adapter streams with
-:class:`~trainer.adapter.AdapterPublisher`: ``lora:policy`` (versions 0..3), and one stream per
+:class:`~trainer.adapter.AdapterPublisher`: ``lora:policy`` (versions 0..5), and one stream per
 refusal (another key, another base, rank 16, a target module vLLM serves no LoRA on). The
 client loads a version with vLLM's ``POST /v1/load_lora_adapter`` and a ``p2psync:<adapter>@<N>``
 path; the workers pull it from the adapter's node. Greedy tokens and logprobs served under
@@ -12,7 +12,10 @@ adapter from a PEFT folder (vLLM's own folder loader), for three consecutive ver
 in flight while the next version loads finishes on the version it started with; the window keeps
 two versions named. vLLM's own LRU holds two adapters (``--max-cpu-loras 2``), so versions are
 evicted behind the test's back and registered again from the workers' memory when a request names
-them (no folder exists for them). Every refusal answers its HTTP error and leaves the named models, the
+them (no folder exists for them). A request held running on a version (the scheduler paused with
+``/pause?mode=keep``; ``--enable-log-requests`` says when it reached the engine) while two newer versions load keeps that version named and in the workers'
+memory; it finishes bit for bit as the PEFT folder of that version serves, the engine stays up, and
+the version leaves once the request ended. Every refusal answers its HTTP error and leaves the named models, the
 workers' registered adapters and the served tokens as they were. Processes are ended by the ids
 of the process groups this module started.
 """
@@ -104,13 +107,13 @@ def served(tmp_path_factory):
                          "--model", str(root / "model"), "--skip-tokenizer-init", "--dtype", "bfloat16",
                          "--max-model-len", "256", "--enforce-eager", "--kv-cache-memory-bytes", "1G",
                          "--logprobs-mode", "processed_logprobs", "--weight-transfer-config", '{"backend": "p2psync"}',
-                         "--enable-lora", "--max-lora-rank", str(R), "--max-loras", "2", "--max-cpu-loras", "2",
+                         "--enable-log-requests", "--enable-lora", "--max-lora-rank", str(R), "--max-loras", "2", "--max-cpu-loras", "2",
                          "--port", str(port)], root, env, root / "serve.log")
     trainers: dict[str, Trainer] = {}
     try:
         # The streams are published while vLLM starts.
         trainers["policy"] = Trainer(root, "policy", priv, base_fp, _tensors(0))
-        for s in (1, 2, 3):
+        for s in (1, 2, 3, 4, 5):
             trainers["policy"].step(s)
         trainers["rogue"] = Trainer(root, "rogue", keys.generate(), base_fp, _tensors(0))  # another key
         trainers["elsewhere"] = Trainer(root, "elsewhere", priv, "f" * 32, _tensors(0))  # another base
@@ -245,3 +248,54 @@ def test_refusals_leave_the_served_set_untouched(served):
     assert code == 200, body
     assert {n for n in models(url) if n.startswith("policy")} == {"policy@v2", "policy@v3", "policy"}
     assert [m for m, _, _ in answers(url, "policy")] == ["policy@v3"] * len(PROMPTS)
+
+
+def test_a_version_requests_run_on_stays_until_they_end(served):
+    url, trainers, root = served
+    if "policy@v3" not in models(url):
+        pytest.skip("needs the versions the first tests load")
+    config = adapter.AdapterConfig("policy", R, 16.0, TARGETS, "unused")
+    folder = adapter.write_peft_folder(root / "peft-v3", trainers["policy"].published[3], config)
+    code, body = load(url, "folder-v3", str(folder))
+    assert code == 200, body
+    n = 48
+    reference = answers(url, "folder-v3", [LONG], n)[0][1:]
+    log = root / "serve.log"
+    added = log.read_text().count("Added request")
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(answers(url, "policy@v3", [LONG], n)[0])
+        except BaseException as exc:  # handed to the test thread
+            out.append(exc)
+
+    assert call(url + "/pause?mode=keep", {})[0] == 200  # requests stay in flight, not scheduled
+    t = threading.Thread(target=run)
+    resumed = False
+    try:
+        t.start()
+        until(lambda: log.read_text().count("Added request") > added, 60, "the request reaching the engine")
+        for v in (4, 5):  # the window (2) moves past version 3 while its request is in flight
+            code, body = load(url, f"policy@v{v}", f"p2psync:policy@{v}")
+            assert code == 200, body
+        named = {m for m in models(url) if m.startswith("policy")}
+        assert named == {"policy@v3", "policy@v4", "policy@v5", "policy"}  # pinned beside the window
+        assert not out, out
+        # vLLM's LRU (two adapters) has evicted version 3: scheduled now, it is registered again
+        # from the workers' memory.
+        assert call(url + "/resume", {})[0] == 200
+        resumed = True
+    finally:
+        if not resumed:
+            call(url + "/resume", {})
+        t.join(300)
+    (got,) = out
+    assert not isinstance(got, BaseException), got
+    assert got == ("policy@v3", *reference)  # tokens and logprobs as vLLM serves version 3 from its PEFT folder
+    assert call(url + "/health", method="GET", timeout=5)[0] == 200  # the engine is alive
+    until(lambda: "policy@v3" not in models(url), 30, "version 3 leaving once its request ended")
+    assert {m for m in models(url) if m.startswith("policy")} == {"policy@v4", "policy@v5", "policy"}
+    code, body = call(url + "/v1/completions", {"model": "policy@v3", "prompt": [1, 2], "max_tokens": 2})
+    assert code == 404, body
+    assert greedy(url, "policy") == greedy(url, "policy@v5")

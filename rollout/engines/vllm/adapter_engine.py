@@ -6,7 +6,8 @@ adapter version the node holds. The base weights are the checkpoint ``model_path
 never change; each version the node verified is loaded into vLLM's live LoRA slots from memory by
 :class:`~rollout.engines.vllm.lora.AdapterSlots` (one ``lora_int_id`` per version, the last
 ``P2PSYNC_LORA_WINDOW`` kept, default 2), and a batch's requests all name the version the engine
-held when the batch started. Every token records that version (``SeqState.versions``, the
+held when the batch started, and that version stays loaded until the batch is done (pinned,
+:meth:`~rollout.engines.vllm.lora.AdapterSlots.pin`). Every token records that version (``SeqState.versions``, the
 coordinator's ``versions``): the rollout's adapter version.
 
 Versions switch between batches (``switch_mid_generation = False``): a new version gets its own id,
@@ -26,8 +27,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from p2psync.errors import ConfigError, FingerprintMismatch, P2PSyncError
-from rollout.engines.base import EngineConfig, Prepared
-from rollout.engines.vllm.engine import VLLMEngine, llm_kwargs, start_llm
+from rollout.engines.base import EngineConfig, Prepared, SeqRequest
+from rollout.engines.vllm.engine import VLLMEngine, VLLMGeneration, llm_kwargs, start_llm
 
 if TYPE_CHECKING:
     from p2psync.artifact import Manifest
@@ -91,6 +92,20 @@ class VLLMAdapterEngine(VLLMEngine):
         if self._adapter is None or self.version is None:
             raise RuntimeError("the engine holds no adapter version yet (call load() first)")
         return self.slots.request(self._adapter, self.version)
+
+    def start(self, requests: Sequence[SeqRequest]) -> VLLMGeneration:
+        """A batch on the version held, pinned in the slots until every sequence of it is done (a
+        version loaded meanwhile never removes the one the batch runs on)."""
+        if self._adapter is None or self.version is None:
+            raise RuntimeError("the engine holds no adapter version yet (call load() first)")
+        release = self.slots.pin(self._adapter, self.version)
+        try:
+            gen = super().start(requests)
+        except BaseException:
+            release()
+            raise
+        gen.on_done(release)
+        return gen
 
     def _take(self, state: ModelState, version: int) -> None:
         """Load ``state`` (verified) into vLLM as ``version`` and adopt it (nothing changes if refused)."""

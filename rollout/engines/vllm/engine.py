@@ -51,7 +51,7 @@ import re
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from p2psync.errors import ConfigError, FingerprintMismatch, P2PSyncError
@@ -428,8 +428,19 @@ class VLLMGeneration(Generation):
         self.engine = engine
         self.seqs = [SeqState(r) for r in requests]
         self._ids: dict[str, int] = {}
+        self._on_done: list[Callable[[], None]] = []
         with engine.calling() as llm:
             self._add(llm.llm_engine, requests, SamplingParams)
+
+    def on_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once every sequence of the batch is done (now, if it already is)."""
+        self._on_done.append(fn)
+        self._check_done()
+
+    def _check_done(self) -> None:
+        if self.done:
+            while self._on_done:
+                self._on_done.pop()()
 
     def _add(self, core: Any, requests: list[SeqRequest], params: Any) -> None:
         lora = self.engine.lora_request()
@@ -471,6 +482,7 @@ class VLLMGeneration(Generation):
                 if last and out.finished:
                     s.finish_reason = "stop" if comp.finish_reason == "stop" else "length"
                 events.append(TokenEvent(i, tok, lp, version, s.finish_reason if last else None))
+        self._check_done()
         return events
 
     def cancel(self, indices: Iterable[int]) -> None:
@@ -480,3 +492,4 @@ class VLLMGeneration(Generation):
             with self.engine.calling() as llm:
                 llm.llm_engine.abort_request(rids)
         super().cancel(idx)
+        self._check_done()

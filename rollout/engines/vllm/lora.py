@@ -10,9 +10,9 @@ with, and a new request gets the newest version as soon as :meth:`AdapterSlots.a
 :func:`following` keeps a node's versions flowing into the slots for the length of a block
 (:func:`follow` as a task; ``until`` waits for a version). The last ``window`` versions of each
 adapter stay loaded (TRL's ``max_staleness + 1``); older ones are removed once a newer version is
-loaded (with one worker, in the same call to it). Requests still running on a version the window
-drops need ``window`` at least their staleness (vLLM would otherwise look for the version's
-folder, which does not exist).
+loaded (with one worker, in the same call to it), except a version pinned by a batch still running
+on it (:meth:`AdapterSlots.pin`; :mod:`rollout.engines.vllm.pins`): it stays, taking no place in
+the window, and is removed when its last batch lets it go.
 
 Refusals, each typed and each leaving the loaded set and the stream's state untouched:
 :class:`~p2psync.errors.SignatureError` (wrong key, unsigned),
@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
@@ -39,6 +40,7 @@ from p2psync.codec.decode import Applier
 from p2psync.errors import AdapterMismatch, ConfigError, MissingVersion, WrongBase
 from p2psync.state import ModelState
 from p2psync.transport.client import cancel_quietly
+from rollout.engines.vllm.pins import Pins, kept
 
 
 @dataclass
@@ -70,6 +72,8 @@ class AdapterSlots:
         self.last_load_s: float | None = None
         """Seconds the last successful :meth:`load` took (the round trip to the workers included)."""
         self._streams: dict[str, _Stream] = {}
+        self._pins = Pins()
+        self._lock = threading.RLock()  # a batch pins from the generating thread while follow() loads
         from rollout.engines.vllm.worker.lora import rpc_lora_limits
 
         ranks = self._rpc(rpc_lora_limits)
@@ -102,6 +106,36 @@ class AdapterSlots:
             raise MissingVersion(name, v, have)
         return LoRARequest(lora_name=f"{name}@{v}", lora_int_id=s.loaded[v], lora_path=f"p2psync:{name}@{v}")
 
+    def pin(self, name: str, version: int) -> Callable[[], None]:
+        """Keep ``version`` of adapter ``name`` loaded while a batch runs on it, whatever newer
+        versions load meanwhile; returns the release (call it once the batch ended; idempotent),
+        which removes the version if the window has moved past it and no other batch holds it.
+        :class:`~p2psync.errors.MissingVersion` when that version is not loaded."""
+        with self._lock:
+            self.request(name, version)  # loaded?
+            self._pins.start(name, version)
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            with self._lock:
+                if released:
+                    return
+                released = True
+                if self._pins.finish(name, version):
+                    self._evict(name)
+        return release
+
+    def _evict(self, name: str) -> None:
+        """Remove the versions of ``name`` neither in the window nor pinned (caller holds the lock)."""
+        s = self._streams[name]
+        keep = kept(s.loaded, self.window, self._pins.pinned(name))
+        drop = [v for v in s.loaded if v not in keep]
+        if drop:
+            from rollout.engines.vllm.worker.lora import rpc_lora_remove
+
+            self._rpc(rpc_lora_remove, [s.loaded.pop(v) for v in drop])
+
     # --- taking versions ------------------------------------------------------------------
     def apply(self, manifest: Manifest, chunks: Iterable[tuple[int, bytes | memoryview]]) -> int:
         """Check the adapter artifact ``manifest`` (signature, base, fit) and its chunks (hashes are
@@ -124,6 +158,10 @@ class AdapterSlots:
 
     def load(self, name: str, state: ModelState, version: int) -> int:
         """Load the adapter state ``state`` (already verified) as ``version`` of adapter ``name``."""
+        with self._lock:
+            return self._load(name, state, version)
+
+    def _load(self, name: str, state: ModelState, version: int) -> int:
         t0 = time.perf_counter()
         config, words = split_state(state)
         if config.name != name:
@@ -140,7 +178,10 @@ class AdapterSlots:
         # The versions this one pushes out of the window. One worker: removed in the add's own call
         # (only once the add succeeded there), so a version costs one round trip to the worker.
         # Several: after every rank took it, so that a rank's refusal leaves every rank's set as it was.
-        drop = list(s.loaded)[:max(0, len(s.loaded) + 1 - self.window)] if s is not None else []
+        # Pinned versions stay (rollout.engines.vllm.pins).
+        loaded = list(s.loaded) if s is not None else []
+        keep = set(kept([*loaded, version], self.window, self._pins.pinned(name)))
+        drop = [v for v in loaded if v not in keep]
         ids = [s.loaded[v] for v in drop] if s is not None else []
         together = self._ranks == 1
         results = self._rpc(rpc_lora_add, lora_id, config.peft_json(), tensors, ids if together else None)

@@ -45,7 +45,7 @@ def test_after_each_load_the_alias_names_the_newest_and_the_window_keeps_the_las
     for v in (0, 1, 2):
         models.lora_requests[f"policy@v{v}"] = SimpleNamespace(lora_name=f"policy@v{v}", lora_path=f"p2psync:policy@{v}",
                                                                lora_int_id=next(ids))
-        served_adapters._after_load(models, "policy")
+        served_adapters._settle(models, "policy")
         assert models.lora_requests["policy"] is models.lora_requests[f"policy@v{v}"]  # same id: no reload
     assert sorted(models.lora_requests) == ["mine", "other@v5", "policy", "policy@v1", "policy@v2"]
     assert models.lora_requests["mine"] is folder and models.lora_requests["other@v5"] is other

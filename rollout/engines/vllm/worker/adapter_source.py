@@ -10,7 +10,9 @@ served by :data:`SOURCE`, every other path by vLLM's own loader, unchanged.
 
 :class:`AdapterSource` (one per worker process) keeps, per adapter, the newest decoded stream state
 (the base of the next delta) and vLLM's in-memory ``LoRAModel`` of its last ``window`` versions
-(:data:`WINDOW_ENV`, default 2). Asked for a version it does not hold yet, it plans the chain of
+(:data:`WINDOW_ENV`, default 2), or, once the API server has said which versions it keeps
+(:meth:`AdapterSource.keep`, the ``collective_rpc`` :data:`KEEP_RPC`: the window plus the versions
+requests still run on, :mod:`rollout.engines.vllm.pins`), exactly those. Asked for a version it does not hold yet, it plans the chain of
 artifacts from the version it holds on the adapter's node (``init_info.adapters[<adapter>]``, else
 ``init_info.url``; the p2psync backend's init gives the token, key and certificate), fetches each
 signed manifest and its verified chunks, decodes them, checks the adapter against the engine
@@ -46,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "p2psync:"
 _PATH = re.compile(r"^p2psync:([^@\s]+)@(0|[1-9][0-9]*)$")
+KEEP_RPC = "p2psync_keep_adapters"
+"""The worker method (``collective_rpc``) by which the API server says which versions to keep."""
 WINDOW_ENV = "P2PSYNC_LORA_WINDOW"
 """Versions of each adapter a server keeps loaded (read by the API server and the workers alike)."""
 
@@ -100,6 +104,26 @@ class AdapterSource:
         self._lock = threading.Lock()
         self._fetcher: Any = None
         self._base_fp: str | None = None
+        self._told: dict[str, int] = {}
+        """adapter -> number of the last keep message applied (its versions are the API server's to drop)."""
+
+    def keep(self, adapter: str, versions: list[int], seq: int) -> list[int]:
+        """Keep, of ``adapter``'s versions older than the newest in ``versions``, exactly those in
+        ``versions`` (message ``seq`` of the API server; an older message than one applied is
+        ignored). Returns the versions held."""
+        with self._lock:
+            if seq <= self._told.get(adapter, 0):
+                return self.versions(adapter)
+            self._told[adapter] = seq
+            h = self._held.get(adapter)
+            if h is not None and versions:
+                top = max(versions)
+                for v in [v for v in h.models if v < top and v not in versions]:
+                    del h.models[v]
+            held = self.versions(adapter)
+        logger.info("p2psync: adapter %s versions held in memory %s (kept by the API server: %s)",
+                    adapter, held, versions)
+        return held
 
     def versions(self, adapter: str) -> list[int]:
         """Versions of ``adapter`` this worker holds in memory, oldest first."""
@@ -125,8 +149,9 @@ class AdapterSource:
                 h = self._held[adapter] = _Held(state, version, config)
             h.state, h.version, h.config = state, version, config
             h.models[version] = lora
-            for old in list(h.models)[:-keep]:
-                del h.models[old]
+            if adapter not in self._told:  # else the API server says what leaves (it knows the pins)
+                for old in list(h.models)[:-keep]:
+                    del h.models[old]
             logger.info("p2psync: adapter %s version %d loaded from memory (lora_int_id %d; held %s)",
                         adapter, version, lora_int_id, list(h.models))
             return lora
@@ -242,4 +267,15 @@ def install() -> bool:
 
     _load_adapter._p2psync = True  # type: ignore[attr-defined]
     WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
+    try:
+        from vllm.v1.worker.worker_base import WorkerWrapperBase
+    except ImportError:
+        return True
+    if not hasattr(WorkerWrapperBase, KEEP_RPC):
+        setattr(WorkerWrapperBase, KEEP_RPC, _keep_rpc)
     return True
+
+
+def _keep_rpc(worker: Any, adapter: str, versions: list[int], seq: int) -> list[int]:
+    """:data:`KEEP_RPC` on a vLLM worker: :meth:`AdapterSource.keep` of :data:`SOURCE`."""
+    return SOURCE.keep(adapter, [int(v) for v in versions], int(seq))
