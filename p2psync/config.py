@@ -98,6 +98,10 @@ class LimitsConfig:
     """Seconds a failed parent is skipped before it is tried again."""
     avoid_seconds: float = 300.0
     """Seconds a parent that served a corrupt chunk is avoided."""
+    max_rest: float = 30.0
+    """Longest rest of a failed parent (the rest doubles per failure in a row up to this), and the
+    rest of a parent that refused this node for a reason only an operator fixes (a wrong cluster
+    token, another CA, revoked) before it is tried again."""
     sse_keepalive: float = 5.0
     """Seconds between keep-alive comments on the head event stream."""
     poll_interval: float = 5.0
@@ -388,7 +392,7 @@ class NodeConfig:
         if lim.max_header_bytes < 256:
             raise ConfigError("limits.max_header_bytes", "must be at least 256")
         for name in ("idle_timeout", "stall_timeout", "chunk_wait_timeout", "retry_after", "avoid_seconds",
-                     "sse_keepalive", "poll_interval"):
+                     "max_rest", "sse_keepalive", "poll_interval"):
             if not getattr(lim, name) > 0:
                 raise ConfigError(f"limits.{name}", "must be > 0")
         if lim.parallel_streams > 64:

@@ -46,9 +46,14 @@ if [ $# -gt 0 ]; then
   exec .venv/bin/python -m pytest -q "$@"
 fi
 # verl pins a transformers older than vLLM 0.32's: its tests (marked verl) run in a venv of their own
-# that reuses .venv's packages (tools/verl_venv.sh), first; then everything else.
+# that reuses .venv's packages (tools/verl_venv.sh), first. Then the unit tests of the pure cores (no vLLM,
+# no node processes) in two pytest-xdist workers, one per core: on this 2-core machine they take about
+# half the time. Then everything else one test at a time: vLLM engines, node processes and network
+# namespaces each want the machine to themselves.
 rc=0
 bash tools/verl_venv.sh
 PYTHONPATH="$PWD" .venv-verl/bin/python -m pytest -q -m verl || rc=$?
-.venv/bin/python -m pytest -q -m "not verl" || rc=$?
+cores=(tests/unit/p2psync tests/unit/topology tests/unit/demo)
+.venv/bin/python -m pytest -q -m "not verl" -n 2 "${cores[@]}" || rc=$?
+.venv/bin/python -m pytest -q -m "not verl" "${cores[@]/#/--ignore=}" || rc=$?
 exit "$rc"

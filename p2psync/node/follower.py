@@ -95,7 +95,7 @@ class Follower:
         self.client = client
         self.parent_changed = asyncio.Event()
         lim = config.limits
-        self.upstream = Upstream(client, ParentSet(list(config.parents), lim.retry_after, lim.avoid_seconds),
+        self.upstream = Upstream(client, ParentSet(list(config.parents), lim.retry_after, lim.avoid_seconds, lim.max_rest),
                                  metrics, self.parent_changed.set, log)
         self.upstream_cat: Catalogue | None = None
         """The parent's latest catalogue."""

@@ -79,7 +79,9 @@ def chunk_proxy(upstream: str, mode: str, tls: Tls | None = None) -> Iterator[Ch
     box: dict = {}
 
     async def serve() -> None:
-        runner = web.AppRunner(web.Application(), access_log=None, handle_signals=False)
+        # Requests still in flight when the block ends (a node's long-lived stream through the proxy)
+        # are cancelled at once: aiohttp's default waits 60 s for them, longer than the join below.
+        runner = web.AppRunner(web.Application(), access_log=None, handle_signals=False, shutdown_timeout=0.5)
         runner.app.router.add_route("GET", "/{tail:.*}", proxy.handle)
         await runner.setup()
         ctx = tls.server_context if tls is not None else None
@@ -109,3 +111,4 @@ def chunk_proxy(upstream: str, mode: str, tls: Tls | None = None) -> Iterator[Ch
     finally:
         box["loop"].call_soon_threadsafe(box["stop"].set)
         t.join(30)
+        assert not t.is_alive(), "the proxy did not stop within 30 s"

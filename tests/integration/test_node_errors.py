@@ -31,7 +31,8 @@ def test_a_wrong_cluster_token_is_named_once_while_retries_go_on(cluster: Cluste
     Workload(cluster.priv, numel=20_000).snapshot(cluster.publish_dir)
     tr = cluster.start("trainer", "trainer", publish=True)
     wrong = "not-the-clusters-token-000"
-    relay = cluster.start("relay", "relay", [tr.url], extra=[f"--cluster_token={wrong}"])
+    # A refusing parent rests limits.max_rest (30 s by default) before the next try: 1 s here.
+    relay = cluster.start("relay", "relay", [tr.url], extra=[f"--cluster_token={wrong}", "--limits.max_rest=1"])
     wait_for(lambda: _said(relay, "wrong cluster token", "cluster_token"), 120, "the relay naming the cause")
     wait_for(lambda: _refusals(relay, wrong) >= 2, 120, "a retry after the first refusal")
     lines = [line for line in relay.log.read_text().splitlines() if "wrong cluster token" in line]

@@ -5,21 +5,20 @@ Trainer (us), relay-eu (eu), eu-1 (eu), us-1 (us), joined through gossip (the tr
 every node's version and role, with exactly the parent each node really pulls from (the coordinator
 may re-plan it), show transfer progress while a version flows, and move every node to the new
 version once it is published (the page polls /ui/state; nothing reloads it). A screenshot taken
-mid-transfer is kept under the test's tmp dir and copied to docs/benchmarks/ui.png.
+mid-transfer is kept under the test's tmp dir (``tools/ui_screenshot.sh`` copies it to docs/benchmarks/ui.png).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import subprocess
 
 import needs
 import pytest
 import tlsutil
 from nodeproc import CLI, TOKEN, Cluster, Workload, at_version, request, wait_for
-from ui_browser import REPO, Browser
+from ui_browser import Browser
 
 pytestmark = pytest.mark.integration
 
@@ -134,4 +133,3 @@ def test_live_page_shows_the_tree_and_follows_a_new_version(cluster: Cluster, tm
         assert s["version"] == 1 and s["fingerprint"] == w.fingerprints[1]
     data = shot.read_bytes()
     assert data.startswith(b"\x89PNG") and len(data) > 10_000
-    shutil.copyfile(shot, REPO / "docs" / "benchmarks" / "ui.png")

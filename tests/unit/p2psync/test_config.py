@@ -59,6 +59,7 @@ def test_parse_overrides_nests_dotted_keys():
     (["--role=king"], "role"),
     (["--listen.port=70000"], "listen.port"),
     (["--limits.stall_timeout=0"], "limits.stall_timeout"),
+    (["--limits.max_rest=0"], "limits.max_rest"),
     (["--limits.parallel_streams=abc"], "limits.parallel_streams"),
     (["--limits.decode_nice=20"], "limits.decode_nice"),
     (["--limits.decode_nice=-1"], "limits.decode_nice"),

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import threading
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.metadata import EntryPoint
 from pathlib import Path
 from typing import Any
@@ -37,12 +39,13 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 class Recorder:
-    """A ``VLLMWeightSyncClient`` that records each call, and at each update what the trainer node held."""
+    """A ``VLLMWeightSyncClient`` that records each call, and at each update what the trainer node of
+    ``engine`` (set once the engine is built) held."""
 
-    def __init__(self, engine_ref: list, fail: str | None = None) -> None:
+    def __init__(self, fail: str | None = None) -> None:
         self.calls: list[tuple[str, Any]] = []
         self.held: list[tuple[int | None, str | None]] = []
-        self.engine_ref = engine_ref
+        self.engine: P2PSyncTrainerEngine | None = None
         self.fail = fail
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
@@ -55,7 +58,8 @@ class Recorder:
 
     def update_weights(self, update_info: Any) -> None:
         self.calls.append(("update", update_info))
-        node = self.engine_ref[0].background.node
+        assert self.engine is not None and self.engine.background is not None
+        node = self.engine.background.node
         self.held.append((node.version, node.fingerprint))
         if self.fail == "update":
             self.fail = None
@@ -139,6 +143,22 @@ def _node_threads() -> set[str]:
     return {t.name for t in threading.enumerate() if t.name.startswith("node-")}
 
 
+@contextmanager
+def _recorded(tmp_path: Path, source: WeightSource, fail: str | None = None,
+              tls_dir: Path | None = None) -> Iterator[tuple[P2PSyncTrainerEngine, Recorder]]:
+    """A rank-0 engine on a trainer node of its own (config under ``tmp_path``) sending to a
+    :class:`Recorder` (``fail``: the call it refuses once); shut down on the way out."""
+    client = Recorder(fail)
+    info = P2PSyncTrainerInitInfo(node_config=_node_config(tmp_path), rank=0,
+                                  worker_init_info={"tls_dir": str(tls_dir or tmp_path)})
+    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    client.engine = engine
+    try:
+        yield engine, client
+    finally:
+        engine.shutdown()
+
+
 def test_the_entry_point_and_the_package_register_the_engine_once():
     eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
     assert eps["p2psync-trainer"] == "trainer.vllm.plugin:register"
@@ -207,7 +227,7 @@ def test_an_unusable_init_is_refused_before_anything_starts(tmp_path):
     ]
     before = _node_threads()
     for info, source, name in cases:
-        client = Recorder([])
+        client = Recorder()
         with pytest.raises(InitInfoError) as err:
             WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
         assert err.value.field == name, (name, err.value)
@@ -222,13 +242,8 @@ def test_each_version_is_held_by_the_node_before_the_workers_are_told(tmp_path, 
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     source = NamedSource(model) if mirrored else ModuleSource(model)
-    ref: list = []
-    client = Recorder(ref)
     cert = tlsutil.node_tls("vllm").directory  # a certificate of the cluster CA, as vLLM presents it
-    info = P2PSyncTrainerInitInfo(node_config=_node_config(tmp_path), rank=0, worker_init_info={"tls_dir": str(cert)})
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
-    ref.append(engine)
-    try:
+    with _recorded(tmp_path, source, tls_dir=cert) as (engine, client):
         assert isinstance(engine, P2PSyncTrainerEngine) and engine.version == 0
         ((kind, init),) = client.calls
         assert kind == "init"
@@ -252,8 +267,6 @@ def test_each_version_is_held_by_the_node_before_the_workers_are_told(tmp_path, 
         assert [r.kind for r in records] == ["snapshot", "delta", "delta", "delta"]
         if mirrored:
             assert source.passes == 4  # one pass per version, 0 included
-    finally:
-        engine.shutdown()
     engine.shutdown()  # idempotent
     assert _node_threads() == set()
 
@@ -261,7 +274,7 @@ def test_each_version_is_held_by_the_node_before_the_workers_are_told(tmp_path, 
 def test_other_ranks_call_nothing_and_iterate_in_step():
     model = _model()
     source = NamedSource(model)
-    client = Recorder([])
+    client = Recorder()
     engine = WeightTransferTrainerFactory.trainer_init(P2PSyncTrainerInitInfo(rank=1), client=client, source=source)
     engine.send_weights()
     engine.send_weights()
@@ -273,13 +286,7 @@ def test_other_ranks_call_nothing_and_iterate_in_step():
 def test_a_refused_update_raises_and_the_next_send_catches_up(tmp_path):
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ref: list = []
-    client = Recorder(ref, fail="update")
-    info = P2PSyncTrainerInitInfo(node_config=_node_config(tmp_path), rank=0,
-                                  worker_init_info={"tls_dir": str(tmp_path)})
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
-    ref.append(engine)
-    try:
+    with _recorded(tmp_path, ModuleSource(model), fail="update") as (engine, client):
         _train(model, opt)
         with pytest.raises(WorkersRefused) as err:
             engine.send_weights()
@@ -289,8 +296,6 @@ def test_a_refused_update_raises_and_the_next_send_catches_up(tmp_path):
         engine.send_weights()
         assert client.calls[-3:] == [("update", {"version": 2}), ("finish", "2"), ("reset", None)]
         assert engine.background.node.fingerprint == _bf16(model)
-    finally:
-        engine.shutdown()
 
 
 def test_a_failed_prefix_cache_reset_is_reported_and_a_client_without_one_is_refused(tmp_path):
@@ -302,20 +307,12 @@ def test_a_failed_prefix_cache_reset_is_reported_and_a_client_without_one_is_ref
             P2PSyncTrainerInitInfo(node_config=_node_config(tmp_path), rank=0, worker_init_info={"tls_dir": "x"}),
             client=bare, source=ModuleSource(model))
     assert refused.value.field == "reset_prefix_cache" and bare.calls == [] and _node_threads() == set()
-    ref: list = []
-    client = Recorder(ref, fail="reset")
-    info = P2PSyncTrainerInitInfo(node_config=_node_config(tmp_path), rank=0,
-                                  worker_init_info={"tls_dir": str(tmp_path)})
-    engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
-    ref.append(engine)
-    try:
+    with _recorded(tmp_path, ModuleSource(model), fail="reset") as (engine, client):
         _train(model, opt)
         with pytest.raises(WorkersRefused) as err:
             engine.send_weights()
         assert err.value.step == "reset" and err.value.version == 1 and "reset_prefix_cache" in str(err.value)
         assert client.calls[-2:] == [("finish", "1"), ("reset", None)]
-    finally:
-        engine.shutdown()
     off = P2PSyncTrainerInitInfo(node_config=_node_config(tmp_path), rank=0, worker_init_info={"tls_dir": "x"},
                                  reset_prefix_cache=False)
     engine = WeightTransferTrainerFactory.trainer_init(off, client=bare, source=ModuleSource(model))
@@ -328,7 +325,7 @@ def test_a_failed_prefix_cache_reset_is_reported_and_a_client_without_one_is_ref
 
 
 def test_a_refused_init_stops_the_node_it_started(tmp_path):
-    client = Recorder([], fail="init")
+    client = Recorder(fail="init")
     info = P2PSyncTrainerInitInfo(node_config=_node_config(tmp_path), rank=0,
                                   worker_init_info={"tls_dir": str(tmp_path)})
     with pytest.raises(WorkersRefused) as err:
@@ -343,7 +340,7 @@ def test_attaching_to_a_started_node_leaves_it_running(tmp_path):
     model = _model()
     with BackgroundNode(_node_config(tmp_path)) as bg:
         info = P2PSyncTrainerInitInfo(node_config=bg, rank=0, worker_init_info={"tls_dir": str(tmp_path)})
-        engine = WeightTransferTrainerFactory.trainer_init(info, client=Recorder([]), source=ModuleSource(model))
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=Recorder(), source=ModuleSource(model))
         assert engine.background is bg and bg.node.version == 0
         engine.shutdown()
         assert bg.node is not None and bg.node.version == 0  # still serving
