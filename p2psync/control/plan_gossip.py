@@ -9,7 +9,7 @@ from collections.abc import Collection
 from typing import TYPE_CHECKING
 
 from p2psync.gossip import GossipNode
-from p2psync.gossip.messages import CoordEntry
+from p2psync.gossip.items import CoordEntry
 
 if TYPE_CHECKING:
     from p2psync.control.live_plan import LivePlanner, PlanMember

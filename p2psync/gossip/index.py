@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 
-from p2psync.gossip.messages import BUCKETS, bucket_of
+from p2psync.gossip.items import BUCKETS, bucket_of
 
 
 class BucketIndex:

@@ -51,7 +51,7 @@ import random
 from dataclasses import dataclass, replace
 
 from p2psync.gossip.index import BucketIndex
-from p2psync.gossip.messages import MemberEntry, ring_hash
+from p2psync.gossip.items import MemberEntry, ring_hash
 
 logger = logging.getLogger(__name__)
 

@@ -64,10 +64,8 @@ from p2psync.errors import NotCoordinator
 from p2psync.gossip.coordinator_state import CoordinatorState, is_private
 from p2psync.gossip.index import BucketIndex
 from p2psync.gossip.membership import DetectorConfig, MemberTable
-from p2psync.gossip.messages import (
-    LEASES_PREFIX, MAX_VERSIONS, Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Message, Report,
-    Syn,
-)
+from p2psync.gossip.items import LEASES_PREFIX, MAX_VERSIONS, CoordEntry, MemberEntry
+from p2psync.gossip.messages import Buckets, Delta, Digest, Heartbeat, Message, Report, Syn
 
 logger = logging.getLogger(__name__)
 

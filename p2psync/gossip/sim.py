@@ -19,7 +19,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from p2psync.gossip.messages import MemberEntry, Message, dumps, loads
+from p2psync.gossip.items import MemberEntry
+from p2psync.gossip.messages import Message, dumps, loads
 from p2psync.gossip.protocol import GossipConfig, GossipNode
 
 

@@ -7,9 +7,8 @@ import json
 import pytest
 
 from p2psync.errors import CodecError
-from p2psync.gossip.messages import (
-    BUCKETS, Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Report, Syn, decode, dumps, encode, loads,
-)
+from p2psync.gossip.items import BUCKETS, CoordEntry, MemberEntry
+from p2psync.gossip.messages import Buckets, Delta, Digest, Heartbeat, Report, Syn, decode, dumps, encode, loads
 
 M = MemberEntry("n1", "10.0.0.1:7070", "rollout", "r01", "preemptible", 2, "suspect", 5, (3, 4), 1234.5, 1.25e8, 7.0)
 C = CoordEntry("plan/7", 9, "trainer", {"epoch": 3, "root": "trainer", "parents": {"n1": "trainer"}})
