@@ -192,6 +192,31 @@ def dumps(msg: Message) -> bytes:
     return json.dumps(encode(msg), separators=(",", ":")).encode()
 
 
+def _json_str_bytes(s: str) -> int:
+    if s.isascii() and s.isprintable() and '"' not in s and "\\" not in s:
+        return len(s) + 2
+    return len(json.dumps(s))
+
+
+def wire_size(msg: Message) -> int:
+    """``len(dumps(msg))``, without serializing the entries of a ``Delta`` (each entry caches its
+    ``wire_bytes``) or the items of a ``Digest``: what a traffic figure counts for every message, at a
+    fraction of the cost of :func:`dumps` (the simulator counts millions)."""
+    if isinstance(msg, Delta):
+        size = len(dumps(Delta(msg.sender, want=msg.want)))
+        for entries in (msg.members, msg.coord):
+            if entries:
+                size += sum(e.wire_bytes for e in entries) - 1  # wire_bytes counts a separating comma
+        return size
+    if isinstance(msg, Digest):
+        size = len(dumps(Digest(msg.sender, msg.buckets, ())))
+        if msg.items:  # '["m:id",3,1,0]' per item, commas between
+            size += sum(_json_str_bytes(k) + 2 + sum(len(str(v)) + 1 for v in version)
+                        for k, version in msg.items) + len(msg.items) - 1
+        return size
+    return len(dumps(msg))
+
+
 def _message(w: _Wire) -> Message:
     """The public message of a checked wire message."""
     if isinstance(w, _Heartbeat):
