@@ -278,6 +278,8 @@ class GossipNode:
         old = self.reports.get(rep.sender)
         if old is None or old[1].bandwidth != rep.bandwidth:
             self.report_changes += 1
+            if self.members.changed is not None:
+                self.members.changed.add(rep.sender)
         self.reports[rep.sender] = (now, rep)
 
     def _lease_repair(self, sender: str, msg: Report) -> Outgoing:
@@ -417,6 +419,14 @@ class GossipNode:
             self.report = replace(rep, **changes)  # type: ignore[arg-type]
             self._report_due = True
         return published or bool(changes)
+
+    def track_changes(self) -> set[str]:
+        """From now on, add to the returned set the id of every member whose entry is written or dropped
+        here and (coordinator) whose reported bandwidth changes; the reader empties it. What lets the
+        coordinator's plan step read only the members that changed, not every member after each change."""
+        if self.members.changed is None:
+            self.members.changed = set()
+        return self.members.changed
 
     def publish(self, name: str, value: object, now: float | None = None) -> CoordEntry:
         """Write a coordinator entry (``head``, ``revoked``, ``leases/<node>``); coordinator only (the
