@@ -62,19 +62,20 @@ def poisson(rng: random.Random, lam: float) -> int:
 
 
 class Harness:
-    def __init__(self, n: int, seed: int) -> None:
+    def __init__(self, n: int, seed: int, regions: int) -> None:
         self.rng = random.Random(seed)
         self.n = n
-        me = default_member(0)
+        self.member = lambda i: default_member(i, regions)
+        me = self.member(0)
         self.g = GossipNode(me, coordinator=me.id, seed=seed)
         self.g.coord.sign = signer(keys.generate())
         for i in range(1, n):
-            self.g.members.merge(default_member(i), 0.0)
+            self.g.members.merge(self.member(i), 0.0)
         self.plan_step = plan_gossip.PlanStep(LivePlanner(me.id))
         self.now = 0.0
         self.cpu_gossip = self.cpu_plan = 0.0
         self.sent = 0
-        self.ids = [default_member(i) for i in range(1, n)]
+        self.ids = [self.member(i) for i in range(1, n)]
         self.reports = {e.id: Report(e.id, 0, (0,), e.throughput, e.bandwidth) for e in self.ids}
         self.heartbeat = 0
         self.next_id = n + 1_000_000
@@ -111,7 +112,7 @@ class Harness:
         for _ in range(poisson(rng, events) if churn else 0):
             sender, addr = self._peer()
             if rng.random() < 0.5:
-                e = default_member(self.next_id)
+                e = self.member(self.next_id)
                 self.next_id += 1
                 self.ids.append(e)
                 # The joiner's first exchange is with its seed, the coordinator: its table holds itself only.
@@ -181,6 +182,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--regions", type=int, help="regions (default: 8 up to 16,000 nodes, as gossip_scale.py; "
+                    "beyond, one per 2,000 nodes, as plan_scale.py's 50 x 2,000)")
     ap.add_argument("--seconds", type=int, default=60, help="simulated seconds per measurement")
     ap.add_argument("--step-seconds", type=int, default=30, help="seconds between head versions under churn")
     ap.add_argument("--json", type=Path)
@@ -190,10 +193,11 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"[{time.time() - t0:6.0f} s] {msg}", flush=True)
 
-    h = Harness(args.nodes, args.seed)
+    regions = args.regions or (8 if args.nodes <= 16_000 else args.nodes // 2000)
+    h = Harness(args.nodes, args.seed, regions)
     t = time.process_time()
     h.round(False, 0.0, False)  # the first plan
-    out: dict[str, Any] = {"nodes": args.nodes, "seed": args.seed, "machine": platform.node(),
+    out: dict[str, Any] = {"nodes": args.nodes, "regions": regions, "seed": args.seed, "machine": platform.node(),
                            "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv]),
                            "first_round_cpu_s": round(time.process_time() - t, 3)}
     log(f"{args.nodes} members, first plan: {out['first_round_cpu_s']} s CPU")

@@ -42,6 +42,7 @@ from typing import Any
 from p2psync import keys
 from p2psync.control import plan_gossip
 from p2psync.control.live_plan import LivePlanner
+from p2psync.gossip.items import PLAN_PREFIX
 from p2psync.gossip.signing import signer
 from p2psync.gossip.sim import Faults, Sim, default_member
 
@@ -123,14 +124,24 @@ def per_node_rate(sim: Sim, before: dict[str, int], seconds: float) -> tuple[flo
     return sum(sent) / len(sent), max(sent)
 
 
-def _started(n: int, seed: int, out: dict[str, Any], log) -> Coordinator:
-    """A cluster of ``n`` whose first plan reached every node, then 20 idle seconds measured."""
+def _started(n: int, seed: int, out: dict[str, Any], log, preplanned: bool = False) -> Coordinator:
+    """A cluster of ``n`` whose first plan reached every node, then 20 idle seconds measured. With
+    ``preplanned`` the plan's shards are handed to every node at set-up, as the member tables are
+    (the spreading of the first plan, ~15 rounds of bulk exchange at 10,000, is not simulated)."""
     sim = Sim.cluster(n, seed=seed, count_bytes=True)
     coord = Coordinator(sim)
     coord.react()
-    out["plan_spread_rounds"] = rounds(coord, follows(coord), share=1.0, max_rounds=120)
     out["replan_cpu_initial_s"] = round(coord.replans[0], 3)
-    log(f"initial plan reached every node after {out['plan_spread_rounds']} rounds")
+    if preplanned:
+        shards = [e for name, e in coord.g.coord.entries.items() if name.startswith(PLAN_PREFIX)]
+        for nd in sim.nodes.values():
+            for e in shards:
+                nd.coord.merge(e, sim.now)
+        out["preplanned"] = True
+        log(f"first plan handed to every node ({len(shards)} shards)")
+    else:
+        out["plan_spread_rounds"] = rounds(coord, follows(coord), share=1.0, max_rounds=120)
+        log(f"initial plan reached every node after {out['plan_spread_rounds']} rounds")
 
     before, cpu0, t0 = dict(sim.bytes_sent), coord.cpu, sim.now
     coord.step(20)
@@ -183,9 +194,9 @@ def phase_cluster(n: int, seed: int, step_seconds: int, out: dict[str, Any], log
     _churn(coord, n, seed, step_seconds, out, log)
 
 
-def phase_churn(n: int, seed: int, step_seconds: int, out: dict[str, Any], log) -> None:
+def phase_churn(n: int, seed: int, step_seconds: int, out: dict[str, Any], log, preplanned: bool) -> None:
     """The cluster phase's idle and churn figures alone (no join, leave or crash before the churn)."""
-    _churn(_started(n, seed, out, log), n, seed, step_seconds, out, log)
+    _churn(_started(n, seed, out, log, preplanned), n, seed, step_seconds, out, log)
 
 
 def _churn(coord: Coordinator, n: int, seed: int, step_seconds: int, out: dict[str, Any], log) -> None:
@@ -310,6 +321,8 @@ def main() -> None:
     ap.add_argument("--lease-seconds", type=int, default=60, help="seconds between lease entries of one node (leases)")
     ap.add_argument("--phases", default="cluster,partition,loss", help="comma-separated subset of the phases "
                     "(also: leases, 30 s of lease entries; churn, the cluster phase's idle and churn figures alone)")
+    ap.add_argument("--preplanned", action="store_true", help="churn phase: hand the first plan to every "
+                    "node at set-up instead of spreading it (plan_spread_rounds is then not measured)")
     ap.add_argument("--json", type=Path, help="write the figures here (merged into the file if it exists)")
     args = ap.parse_args()
     n, t0 = args.nodes, time.time()
@@ -323,7 +336,7 @@ def main() -> None:
     for phase in args.phases.split(","):
         t = time.time()
         {"cluster": lambda: phase_cluster(n, args.seed, args.step_seconds, out, log),
-         "churn": lambda: phase_churn(n, args.seed, args.step_seconds, out, log),
+         "churn": lambda: phase_churn(n, args.seed, args.step_seconds, out, log, args.preplanned),
          "partition": lambda: phase_partition(n, args.seed, args.partition_seconds, out, log),
          "loss": lambda: phase_loss(n, args.seed, args.loss_rounds, out, log),
          "leases": lambda: phase_leases(n, args.seed, args.lease_seconds, out, log)}[phase]()

@@ -175,6 +175,10 @@ class Replanner:
         for g in gone:
             stale |= self._detach(g)
         for g in gone:
+            for f in self.fallbacks.get(g, ()):
+                # A node that leaves no longer uses its fallbacks: a later depth change of one of them
+                # must not check it (it did, and failed on the missing node, after many changes).
+                self.fb_users.get(f, set()).discard(g)
             for c in self.children.pop(g):
                 self.parents.pop(c)
                 self._count_edge(c, g, -1)
