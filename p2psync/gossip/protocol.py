@@ -347,6 +347,10 @@ class GossipNode:
             elif mine > v:
                 send.append(k)
         for b in msg.buckets:
+            if len(send) >= self.config.max_entries:
+                break  # a Delta carries no more; the rest comes in a later round (a joiner's first
+                # digest names every bucket: listing the whole table, 100,000 keys, and sorting it
+                # cost the coordinator, every joiner's seed, a tenth of a second each)
             send.extend(k for k in self.index.keys_in(b) if k not in theirs)
         delta = self._delta(send, tuple(want[: self.config.max_entries]))
         return [] if delta is None else [(sender, delta)]
