@@ -215,11 +215,11 @@ class LivePlanner:
         rp = self._replanner_for()
         before = self.plan
         change = rp.leave(left) if left else None
-        links = self._known_links() if joined else {}
-        for m in joined:
-            touching = [x for x in links.values() if m.id in (x.src, x.dst)
-                        and (x.src if x.dst == m.id else x.dst) in rp.model]
-            change = rp.join(self._spec(m), touching)
+        if joined:
+            new_ids = {m.id for m in joined}
+            touching = [x for x in self._known_links().values() if (x.src in new_ids or x.dst in new_ids)
+                        and (x.src in new_ids or x.src in rp.model) and (x.dst in new_ids or x.dst in rp.model)]
+            change = rp.join_many([self._spec(m) for m in joined], touching)
         self._probe_fresh = False
         if change is None:
             self._members = now_ids

@@ -179,3 +179,16 @@ def test_nothing_changed_gives_the_same_tree_bit_for_bit():
     r.join(NodeSpec("brief", "r01", "rollout", 1 * G, 1 * G))
     back = r.fail("brief")
     assert back.plan.parents == p.parents and back.plan.eta_s == p.eta_s and back.plan.edge_bps == p.edge_bps
+
+
+def test_joiners_placed_together_move_nobody_and_a_node_already_planned_is_refused():
+    m = synthetic_model(4, 30, seed=9)
+    r = Replanner(plan(m, CFG), m, CFG)
+    before = dict(r.parents)
+    specs = [NodeSpec(f"j{i}", f"r0{i % 4}", "rollout", 10 * G, 10 * G) for i in range(5)]
+    change = r.join_many(specs)
+    assert change.moved == frozenset() and all(change.plan.parents[c] == p for c, p in before.items())
+    _check(change.plan, r.model)
+    with pytest.raises(ValueError, match="j0"):
+        r.join_many([specs[0]])
+    assert r.parents == change.plan.parents  # refused: nothing changed
