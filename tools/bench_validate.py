@@ -22,9 +22,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from p2psync.gossip.messages import (
-    MAX_ADDRESS, MAX_ID, MAX_ITEMS, MAX_VERSIONS, CoordEntry, Delta, Heartbeat, MemberEntry, Report, dumps, loads,
-)
+from p2psync.gossip.items import MAX_ADDRESS, MAX_ID, MAX_ITEMS, MAX_VERSIONS, CoordEntry, MemberEntry
+from p2psync.gossip.messages import Delta, Heartbeat, Report, dumps, loads
 
 _STRICT = ConfigDict(strict=True)
 Id = Annotated[str, Field(min_length=1, max_length=MAX_ID)]

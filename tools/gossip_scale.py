@@ -14,6 +14,9 @@ Phases, each on a fresh cluster so that memory stays one cluster's:
   the most children (rounds until 99 % know each; seconds until every child of the dead relay
   follows a new planned parent), then 60 s at 1 % churn per minute (joins and leaves) with a
   new head version every ``--step-seconds`` reported by every node.
+- ``churn`` (not by default): the cluster phase's idle and churn figures alone; with
+  ``--preplanned`` the first plan is handed to every node at set-up instead of spread (at 10,000 the
+  spreading is ~15 rounds of bulk exchange).
 - ``partition``: regions r00-r03 cut off from r04-r07 for ``--partition-seconds`` (each side
   declares the other dead), then healed: rounds until 99 % (and all) of the nodes hold one
   membership view (the same table root) in which every running node is alive.
@@ -29,6 +32,7 @@ Phases, each on a fresh cluster so that memory stays one cluster's:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import platform
@@ -42,6 +46,7 @@ from typing import Any
 from p2psync import keys
 from p2psync.control import plan_gossip
 from p2psync.control.live_plan import LivePlanner
+from p2psync.gossip.items import PLAN_PREFIX
 from p2psync.gossip.signing import signer
 from p2psync.gossip.sim import Faults, Sim, default_member
 
@@ -123,13 +128,24 @@ def per_node_rate(sim: Sim, before: dict[str, int], seconds: float) -> tuple[flo
     return sum(sent) / len(sent), max(sent)
 
 
-def phase_cluster(n: int, seed: int, step_seconds: int, out: dict[str, Any], log) -> None:
+def _started(n: int, seed: int, out: dict[str, Any], log, preplanned: bool = False) -> Coordinator:
+    """A cluster of ``n`` whose first plan reached every node, then 20 idle seconds measured. With
+    ``preplanned`` the plan's shards are handed to every node at set-up, as the member tables are
+    (the spreading of the first plan, ~15 rounds of bulk exchange at 10,000, is not simulated)."""
     sim = Sim.cluster(n, seed=seed, count_bytes=True)
     coord = Coordinator(sim)
     coord.react()
-    out["plan_spread_rounds"] = rounds(coord, follows(coord), share=1.0, max_rounds=120)
     out["replan_cpu_initial_s"] = round(coord.replans[0], 3)
-    log(f"initial plan reached every node after {out['plan_spread_rounds']} rounds")
+    if preplanned:
+        shards = [e for name, e in coord.g.coord.entries.items() if name.startswith(PLAN_PREFIX)]
+        for nd in sim.nodes.values():
+            for e in shards:
+                nd.coord.merge(e, sim.now)
+        out["preplanned"] = True
+        log(f"first plan handed to every node ({len(shards)} shards)")
+    else:
+        out["plan_spread_rounds"] = rounds(coord, follows(coord), share=1.0, max_rounds=120)
+        log(f"initial plan reached every node after {out['plan_spread_rounds']} rounds")
 
     before, cpu0, t0 = dict(sim.bytes_sent), coord.cpu, sim.now
     coord.step(20)
@@ -138,7 +154,12 @@ def phase_cluster(n: int, seed: int, step_seconds: int, out: dict[str, Any], log
     out["coordinator_cpu_per_round_s"] = round((coord.cpu - cpu0) / (sim.now - t0), 5)
     log(f"idle: {idle[0]:.0f} B/s per node (max {idle[1]:.0f}), coordinator CPU "
         f"{out['coordinator_cpu_per_round_s'] * 1e3:.2f} ms per round")
+    return coord
 
+
+def phase_cluster(n: int, seed: int, step_seconds: int, out: dict[str, Any], log) -> None:
+    coord = _started(n, seed, out, log)
+    sim = coord.sim
     joiner = default_member(n + 100_000)
     sim.join(joiner, seeds=(TRAINER.address,))
     out["joiner_rounds_p99"] = rounds(coord, status_is(joiner.id, "alive"))
@@ -174,10 +195,21 @@ def phase_cluster(n: int, seed: int, step_seconds: int, out: dict[str, Any], log
     log(f"crash of {victim} ({len(affected)} children): 99 % know it after {known} rounds, every child "
         f"follows a new parent after {out['failure_to_new_parent_s']} s")
 
-    # 1 % of the nodes join or leave per minute; every step_seconds a new head, reported by every node.
+    _churn(coord, n, seed, step_seconds, out, log)
+
+
+def phase_churn(n: int, seed: int, step_seconds: int, out: dict[str, Any], log, preplanned: bool) -> None:
+    """The cluster phase's idle and churn figures alone (no join, leave or crash before the churn)."""
+    _churn(_started(n, seed, out, log, preplanned), n, seed, step_seconds, out, log)
+
+
+def _churn(coord: Coordinator, n: int, seed: int, step_seconds: int, out: dict[str, Any], log) -> None:
+    """60 s in which 1 % of the nodes join or leave per minute, with a new head every ``step_seconds``
+    reported by every node. Running figures are logged every 10 s (a run stopped early still tells)."""
+    sim = coord.sim
     rng = random.Random(seed)
     events = max(1, n // 100)
-    before, cpu0, t0 = dict(sim.bytes_sent), coord.cpu, sim.now
+    before, cpu0, t0, plans0 = dict(sim.bytes_sent), coord.cpu, sim.now, len(coord.replans)
     next_id, version = n + 200_000, 1
     for s in range(60):
         for k in range(events * s // 60, events * (s + 1) // 60):
@@ -193,9 +225,14 @@ def phase_cluster(n: int, seed: int, step_seconds: int, out: dict[str, Any], log
             for nd in sim.running():
                 nd.update_self(sim.now, versions=(version - 1, version), throughput=1100.0)
         coord.step()
+        if s % 10 == 9 and s < 59:
+            rate = per_node_rate(sim, before, sim.now - t0)
+            log(f"churn, {s + 1} s: {rate[0]:.0f} B/s per node, coordinator CPU "
+                f"{(coord.cpu - cpu0) / (sim.now - t0) * 1e3:.2f} ms per round so far")
     churn = per_node_rate(sim, before, sim.now - t0)
     out["bytes_per_node_per_s_churn"], out["bytes_per_node_per_s_churn_max"] = round(churn[0]), round(churn[1])
     out["coordinator_cpu_per_round_s_churn"] = round((coord.cpu - cpu0) / (sim.now - t0), 5)
+    out["replans_churn"] = len(coord.replans) - plans0
     out["oversize_messages"] = sim.oversize
     log(f"churn: {churn[0]:.0f} B/s per node (max {churn[1]:.0f}), coordinator CPU "
         f"{out['coordinator_cpu_per_round_s_churn'] * 1e3:.2f} ms per round; oversize messages {sim.oversize}")
@@ -279,6 +316,11 @@ def phase_loss(n: int, seed: int, loss_rounds: int, out: dict[str, Any], log) ->
 
 def main() -> None:
     logging.basicConfig(level=logging.ERROR)
+    # N simulated nodes hold N x N entries (10**8 objects at 10,000): a full pass of the cyclic
+    # collector then costs seconds, lands in whatever code allocates (the coordinator's receive
+    # measured 0.43 s a round, mostly that) and is no cost of the code measured. The simulator's
+    # objects form no cycles that matter; each phase collects once when it ends.
+    gc.disable()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--nodes", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=1)
@@ -287,7 +329,9 @@ def main() -> None:
     ap.add_argument("--step-seconds", type=int, default=30, help="seconds between head versions in the churn minute")
     ap.add_argument("--lease-seconds", type=int, default=60, help="seconds between lease entries of one node (leases)")
     ap.add_argument("--phases", default="cluster,partition,loss", help="comma-separated subset of the phases "
-                    "(also: leases, 30 s of lease entries)")
+                    "(also: leases, 30 s of lease entries; churn, the cluster phase's idle and churn figures alone)")
+    ap.add_argument("--preplanned", action="store_true", help="churn phase: hand the first plan to every "
+                    "node at set-up instead of spreading it (plan_spread_rounds is then not measured)")
     ap.add_argument("--json", type=Path, help="write the figures here (merged into the file if it exists)")
     args = ap.parse_args()
     n, t0 = args.nodes, time.time()
@@ -301,10 +345,12 @@ def main() -> None:
     for phase in args.phases.split(","):
         t = time.time()
         {"cluster": lambda: phase_cluster(n, args.seed, args.step_seconds, out, log),
+         "churn": lambda: phase_churn(n, args.seed, args.step_seconds, out, log, args.preplanned),
          "partition": lambda: phase_partition(n, args.seed, args.partition_seconds, out, log),
          "loss": lambda: phase_loss(n, args.seed, args.loss_rounds, out, log),
          "leases": lambda: phase_leases(n, args.seed, args.lease_seconds, out, log)}[phase]()
         out[f"wall_s_{phase}"] = round(time.time() - t)
+        gc.collect()
         if args.json:
             args.json.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
     log("done")

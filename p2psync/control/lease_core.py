@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from p2psync.control.api import Result
 from p2psync.control.bodies import grant_json
 from p2psync.errors import ConfigError
-from p2psync.gossip.messages import LEASES_PREFIX
+from p2psync.gossip.items import LEASES_PREFIX
 from p2psync.lease import LeaseTable, WorkItem
 from p2psync.schedule import NodeView, Scheduler
 from p2psync.transport.client import cancel_quietly

@@ -98,7 +98,6 @@ class LivePlanner:
         self.plan: Plan | None = None
         self.model_used: NetworkModel | None = None
         """The model the current plan was made with (or last checked against)."""
-        self._key: frozenset[tuple[str, str, str]] = frozenset()
         self._probed: NetworkModel | None = None
         self._probe_fresh = False
 
@@ -116,25 +115,32 @@ class LivePlanner:
         """The network model of ``members`` from the figures this planner has (see the module doc)."""
         members = list(members)
         probed = self._probed
-        specs = []
-        for m in members:
-            default = ROLE_UPLINK_BPS.get(m.role, 1e9)
-            up, down = default, default
-            if probed is not None and m.id in probed:
-                s = probed.node(m.id)
-                up, down = s.uplink_bps, s.downlink_bps
-            if m.bandwidth > 0:
-                # A reported rate is what the node happened to receive (an idle node reports little),
-                # so it proves at least that much capacity and never less than the other figures.
-                down = max(down, m.bandwidth * 8)
-            specs.append(NodeSpec(m.id, m.region, m.role, uplink_bps=up, downlink_bps=down))
+        specs = [self._spec(m) for m in members]
         ids = {m.id for m in members}
-        links = {(x.src, x.dst): x for x in (probed.measurements() if probed is not None else ())}
-        links.update(self._links)
-        kept = [x for x in links.values() if x.src in ids and x.dst in ids]
+        kept = [x for x in self._known_links().values() if x.src in ids and x.dst in ids]
         if probed is None:
             return NetworkModel(specs, kept)
         return NetworkModel(specs, kept, probed.regions.values(), probed.region_links.values(), probed.defaults)
+
+    def _spec(self, m: PlanMember) -> NodeSpec:
+        """One member's node in the model (see :meth:`model`)."""
+        probed = self._probed
+        default = ROLE_UPLINK_BPS.get(m.role, 1e9)
+        up, down = default, default
+        if probed is not None and m.id in probed:
+            s = probed.node(m.id)
+            up, down = s.uplink_bps, s.downlink_bps
+        if m.bandwidth > 0:
+            # A reported rate is what the node happened to receive (an idle node reports little),
+            # so it proves at least that much capacity and never less than the other figures.
+            down = max(down, m.bandwidth * 8)
+        return NodeSpec(m.id, m.region, m.role, uplink_bps=up, downlink_bps=down)
+
+    def _known_links(self) -> dict[tuple[str, str], Measurement]:
+        probed = self._probed
+        links = {(x.src, x.dst): x for x in (probed.measurements() if probed is not None else ())}
+        links.update(self._links)
+        return links
 
     # --- updates -----------------------------------------------------------------------------------
     def settled(self, now: float | None = None) -> bool:
@@ -149,29 +155,29 @@ class LivePlanner:
         members = [m for m in members if m.role != "trainer" or m.id == self.root]
         if not any(m.id == self.root for m in members):
             return None
-        key = frozenset((m.id, m.role, m.region) for m in members)
+        same = self._same_members(members)
         due = now is not None and now - self._last_full >= self.full_every_s
-        if self.plan is not None and key == self._key and not self._probe_fresh and not due \
+        if self.plan is not None and same and not self._probe_fresh and not due \
                 and not self._reports_moved(members):
             return None  # the common case, every gossip round: nothing to do, not even a model to build
         if self.plan is None:
             model = self.model(members)
             self._last_full = now if now is not None else self._last_full
-            return self._adopt(plan(model, self.config, 0), model, key, members)
-        if key != self._key:
-            return self._membership(members, key)
+            return self._adopt(plan(model, self.config, 0), model, members)
+        if not same:
+            return self._membership(members)
         model = self.model(members)
         cfg = self.config
         if due:
             assert now is not None
             self._last_full = now
-            return self._full(model, key, members)
+            return self._full(model, members)
         current = estimate(model, self.plan.root, self.plan.parents, cfg.payload_bytes, cfg.chunk_bytes)
         if self._probe_fresh:
             self._probe_fresh = False
             self.model_used = model
             fresh = plan(model, cfg, self.plan.epoch + 1)
-            return self._adopt(fresh, model, key, members) if self._better(fresh, current) else None
+            return self._adopt(fresh, model, members) if self._better(fresh, current) else None
         moved = self._moved_figures(model)
         if not moved:
             return None
@@ -182,32 +188,45 @@ class LivePlanner:
         repaired = replan(dataclasses.replace(self.plan, parents=kept), model, cfg)
         self.model_used = model  # the plan has been checked against these figures either way
         self._replanner = None  # the figures it holds moved: built again when next needed
-        return self._adopt(repaired, model, key, members) if self._better(repaired, current) else None
+        return self._adopt(repaired, model, members) if self._better(repaired, current) else None
 
     # --- the incremental path ----------------------------------------------------------------------
-    def _membership(self, members: list[PlanMember], key: frozenset[tuple[str, str, str]]) -> Plan | None:
+    def _same_members(self, members: list[PlanMember]) -> bool:
+        """Whether ``members`` are the planned members (ids, roles, regions). The plan step hands the
+        same objects again for members that did not change, so this is an identity check for most."""
+        old = self._members
+        if len(old) != len(members):
+            return False
+        for m in members:
+            o = old.get(m.id)
+            if o is None or (o is not m and (o.role != m.role or o.region != m.region)):
+                return False
+        return True
+
+    def _membership(self, members: list[PlanMember]) -> Plan | None:
         """Members left or joined: remove and place them with the incremental re-planner."""
         assert self.plan is not None and self.model_used is not None
         now_ids = {m.id: m for m in members}
         old = self._members
         left = [n for n, m in old.items() if n not in now_ids or (m.role, m.region) != (now_ids[n].role, now_ids[n].region)]
         joined = [m for m in members if m.id not in old or m.id in left]
-        model = self.model(members)
+        # No model of every member is built: the re-planner's model gains the joiners and loses the
+        # leavers (at 10,000 members a full model cost ~50 ms, after every change under churn).
         rp = self._replanner_for()
         before = self.plan
         change = rp.leave(left) if left else None
-        for m in joined:
-            spec = model.node(m.id)
-            rp_ids = set(rp.model.node_ids)
-            links = [x for x in model.measurements() if m.id in (x.src, x.dst) and ({x.src, x.dst} - {m.id}) <= rp_ids]
-            change = rp.join(spec, links)
+        if joined:
+            new_ids = {m.id for m in joined}
+            touching = [x for x in self._known_links().values() if (x.src in new_ids or x.dst in new_ids)
+                        and (x.src in new_ids or x.src in rp.model) and (x.dst in new_ids or x.dst in rp.model)]
+            change = rp.join_many([self._spec(m) for m in joined], touching)
         self._probe_fresh = False
         if change is None:
-            self._key = key
+            self._members = now_ids
             return None
         self._members = now_ids
         new = change.plan
-        self.plan, self.model_used, self._key = new, model, key
+        self.plan, self.model_used = new, rp.model
         self.last_moved = frozenset(n for n, p in new.parents.items() if n in before.parents and before.parents[n] != p)
         return new
 
@@ -225,7 +244,7 @@ class LivePlanner:
         self.last_moved = change.moved
         return change.plan
 
-    def _full(self, model: NetworkModel, key: frozenset[tuple[str, str, str]], members: list[PlanMember]) -> Plan | None:
+    def _full(self, model: NetworkModel, members: list[PlanMember]) -> Plan | None:
         """The periodic full plan: taken only if it beats the current tree by ``min_gain``."""
         assert self.plan is not None
         cfg = self.config
@@ -233,7 +252,7 @@ class LivePlanner:
         fresh = plan(model, cfg, self.plan.epoch + 1)
         if fresh.parents == self.plan.parents or not self._better(fresh, current):
             return None
-        return self._adopt(fresh, model, key, members)
+        return self._adopt(fresh, model, members)
 
     def _replanner_for(self) -> Replanner:
         assert self.plan is not None and self.model_used is not None
@@ -253,10 +272,9 @@ class LivePlanner:
         mean_now = sum(current.eta_s.values()) / max(1, len(current.eta_s))
         return mean_new < mean_now * (1 - self.min_gain)
 
-    def _adopt(self, new: Plan, model: NetworkModel, key: frozenset[tuple[str, str, str]],
-               members: list[PlanMember]) -> Plan:
+    def _adopt(self, new: Plan, model: NetworkModel, members: list[PlanMember]) -> Plan:
         before = self.plan
-        self.plan, self.model_used, self._key = new, model, key
+        self.plan, self.model_used = new, model
         self._members = {m.id: m for m in members}
         self._replanner = None  # built from this plan when the next change needs it
         self.last_moved = frozenset() if before is None else frozenset(

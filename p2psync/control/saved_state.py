@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from p2psync.errors import CodecError
-from p2psync.gossip.messages import MAX_ADDRESS, CoordEntry
+from p2psync.gossip.items import MAX_ADDRESS, CoordEntry
 
 logger = logging.getLogger(__name__)
 

@@ -16,12 +16,12 @@ Contract of :class:`CoordinatorState`:
   ``max(max_version + 1, now in milliseconds)``, so a coordinator that restarts
   with no state still writes versions above its old ones, and an entry's
   version tells when it was written.
-- The plan is :data:`~p2psync.gossip.messages.PLAN_SHARDS` entries ``plan/<k>``, each with the
+- The plan is :data:`~p2psync.gossip.items.PLAN_SHARDS` entries ``plan/<k>``, each with the
   parents of the nodes that hash to shard ``k``; :meth:`write_plan` rewrites only the shards whose
   parents (or root) changed, so a re-plan that moves a few nodes gossips a few small entries, not
   the whole parent map. A node follows the shard that holds its own parent; shards of different
   epochs may be seen side by side while a re-plan spreads, as any change does.
-- No entry is written whose JSON exceeds :data:`~p2psync.gossip.messages.MAX_ENTRY_BYTES`
+- No entry is written whose JSON exceeds :data:`~p2psync.gossip.items.MAX_ENTRY_BYTES`
   (:class:`~p2psync.errors.CodecError`, nothing changed): it could never ride a message.
 - ``leases/<node>`` is private (:func:`is_private`): only the
   coordinator and the node it names store it, and it is not in the bucket index, so anti-entropy
@@ -40,8 +40,8 @@ from typing import Any, Callable
 
 from p2psync.errors import CodecError, NotCoordinator
 from p2psync.gossip.index import BucketIndex
-from p2psync.gossip.messages import (
-    LEASES_PREFIX, MAX_ENTRY_BYTES, PLAN_PREFIX, PLAN_SHARDS, CoordEntry, _check_coord_value, plan_shard,
+from p2psync.gossip.items import (
+    LEASES_PREFIX, MAX_ENTRY_BYTES, PLAN_PREFIX, PLAN_SHARDS, CoordEntry, check_coord_value, plan_shard,
 )
 
 
@@ -127,7 +127,7 @@ class CoordinatorState:
         with ``sign`` if given. With ``now`` the version is at least ``now`` in milliseconds."""
         if not self.is_coordinator:
             raise NotCoordinator(self.my_id, self.coordinator, name)
-        _check_coord_value(name, value)
+        check_coord_value(name, value)
         version = self.max_version + 1
         if now is not None:
             version = max(version, int(now * 1000))
@@ -156,7 +156,7 @@ class CoordinatorState:
             if cur is not None and cur.value["root"] == root and cur.value["parents"] == part:
                 continue
             value = {"epoch": epoch, "root": root, "parents": part}
-            _check_coord_value(f"{PLAN_PREFIX}{k}", value)
+            check_coord_value(f"{PLAN_PREFIX}{k}", value)
             size = CoordEntry(f"{PLAN_PREFIX}{k}", 1, self.my_id, value).wire_bytes + 200  # + version, signature
             if size > MAX_ENTRY_BYTES:
                 raise CodecError(f"gossip: plan shard {k} would be {size} bytes of JSON, over {MAX_ENTRY_BYTES} "

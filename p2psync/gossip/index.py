@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import bisect
 
-from p2psync.gossip.messages import BUCKETS, bucket_of
+from p2psync.gossip.items import BUCKETS, bucket_of
 
 
 class BucketIndex:
@@ -27,10 +27,15 @@ class BucketIndex:
         self._keys: list[list[str]] = [[] for _ in range(BUCKETS)]
         self.count = 0
         self._root: str | None = None
+        self._hex = ["00000000"] * BUCKETS
+        """Per bucket, 8 hex digits of its hash, kept up to date by :meth:`replace`: every Syn whose
+        root differs is answered with them, and a change touches one bucket."""
+        self._joined: str | None = None
 
     def copy(self) -> BucketIndex:
         c = BucketIndex()
         c._hash = list(self._hash)
+        c._hex = list(self._hex)
         c._keys = [list(k) for k in self._keys]
         c.count = self.count
         return c
@@ -41,11 +46,14 @@ class BucketIndex:
     def replace(self, key: str, old: int | None, new: int | None) -> None:
         """Account for ``key`` going from item hash ``old`` to ``new`` (None: absent)."""
         b = self.bucket(key)
-        self._root = None
+        self._root = self._joined = None
+        h = self._hash[b]
         if old is not None:
-            self._hash[b] ^= old
+            h ^= old
         if new is not None:
-            self._hash[b] ^= new
+            h ^= new
+        self._hash[b] = h
+        self._hex[b] = f"{h & 0xFFFFFFFF:08x}"
         if old is None and new is not None:
             keys = self._keys[b]
             i = bisect.bisect_left(keys, key)
@@ -70,12 +78,13 @@ class BucketIndex:
 
     def bucket_hex(self) -> str:
         """8 hex digits per bucket (the low 32 bits of its XOR): what ``Buckets`` carries."""
-        return "".join(f"{h & 0xFFFFFFFF:08x}" for h in self._hash)
+        if self._joined is None:
+            self._joined = "".join(self._hex)
+        return self._joined
 
     def differing(self, other_hex: str) -> list[int]:
         """Buckets whose hash differs from ``other_hex`` (a ``bucket_hex`` of another node)."""
-        mine = self.bucket_hex()
-        return [b for b in range(BUCKETS) if mine[8 * b:8 * b + 8] != other_hex[8 * b:8 * b + 8]]
+        return [b for b, h in enumerate(self._hex) if other_hex[8 * b:8 * b + 8] != h]
 
     def keys_in(self, bucket: int) -> list[str]:
         """The keys in ``bucket``, sorted (the caller must not change the list)."""

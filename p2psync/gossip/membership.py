@@ -51,7 +51,7 @@ import random
 from dataclasses import dataclass, replace
 
 from p2psync.gossip.index import BucketIndex
-from p2psync.gossip.messages import MemberEntry, ring_hash
+from p2psync.gossip.items import MemberEntry, ring_hash
 
 logger = logging.getLogger(__name__)
 
@@ -144,6 +144,9 @@ class MemberTable:
         self.changes = 0
         """Entries written or dropped here so far: equal counts mean an unchanged table (what the
         coordinator's plan step compares before it walks every member)."""
+        self.changed: set[str] | None = None
+        """When set (:meth:`GossipNode.track_changes <p2psync.gossip.protocol.GossipNode.track_changes>`),
+        the ids of members whose entry was written or dropped are added here; the reader empties it."""
         self.my_id = me.id
         self._put(me, 0.0)
 
@@ -171,6 +174,8 @@ class MemberTable:
 
     def _put(self, e: MemberEntry, now: float) -> None:
         self.changes += 1
+        if self.changed is not None:
+            self.changed.add(e.id)
         old = self.entries.get(e.id)
         self.entries[e.id] = e
         self.index.replace(e.key, old.hash if old else None, e.hash)
@@ -227,6 +232,8 @@ class MemberTable:
 
     def _drop(self, member_id: str) -> None:
         self.changes += 1
+        if self.changed is not None:
+            self.changed.add(member_id)
         old = self.entries.pop(member_id)
         self.index.replace(old.key, old.hash, None)
         if old.live:

@@ -64,10 +64,8 @@ from p2psync.errors import NotCoordinator
 from p2psync.gossip.coordinator_state import CoordinatorState, is_private
 from p2psync.gossip.index import BucketIndex
 from p2psync.gossip.membership import DetectorConfig, MemberTable
-from p2psync.gossip.messages import (
-    LEASES_PREFIX, MAX_VERSIONS, Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Message, Report,
-    Syn,
-)
+from p2psync.gossip.items import LEASES_PREFIX, MAX_VERSIONS, CoordEntry, MemberEntry
+from p2psync.gossip.messages import Buckets, Delta, Digest, Heartbeat, Message, Report, Syn
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +278,8 @@ class GossipNode:
         old = self.reports.get(rep.sender)
         if old is None or old[1].bandwidth != rep.bandwidth:
             self.report_changes += 1
+            if self.members.changed is not None:
+                self.members.changed.add(rep.sender)
         self.reports[rep.sender] = (now, rep)
 
     def _lease_repair(self, sender: str, msg: Report) -> Outgoing:
@@ -347,6 +347,10 @@ class GossipNode:
             elif mine > v:
                 send.append(k)
         for b in msg.buckets:
+            if len(send) >= self.config.max_entries:
+                break  # a Delta carries no more; the rest comes in a later round (a joiner's first
+                # digest names every bucket: listing the whole table, 100,000 keys, and sorting it
+                # cost the coordinator, every joiner's seed, a tenth of a second each)
             send.extend(k for k in self.index.keys_in(b) if k not in theirs)
         delta = self._delta(send, tuple(want[: self.config.max_entries]))
         return [] if delta is None else [(sender, delta)]
@@ -419,6 +423,14 @@ class GossipNode:
             self.report = replace(rep, **changes)  # type: ignore[arg-type]
             self._report_due = True
         return published or bool(changes)
+
+    def track_changes(self) -> set[str]:
+        """From now on, add to the returned set the id of every member whose entry is written or dropped
+        here and (coordinator) whose reported bandwidth changes; the reader empties it. What lets the
+        coordinator's plan step read only the members that changed, not every member after each change."""
+        if self.members.changed is None:
+            self.members.changed = set()
+        return self.members.changed
 
     def publish(self, name: str, value: object, now: float | None = None) -> CoordEntry:
         """Write a coordinator entry (``head``, ``revoked``, ``leases/<node>``); coordinator only (the

@@ -2,7 +2,7 @@
 
 Relays may be untrusted machines: they forward gossip but must not be able to
 forge or alter what the coordinator wrote. The trainer signs
-:meth:`~p2psync.gossip.messages.CoordEntry.signed_bytes` with the same Ed25519
+:meth:`~p2psync.gossip.items.CoordEntry.signed_bytes` with the same Ed25519
 key that signs manifests; every node checks with the trainer's public key it
 already holds. Hooks for :class:`~p2psync.gossip.coordinator_state.CoordinatorState`.
 """
@@ -17,7 +17,7 @@ from typing import Callable
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from p2psync.gossip.messages import CoordEntry
+from p2psync.gossip.items import CoordEntry
 
 
 def signer(private_key: Ed25519PrivateKey) -> Callable[[CoordEntry], CoordEntry]:

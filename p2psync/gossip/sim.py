@@ -19,7 +19,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from p2psync.gossip.messages import MemberEntry, Message, dumps, loads
+from p2psync.gossip.items import MemberEntry
+from p2psync.gossip.messages import Message, dumps, loads, wire_size
 from p2psync.gossip.protocol import GossipConfig, GossipNode
 
 
@@ -126,11 +127,12 @@ class Sim:
             self.messages += 1
             if self.count_bytes:
                 size = sizes.get(id(msg))
-                if size is None or self.wire:
+                if self.wire:
                     data = dumps(msg)
                     size = sizes[id(msg)] = len(data)
-                    if self.wire:
-                        msg = loads(data)
+                    msg = loads(data)
+                elif size is None:
+                    size = sizes[id(msg)] = wire_size(msg)
                 self.bytes_sent[src] += size
                 if size > self.max_body:
                     self.oversize += 1

@@ -10,7 +10,8 @@ import pytest
 from p2psync import keys
 from p2psync.errors import NotCoordinator
 from p2psync.gossip import GossipNode
-from p2psync.gossip.messages import CoordEntry, Delta, Report, dumps, loads
+from p2psync.gossip.items import CoordEntry
+from p2psync.gossip.messages import Delta, Report, dumps, loads
 from p2psync.gossip.signing import signer, verifier
 from p2psync.gossip.sim import Sim, default_member
 

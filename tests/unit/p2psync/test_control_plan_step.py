@@ -73,3 +73,36 @@ def test_a_reported_bandwidth_a_revocation_and_the_periodic_plan_each_run_the_st
     step.run(trainer, {node.id}, sim.now + 601.0)  # the periodic full plan is due
     assert planner.calls == calls + 3
     assert step.run(trainer, {node.id}, sim.now + 602.0) is None and planner.calls == calls + 3
+
+
+def test_the_members_kept_between_steps_are_those_a_full_walk_finds_through_churn():
+    """The step reads only the members gossip names as changed; after joins, leaves, a crash, a
+    tombstone dropped and a new bandwidth report it must plan for exactly the members a walk over
+    the whole table finds (else a joiner is never placed, or a dead node stays a parent)."""
+    from dataclasses import replace
+
+    sim, trainer, planner, step = _setup(40)
+    trainer.members.config = replace(trainer.members.config, tombstone_ttl=20.0)
+    seen: list[list[str]] = []
+
+    def check() -> None:
+        got = step.inputs(trainer, (), sim.now)
+        if got is not None:
+            planner.update(got[1], sim.now)
+            step.ran(got[0])
+            assert sorted(got[1], key=lambda m: m.id) == sorted(plan_gossip.plan_members(trainer), key=lambda m: m.id)
+            seen.append(sorted(m.id for m in got[1]))
+
+    for i in range(3):
+        sim.join(default_member(100 + i), seeds=(trainer.members.me.address,))
+    sim.leave(default_member(5).address)
+    sim.crash(default_member(7).address)
+    for _ in range(60):
+        sim.run_until(sim.now + 1.0)
+        check()
+    sim.nodes[default_member(9).address].update_self(sim.now, bandwidth=5e9)
+    for _ in range(15):
+        sim.run_until(sim.now + 1.0)
+        check()
+    assert seen and default_member(100).id in seen[-1] and default_member(7).id not in seen[-1]
+    assert default_member(5).id not in seen[-1]

@@ -16,7 +16,8 @@ import tlsutil
 from p2psync import config, keys
 from p2psync.control.api import ResponseResult
 from p2psync.errors import LeaseExpired
-from p2psync.gossip.messages import CoordEntry, Delta, Report, dumps, plan_shard
+from p2psync.gossip.items import CoordEntry, plan_shard
+from p2psync.gossip.messages import Delta, Report, dumps
 from p2psync.gossip.signing import signer
 from p2psync.node import Node
 

@@ -7,9 +7,8 @@ import json
 import pytest
 
 from p2psync.errors import CodecError
-from p2psync.gossip.messages import (
-    BUCKETS, Buckets, CoordEntry, Delta, Digest, Heartbeat, MemberEntry, Report, Syn, decode, dumps, encode, loads,
-)
+from p2psync.gossip.items import BUCKETS, CoordEntry, MemberEntry
+from p2psync.gossip.messages import Buckets, Delta, Digest, Heartbeat, Report, Syn, decode, dumps, encode, loads, wire_size
 
 M = MemberEntry("n1", "10.0.0.1:7070", "rollout", "r01", "preemptible", 2, "suspect", 5, (3, 4), 1234.5, 1.25e8, 7.0)
 C = CoordEntry("plan/7", 9, "trainer", {"epoch": 3, "root": "trainer", "parents": {"n1": "trainer"}})
@@ -22,6 +21,18 @@ MESSAGES = [
     Heartbeat("n1", 2, 99),
     Report("n1", 3, (41, 42), 900.0, 1e8, 1764331200123),  # with the version of its lease entry
 ]
+
+
+ODD = MemberEntry('n"é\\', "[::1]:7070", "relay", "r\u00e9", "reserved", 0, "alive", 0, (), 0.0, 0.0, 0.0)
+SIZED = [*MESSAGES, Delta("n1"), Delta("n1", want=("m:n2", "c:head")), Delta("é", (M, ODD)), Digest("n1", (), ()),
+         Digest("n1", (1,), (('m:n"é\\', (0, 0, 0)), ("m:n1", (10**12, 3, 7)))),
+         Delta("n1", coord=(CoordEntry("head", 4, "trainer", {"version": 12}, "c2lnbg=="),))]
+
+
+@pytest.mark.parametrize("msg", SIZED)
+def test_wire_size_is_the_length_of_the_serialized_message(msg):
+    """Traffic figures count wire_size: it must be the bytes the body carries, for any id."""
+    assert wire_size(msg) == len(dumps(msg))
 
 
 @pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from p2psync.gossip import DetectorConfig, GossipConfig, GossipNode, NotCoordinator
-from p2psync.gossip.messages import CoordEntry, Delta, dumps
+from p2psync.gossip.items import CoordEntry
+from p2psync.gossip.messages import Delta, dumps
 from p2psync.gossip.sim import Faults, Sim, default_member
 
 

@@ -14,7 +14,7 @@ from p2psync.control.saved_state import SavedControl
 from p2psync.errors import NotCoordinator
 from p2psync.gossip import GossipConfig, GossipNode
 from p2psync.gossip.membership import restart_incarnation
-from p2psync.gossip.messages import CoordEntry
+from p2psync.gossip.items import CoordEntry
 from p2psync.gossip.signing import signer, verifier
 from p2psync.gossip.sim import Sim, default_member
 

@@ -17,7 +17,8 @@ from p2psync.errors import CodecError
 from p2psync.gossip import DetectorConfig, GossipNode, MemberEntry
 from p2psync.gossip.index import BucketIndex
 from p2psync.gossip.membership import MemberTable
-from p2psync.gossip.messages import MAX_ENTRY_BYTES, PLAN_SHARDS, Delta, Syn, dumps
+from p2psync.gossip.items import MAX_ENTRY_BYTES, PLAN_SHARDS
+from p2psync.gossip.messages import Delta, Syn, dumps
 from p2psync.gossip.sim import Sim, default_member
 
 

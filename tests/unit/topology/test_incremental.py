@@ -107,6 +107,22 @@ def test_a_sequence_of_changes_keeps_the_estimate_exact_and_stays_close_to_a_fre
     assert change.plan.est_completion_s <= 1.15 * plan(r.model, CFG).est_completion_s
 
 
+def test_a_long_run_of_failures_and_joins_never_keeps_a_departed_node_as_a_fallback_user():
+    """The re-planner lives as long as the coordinator's plan epoch: over hundreds of changes, a node
+    that left must not stay registered as using a fallback (a later depth change of that fallback
+    looked it up and raised KeyError in the live coordinator at 100,000 members under churn)."""
+    m = synthetic_model(4, 30, seed=5)
+    r = Replanner(plan(m, CFG), m, CFG)
+    rng = random.Random(5)
+    for step in range(150):
+        if step % 2:
+            r.join(NodeSpec(f"j{step}", f"r0{rng.randrange(4)}", "rollout", 10 * G, 10 * G))
+        else:
+            r.fail(rng.choice(sorted(n for n in r.model.node_ids if n != r.model.trainer)))
+        users = set().union(*r.fb_users.values())
+        assert users <= set(r.parents), f"step {step}: {sorted(users - set(r.parents))[:3]} left but still listed"
+
+
 def test_the_array_estimate_equals_the_walk():
     for m in (synthetic_model(4, 8, seed=1, measured_fraction=0.3), synthetic_model(6, 60, seed=2)):
         p = plan(m, CFG)
@@ -163,3 +179,16 @@ def test_nothing_changed_gives_the_same_tree_bit_for_bit():
     r.join(NodeSpec("brief", "r01", "rollout", 1 * G, 1 * G))
     back = r.fail("brief")
     assert back.plan.parents == p.parents and back.plan.eta_s == p.eta_s and back.plan.edge_bps == p.edge_bps
+
+
+def test_joiners_placed_together_move_nobody_and_a_node_already_planned_is_refused():
+    m = synthetic_model(4, 30, seed=9)
+    r = Replanner(plan(m, CFG), m, CFG)
+    before = dict(r.parents)
+    specs = [NodeSpec(f"j{i}", f"r0{i % 4}", "rollout", 10 * G, 10 * G) for i in range(5)]
+    change = r.join_many(specs)
+    assert change.moved == frozenset() and all(change.plan.parents[c] == p for c, p in before.items())
+    _check(change.plan, r.model)
+    with pytest.raises(ValueError, match="j0"):
+        r.join_many([specs[0]])
+    assert r.parents == change.plan.parents  # refused: nothing changed

@@ -1,0 +1,224 @@
+"""The live coordinator alone at N members (100,000 and beyond): CPU per gossip round and bytes it sends.
+
+A full gossip simulation holds every node's table (N x N entries): 10,000 nodes is the most this
+machine holds (``tools/gossip_scale.py``). This tool runs only the trainer's control plane, the real
+code: its :class:`~p2psync.gossip.protocol.GossipNode` (the member table of N members, the
+coordinator state, the failure detector) and the live plan (:class:`~p2psync.control.live_plan.
+LivePlanner` through :mod:`p2psync.control.plan_gossip`, as the gossip service runs it). What the other
+N - 1 nodes send it each round is generated from the protocol's rules instead of by N simulated
+nodes:
+
+- ``Syn`` s: each node opens ``fanout`` exchanges a round with peers drawn uniformly from its live
+  members, so the coordinator gets about ``fanout`` of them (a Poisson draw). Idle, their roots
+  equal its own (no reply). Under churn a peer's root differs: the coordinator answers with its
+  bucket hashes and gets a ``Digest`` of one bucket in which the peer lacks the newest change (its own
+  items, one version older), and answers that with a ``Delta``. Its own ``fanout`` Syns a round get
+  a ``Buckets`` reply that differs in one bucket, answered with a ``Digest``.
+- ``Heartbeat`` s from the members that precede it on the watcher ring (``watchers + slack``).
+- ``Report`` s: each node reports every ``report_interval`` (10 s: N / 10 a round), and all of
+  them in the round after a new head version.
+- Churn (1 % of the nodes per minute): joins and graceful leaves arrive as the member entries a
+  peer's ``Delta`` carries, and each joiner's first exchange is with its seed, the coordinator (its
+  table holds itself only: the coordinator answers with up to ``max_entries`` entries); a new head
+  every ``--step-seconds``.
+
+Figures: process CPU per round of every call into the coordinator (receive, tick, plan step and
+publish), split into gossip and plan; bytes per second the coordinator sends (``wire_size`` of its
+replies and its own messages). Checked against the full simulation at 10,000 (run this tool with
+``--nodes 10000`` beside ``gossip_scale.py --nodes 10000``).
+
+    python tools/coord_scale.py --nodes 100000 --json docs/benchmarks/coord_scale_100000.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from p2psync import keys
+from p2psync.control import plan_gossip
+from p2psync.control.live_plan import LivePlanner
+from p2psync.gossip import GossipNode
+from p2psync.gossip.messages import Buckets, Delta, Digest, Heartbeat, Message, Report, Syn, wire_size
+from p2psync.gossip.signing import signer
+from p2psync.gossip.sim import default_member
+
+
+def poisson(rng: random.Random, lam: float) -> int:
+    k, p, limit = 0, 1.0, math.exp(-lam)
+    while True:
+        p *= rng.random()
+        if p < limit:
+            return k
+        k += 1
+
+
+class Harness:
+    def __init__(self, n: int, seed: int, regions: int, replan_every: int = 1) -> None:
+        self.replan_every = replan_every
+        self.rng = random.Random(seed)
+        self.n = n
+        self.member = lambda i: default_member(i, regions)
+        me = self.member(0)
+        self.g = GossipNode(me, coordinator=me.id, seed=seed)
+        self.g.coord.sign = signer(keys.generate())
+        for i in range(1, n):
+            self.g.members.merge(self.member(i), 0.0)
+        self.plan_step = plan_gossip.PlanStep(LivePlanner(me.id))
+        self.now = 0.0
+        self.cpu_gossip = self.cpu_plan = 0.0
+        self.sent = 0
+        self.ids = [self.member(i) for i in range(1, n)]
+        self.reports = {e.id: Report(e.id, 0, (0,), e.throughput, e.bandwidth) for e in self.ids}
+        self.heartbeat = 0
+        self.next_id = n + 1_000_000
+
+    def _send(self, out: list[tuple[str, Message]]) -> None:
+        self.sent += sum(wire_size(m) for _, m in out)
+
+    def _call(self, f, *args) -> list[tuple[str, Message]]:
+        t = time.process_time()
+        out = f(*args)
+        self.cpu_gossip += time.process_time() - t
+        self._send(out)
+        return out
+
+    def _peer(self) -> tuple[str, str]:
+        e = self.ids[self.rng.randrange(len(self.ids))]
+        return e.id, e.address
+
+    def _older_digest(self, sender: str) -> Digest:
+        """A digest of one bucket as a peer that lacks the newest change in it holds it."""
+        g = self.g
+        b = self.rng.randrange(64)
+        keys_ = g.index.keys_in(b)
+        members, coord = g.members.entries, g.coord.entries
+        items = [(k, members[k[2:]].version if k[0] == "m" else (coord[k[2:]].version,)) for k in keys_]
+        if items:
+            k, v = items[-1]
+            items[-1] = (k, (*v[:-1], max(0, v[-1] - 1)))
+        return Digest(sender, (b,), tuple(items))
+
+    def round(self, churn: bool, events: float, new_head: bool) -> None:
+        g, rng = self.g, self.rng
+        # Joins and leaves, as a peer's Delta carries them.
+        for _ in range(poisson(rng, events) if churn else 0):
+            sender, addr = self._peer()
+            if rng.random() < 0.5:
+                e = self.member(self.next_id)
+                self.next_id += 1
+                self.ids.append(e)
+                # The joiner's first exchange is with its seed, the coordinator: its table holds itself only.
+                self._call(g.receive, self.now, e.address, Syn(e.id, "0" * 16, 1))
+                self._call(g.receive, self.now, e.address, Digest(e.id, tuple(range(64)), ((e.key, e.version),)))
+            else:
+                i = rng.randrange(len(self.ids))
+                e = replace(self.ids[i], status="left", status_at=self.now)
+                self.ids[i] = self.ids[-1]
+                self.ids.pop()
+            self._call(g.receive, self.now, addr, Delta(sender, members=(e,)))
+        if new_head:
+            t = time.process_time()
+            g.publish("head", {"version": int(self.now)}, self.now)
+            self.cpu_gossip += time.process_time() - t
+        # Syns from peers; under churn each starts a bucket exchange.
+        for _ in range(poisson(rng, g.config.fanout)):
+            sender, addr = self._peer()
+            root = g.index.root if not churn else "0" * 16
+            self._call(g.receive, self.now, addr, Syn(sender, root, g.index.count))
+            if churn:
+                self._call(g.receive, self.now, addr, self._older_digest(sender))
+        # Heartbeats from the members that precede the coordinator on the ring.
+        self.heartbeat += 1
+        c = g.config.detector
+        for mid in g.members._neighbours(g.id, c.watchers + c.slack, -1):
+            e = g.members.entries[mid]
+            self._call(g.receive, self.now, e.address, Heartbeat(mid, e.incarnation, self.heartbeat))
+        # Reports: every report_interval, and all after a new head.
+        every = int(g.config.report_interval)
+        r = int(self.now)
+        for e in self.ids:
+            if new_head or int(e.id[1:]) % every == r % every:
+                rep = self.reports.get(e.id) or Report(e.id, 0, (0,), e.throughput, e.bandwidth)
+                if new_head:
+                    rep = replace(rep, versions=(*rep.versions[-1:], r))
+                    self.reports[e.id] = rep
+                self._call(g.receive, self.now, e.address, rep)
+        # The coordinator's own round, and the answers its Syns get.
+        out = self._call(g.tick, self.now)
+        if churn:
+            for addr, m in out:
+                if isinstance(m, Syn):
+                    other = list(g.index.bucket_hex())
+                    b = rng.randrange(64)
+                    other[8 * b] = "f" if other[8 * b] != "f" else "0"
+                    self._call(g.receive, self.now, addr, Buckets("peer", "".join(other)))
+        # The plan step, as the gossip service runs it after a change (at most every replan_every s).
+        if int(self.now) % self.replan_every:
+            self.now += 1.0
+            return
+        t = time.process_time()
+        new = self.plan_step.run(g, (), self.now)
+        if new is not None:
+            plan_gossip.publish(g, new, self.now)  # (its shards leave through the exchanges above)
+        self.cpu_plan += time.process_time() - t
+        self.now += 1.0
+
+    def measure(self, seconds: int, churn: bool, step_seconds: int) -> dict[str, float]:
+        cpu_g, cpu_p, sent, t0 = self.cpu_gossip, self.cpu_plan, self.sent, self.now
+        events = self.n / 100 / 60
+        for s in range(seconds):
+            self.round(churn, events, churn and s % step_seconds == 0)
+        dt = self.now - t0
+        return {"gossip": (self.cpu_gossip - cpu_g) / dt, "plan": (self.cpu_plan - cpu_p) / dt,
+                "bytes": (self.sent - sent) / dt}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nodes", type=int, default=100_000)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--regions", type=int, help="regions (default: 8 up to 16,000 nodes, as gossip_scale.py; "
+                    "beyond, one per 2,000 nodes, as plan_scale.py's 50 x 2,000)")
+    ap.add_argument("--seconds", type=int, default=60, help="simulated seconds per measurement")
+    ap.add_argument("--step-seconds", type=int, default=30, help="seconds between head versions under churn")
+    ap.add_argument("--replan-every", type=int, default=1, help="run the plan step every this many rounds "
+                    "(the gossip service's control.replan_delay; changes in between are planned together)")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    t0 = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t0:6.0f} s] {msg}", flush=True)
+
+    regions = args.regions or (8 if args.nodes <= 16_000 else args.nodes // 2000)
+    h = Harness(args.nodes, args.seed, regions, args.replan_every)
+    t = time.process_time()
+    h.round(False, 0.0, False)  # the first plan
+    out: dict[str, Any] = {"nodes": args.nodes, "regions": regions, "replan_every_s": args.replan_every, "seed": args.seed, "machine": platform.node(),
+                           "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv]),
+                           "first_round_cpu_s": round(time.process_time() - t, 3)}
+    log(f"{args.nodes} members, first plan: {out['first_round_cpu_s']} s CPU")
+    h.measure(int(h.g.config.report_interval), False, args.step_seconds)  # every node's first report seen
+    for name, churn in (("idle", False), ("churn", True)):
+        m = h.measure(args.seconds, churn, args.step_seconds)
+        out[f"coordinator_cpu_per_round_s_{name}"] = round(m["gossip"] + m["plan"], 5)
+        out[f"coordinator_cpu_per_round_s_{name}_plan"] = round(m["plan"], 5)
+        out[f"coordinator_bytes_sent_per_s_{name}"] = round(m["bytes"])
+        log(f"{name}: coordinator CPU {1e3 * (m['gossip'] + m['plan']):.2f} ms per round "
+            f"(plan step {1e3 * m['plan']:.2f}), sends {m['bytes'] / 1e3:.1f} KB/s")
+    out["wall_s"] = round(time.time() - t0)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":
+    main()
