@@ -30,6 +30,7 @@ import ast
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -55,6 +56,7 @@ class Mutant:
     killed: bool | None = None
     how: str = ""
     seconds: float = 0.0
+    by: str = ""
 
 
 def _jitted(fn: ast.AST) -> bool:
@@ -127,11 +129,68 @@ def sites(source: str, lines: set[int]) -> list[tuple[int, int, str]]:
     return out
 
 
-def mutate(source: str, index: int) -> str:
-    """``source`` with the site at ``ast.walk`` position ``index`` changed (see :func:`sites`)."""
+_BOUNDARY = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt}
+
+
+def _raises(node: ast.If) -> bool:
+    return any(isinstance(s, ast.Raise) for s in node.body)
+
+
+def _one(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and type(node.value) is int and node.value == 1
+
+
+def meaningful_sites(source: str, lines: set[int]) -> list[tuple[int, int, str]]:
+    """The sites a reviewer would call a real bug on ``lines``: a check dropped (``if bad: raise``
+    made ``if False``), a comparison turned around or moved across its boundary (``<`` to ``<=``), an
+    ``x + 1`` made ``x`` (off by one), a condition negated, ``and``/``or`` swapped, a ``return x`` made
+    ``return None``. No constant moved: a buffer size or a flag a correct program tolerates."""
     tree = ast.parse(source)
-    node = list(ast.walk(tree))[index]
-    if isinstance(node, ast.Compare):
+    skip = _excluded_lines(tree)
+    settings = _settings(tree)
+    out = []
+    for k, node in enumerate(ast.walk(tree)):
+        line = getattr(node, "lineno", None)
+        if line is None or line not in lines or line in skip or id(node) in settings:
+            continue
+        if isinstance(node, ast.If) and _raises(node):
+            out.append((k, line, "check dropped"))
+        elif isinstance(node, (ast.If, ast.While)):
+            out.append((k, line, f"{type(node).__name__} condition negated"))
+        elif isinstance(node, ast.Compare) and type(node.ops[0]) in _FLIP:
+            out.append((k, line, f"{type(node.ops[0]).__name__} -> {_FLIP[type(node.ops[0])].__name__}"))
+            if type(node.ops[0]) in _BOUNDARY:
+                out.append((k, line, f"boundary {type(node.ops[0]).__name__} -> "
+                                     f"{_BOUNDARY[type(node.ops[0])].__name__}"))
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)) and _one(node.right):
+            out.append((k, line, f"off by one ({type(node.op).__name__} 1 dropped)"))
+        elif isinstance(node, ast.BoolOp):
+            out.append((k, line, f"{type(node.op).__name__} swapped"))
+        elif isinstance(node, ast.Return) and node.value is not None and not (
+                isinstance(node.value, ast.Constant) and node.value.value is None):
+            out.append((k, line, "return None"))
+    return out
+
+
+def mutate(source: str, index: int, op: str = "") -> str:
+    """``source`` with the site at ``ast.walk`` position ``index`` changed as ``op`` says (see
+    :func:`sites` and :func:`meaningful_sites`)."""
+    tree = ast.parse(source)
+    walk = list(ast.walk(tree))
+    node = walk[index]
+    if op == "check dropped" and isinstance(node, ast.If):
+        node.test = ast.Constant(value=False)
+    elif op.startswith("boundary") and isinstance(node, ast.Compare):
+        node.ops[0] = _BOUNDARY[type(node.ops[0])]()
+    elif op.startswith("off by one") and isinstance(node, ast.BinOp):
+        parent = next(p for p in walk for f, v in ast.iter_fields(p)
+                      if v is node or (isinstance(v, list) and any(x is node for x in v)))
+        for f, v in ast.iter_fields(parent):
+            if v is node:
+                setattr(parent, f, node.left)
+            elif isinstance(v, list):
+                v[:] = [node.left if x is node else x for x in v]
+    elif isinstance(node, ast.Compare):
         node.ops[0] = _FLIP[type(node.ops[0])]()
     elif isinstance(node, ast.BoolOp):
         node.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
@@ -166,85 +225,168 @@ def imported_modules(test_file: Path) -> set[str]:
     return out
 
 
-def _pytest(test_file: str, timeout: float, extra: list[str] | None = None) -> tuple[str, float]:
-    """Run one test file; ``("passed" | "failed" | "timeout" | "no tests", seconds)``."""
-    cmd = [sys.executable, *(extra or ["-m", "pytest"]), "-q", "-x", "-p", "no:cacheprovider",
-           "-p", "no:randomly", test_file]
+@dataclass
+class Runner:
+    """How a test file runs: the interpreter (``.venv-verl/bin/python`` for the verl tests), a marker
+    expression, and the per-run timeout."""
+    python: str
+    marker: str | None
+    timeout: float
+
+
+def _pytest(run: Runner, files: list[str], timeout: float, extra: list[str] | None = None,
+            env: dict[str, str] | None = None) -> tuple[str, float, str]:
+    """Run test files; ``("passed" | "failed" | "timeout" | "no tests" | "skipped", seconds, output tail)``.
+    A run whose every test skipped (no vLLM, no root) is ``"skipped"``: its mutants would prove nothing."""
+    cmd = [run.python, *(extra or ["-m", "pytest"]), "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly",
+           *(["-m", run.marker] if run.marker else []), *files]
     t0 = time.monotonic()
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}  # node processes the tests start import this tree too
     try:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}  # node processes the tests start import this tree too
         r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
                            start_new_session=True)
-    except subprocess.TimeoutExpired:
-        return "timeout", time.monotonic() - t0
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return "timeout", time.monotonic() - t0, out[-2000:]
     how = {0: "passed", 5: "no tests"}.get(r.returncode, "failed")
-    return how, time.monotonic() - t0
+    tail = (r.stdout + r.stderr)[-2000:]
+    if how == "passed" and not re.search(r"\b[1-9]\d* passed", r.stdout):
+        how = "skipped"
+    return how, time.monotonic() - t0, tail
 
 
 _COVERED = """
 import os, sys
 import coverage, pytest
-cov = coverage.Coverage(data_file=sys.argv[1], source=sys.argv[2].split(","))
+cov = coverage.Coverage.current()  # started by coverage's .pth from $COVERAGE_PROCESS_START
+if cov is None:  # an interpreter without that .pth (.venv-verl reuses .venv's packages): start it here
+    cov = coverage.Coverage(config_file=os.environ["COVERAGE_PROCESS_START"])
+    cov.start()
 real_exit = os._exit
 def _exit(code):  # tests/conftest.py ends a session that loaded vLLM with os._exit: save first
     cov.stop()
     cov.save()
     real_exit(code)
 os._exit = _exit
-cov.start()
-rc = pytest.main(sys.argv[3:])
+rc = pytest.main(sys.argv[1:])
 cov.stop()
 cov.save()
 sys.exit(int(rc))
 """
 
 
-def covered(test_file: str, timeout: float) -> tuple[str, dict[str, set[int]]]:
-    """Run ``test_file`` under coverage: its outcome and the project lines it executed, by file."""
+def covered_data(run: Runner, files: list[str], timeout: float) -> tuple[str, float, str, object | None]:
+    """Run ``files`` in one pytest session under coverage, the processes it starts included (node
+    processes, vLLM's engine core: coverage's ``.pth`` starts it in every interpreter that sees
+    ``$COVERAGE_PROCESS_START``; a process ended by SIGTERM saves first). Returns the outcome and the
+    combined ``CoverageData`` (``None`` when nothing was recorded)."""
     import coverage
 
     with tempfile.TemporaryDirectory() as d:
-        data = Path(d) / ".coverage"
-        how, _ = _pytest(test_file, timeout, ["-c", _COVERED, str(data), ",".join(SOURCES)])
-        if not data.exists():
-            return how, {}
-        cov = coverage.Coverage(data_file=str(data))
-        cov.load()
-        got = cov.get_data()
-        out = {}
-        for f in got.measured_files():
-            rel = os.path.relpath(f, REPO)
-            if rel.split(os.sep)[0] in SOURCES:
-                out[rel] = set(got.lines(f) or ())
-        return how, out
+        rc = Path(d) / "coveragerc"
+        rc.write_text(f"[run]\nparallel = true\nsigterm = true\ndata_file = {d}/.coverage\nsource =\n"
+                      + "".join(f"    {REPO / s}\n" for s in SOURCES))
+        env = {"COVERAGE_PROCESS_START": str(rc)}
+        how, seconds, tail = _pytest(run, files, timeout, ["-c", _COVERED], env)
+        if not any(Path(d).glob(".coverage.*")):
+            return how, seconds, tail, None
+        cov = coverage.Coverage(data_file=str(Path(d) / ".coverage"), config_file=False)
+        cov.combine([d])
+        data = coverage.CoverageData()
+        data.update(cov.get_data())
+        return how, seconds, tail, data
 
 
-def check_file(test_file: str, per_file: int, rng: random.Random, timeout: float) -> dict:
-    how, lines = covered(test_file, timeout)
-    res: dict = {"file": test_file, "baseline": how, "mutants": []}
+def _project_lines(data: object | None) -> dict[str, set[int]]:
+    out: dict[str, set[int]] = {}
+    if data is None:
+        return out
+    for f in data.measured_files():  # type: ignore[attr-defined]
+        rel = os.path.relpath(f, REPO)
+        if rel.split(os.sep)[0] in SOURCES:
+            out[rel] = set(data.lines(f) or ())  # type: ignore[attr-defined]
+    return out
+
+
+def load_lines(path: str) -> dict[str, set[int]]:
+    """The project lines recorded in a coverage data file (``--record-coverage``)."""
+    import coverage
+
+    data = coverage.CoverageData(basename=path)
+    data.read()
+    return _project_lines(data)
+
+
+def _spread(pool: list[tuple[str, int, int, str]], n: int, rng: random.Random) -> list[tuple[str, int, int, str]]:
+    """``n`` sites drawn from as many different modules as there are: one bug per module first."""
+    by_mod: dict[str, list[tuple[str, int, int, str]]] = {}
+    for site in pool:
+        by_mod.setdefault(site[0], []).append(site)
+    mods = sorted(by_mod)
+    rng.shuffle(mods)
+    out: list[tuple[str, int, int, str]] = []
+    while len(out) < n and any(by_mod[m] for m in mods):
+        for m in mods:
+            if by_mod[m] and len(out) < n:
+                out.append(by_mod[m].pop(rng.randrange(len(by_mod[m]))))
+    return out
+
+
+def check_file(test_file: str, per_file: int, rng: random.Random, run: Runner, *,
+               exclude: dict[str, set[int]] | None = None, any_module: bool = False,
+               meaningful: bool = False, budget: float | None = None) -> dict:
+    """Mutants of the code ``test_file`` runs, each run against ``test_file`` alone.
+
+    ``any_module``: draw from every project module the run executed (an integration file starts
+    processes and imports little), not only those it imports; ``exclude``: lines to leave alone (those
+    the unit tests already run), so that an integration file is judged on what only it reaches;
+    ``meaningful``: :func:`meaningful_sites` rather than :func:`sites`, spread over modules; ``budget``:
+    no further mutant once this file's mutants have taken that many seconds."""
+    how, base_s, tail, data = covered_data(run, [test_file], run.timeout)
+    lines = _project_lines(data)
+    res: dict = {"file": test_file, "baseline": how, "baseline_seconds": round(base_s, 1), "mutants": []}
+    if run.python != sys.executable or run.marker:
+        res["python"], res["marker"] = run.python, run.marker
     if how != "passed":
+        res["why"] = f"baseline {how}: " + tail.strip().splitlines()[-1][:200] if tail.strip() else f"baseline {how}"
         return res
-    wanted = imported_modules(REPO / test_file) & set(lines)
+    if exclude:
+        lines = {m: ls - exclude.get(m, set()) for m, ls in lines.items()}
+        lines = {m: ls for m, ls in lines.items() if ls}
+    wanted = set(lines) if any_module else imported_modules(REPO / test_file) & set(lines)
     if not wanted:  # it checks files it reads or programs it runs: no module of its own to break here
-        res["why"] = "runs no code it imports (it reads files or runs programs)"
+        res["why"] = ("runs no project line the unit tests do not" if any_module
+                      else "runs no code it imports (it reads files or runs programs)")
         return res
     pool = []
     for mod in sorted(wanted):
         src = (REPO / mod).read_text()
-        pool += [(mod, k, line, op) for k, line, op in sites(src, lines[mod])]
+        found = meaningful_sites(src, lines[mod]) if meaningful else sites(src, lines[mod])
+        pool += [(mod, k, line, op) for k, line, op in found]
     res["targets"] = sorted(wanted)
     res["sites"] = len(pool)
-    for mod, k, line, op in rng.sample(pool, min(per_file, len(pool))):
+    picked = _spread(pool, per_file, rng) if meaningful else rng.sample(pool, min(per_file, len(pool)))
+    # A mutant that hangs is killed by the file's own per-test timeouts; this bound only stops a run
+    # that outlasts the baseline (which ran under coverage, slower) by far.
+    timeout = min(run.timeout, 2 * base_s + 120)
+    spent = 0.0
+    for mod, k, line, op in picked:
+        if budget is not None and spent >= budget:
+            break
         m = Mutant(mod, line, op)
         path = REPO / mod
         src, st = path.read_text(), path.stat()
         try:
-            path.write_text(mutate(src, k))
-            m.how, m.seconds = _pytest(test_file, timeout)
+            path.write_text(mutate(src, k, op))
+            m.how, m.seconds, tail = _pytest(run, [test_file], timeout)
         finally:
             path.write_text(src)
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+        spent += m.seconds
         m.killed = m.how in ("failed", "timeout")
+        if m.killed:  # which assertion or error noticed it
+            m.by = next((ln.strip()[:200] for ln in reversed(tail.splitlines())
+                         if ln.startswith(("E ", "FAILED", "ERROR"))), m.how)
         res["mutants"].append(asdict(m))
         print(f"  {'killed ' if m.killed else 'SURVIVED'} {mod}:{line} {op} ({m.how}, {m.seconds:.0f} s)", flush=True)
     return res
@@ -259,17 +401,48 @@ def summary(results: list[dict], seconds: float, a: argparse.Namespace) -> dict:
             "files_not_mutated": [{"file": r["file"], "baseline": r["baseline"], "sites": r.get("sites", 0),
                                    "why": r.get("why", "")} for r in results if not r["mutants"]],
             "seconds": round(seconds, 1), "seed": a.seed, "per_file": a.per_file,
-            "date": time.strftime("%Y-%m-%d"), "results": results}
+            "integration": a.integration, "python": os.path.relpath(a.python, REPO) if a.python.startswith(str(REPO))
+            else a.python, "marker": a.marker, "exclude_covered_by": a.exclude_covered_by,
+            "file_budget": a.file_budget, "date": time.strftime("%Y-%m-%d"), "results": results}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("files", nargs="*", help="test files (default: tests/unit/**/test_*.py)")
+    ap.add_argument("files", nargs="*", help="test files (default: tests/unit/**/test_*.py, or "
+                                             "tests/integration/test_*.py with --integration)")
     ap.add_argument("--per-file", type=int, default=3, help="mutants per test file (default 3)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run of a test file")
-    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--json", help="write the results here (after every file)")
+    ap.add_argument("--resume", action="store_true", help="keep the files already in --json and go on")
+    ap.add_argument("--python", default=sys.executable,
+                    help="interpreter the tests run in (.venv-verl/bin/python for the verl tests)")
+    ap.add_argument("-m", "--marker", help="pytest marker expression (-m verl, -m 'not verl')")
+    ap.add_argument("--record-coverage", metavar="DATA",
+                    help="run the files once, in one session, under coverage (the processes they start "
+                         "included) and write the lines they ran to the coverage data file DATA; no mutant")
+    ap.add_argument("--exclude-covered-by", metavar="DATA",
+                    help="leave alone the lines recorded in DATA (e.g. what tests/unit runs)")
+    ap.add_argument("--integration", action="store_true",
+                    help="integration mode: mutants from any module the run executed, meaningful "
+                         "kinds only, spread over modules")
+    ap.add_argument("--file-budget", type=float,
+                    help="no further mutant of a file once its mutants have taken this many seconds")
     a = ap.parse_args(argv)
+    run = Runner(a.python, a.marker, a.timeout)
+    default = ("tests/integration", "test_*.py") if a.integration else ("tests/unit", "**/test_*.py")
+    files = a.files or sorted(str(p.relative_to(REPO)) for p in (REPO / default[0]).glob(default[1]))
+    if a.record_coverage:
+        how, seconds, tail, data = covered_data(run, files, a.timeout)
+        if data is None:
+            print(f"mutation_check: nothing recorded ({how})\n{tail}", file=sys.stderr)
+            return 1
+        out_data = __import__("coverage").CoverageData(basename=a.record_coverage)
+        out_data.update(data)
+        out_data.write()
+        n = sum(len(v) for v in _project_lines(data).values())
+        print(f"{how} in {seconds:.0f} s; {n} project lines in {a.record_coverage}")
+        return 0 if how == "passed" else 1
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *SOURCES], cwd=REPO,
                            capture_output=True, text=True, check=False).stdout.strip()
     if dirty:
@@ -277,14 +450,20 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # restore the module being mutated
-    files = a.files or sorted(str(p.relative_to(REPO)) for p in (REPO / "tests" / "unit").rglob("test_*.py"))
+    exclude = load_lines(a.exclude_covered_by) if a.exclude_covered_by else None
     rng = random.Random(a.seed)
     results: list[dict] = []
-    t0 = time.monotonic()
+    if a.resume and a.json and Path(a.json).exists():
+        results = json.loads(Path(a.json).read_text())["results"]
+    done = {r["file"] for r in results}
+    t0 = time.monotonic() - (json.loads(Path(a.json).read_text())["seconds"] if results else 0.0)
     out = summary(results, 0.0, a)
     for f in files:
+        if f in done:
+            continue
         print(f"{f}", flush=True)
-        results.append(check_file(f, a.per_file, rng, a.timeout))
+        results.append(check_file(f, a.per_file, rng, run, exclude=exclude, any_module=a.integration,
+                                  meaningful=a.integration, budget=a.file_budget))
         out = summary(results, time.monotonic() - t0, a)
         if a.json:  # after every file: a run stopped part-way keeps what it found
             Path(a.json).write_text(json.dumps(out, indent=1) + "\n")

@@ -1,0 +1,69 @@
+"""tools/mutation_check.py: the mutants it makes are the bugs it names, and each breaks the code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SRC = '''\
+LIMIT = 3
+
+
+def take(xs, n=2):
+    if n < 0:
+        raise ValueError("n")
+    if len(xs) > LIMIT and n:
+        return xs[: n + 1]
+    return xs
+'''
+
+
+@pytest.fixture
+def mc(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "tools"))
+    import mutation_check
+
+    return mutation_check
+
+
+def _run(source: str, *args):
+    ns: dict = {}
+    exec(compile(source, "<mutant>", "exec"), ns)
+    try:
+        return ns["take"](*args)
+    except ValueError:
+        return "ValueError"
+
+
+def test_every_meaningful_mutant_changes_what_the_code_does(mc):
+    found = mc.meaningful_sites(SRC, set(range(1, 10)))
+    ops = sorted(op for _, _, op in found)
+    assert ops == sorted(["check dropped", "If condition negated", "Lt -> GtE", "boundary Lt -> LtE",
+                          "Gt -> LtE", "boundary Gt -> GtE", "And swapped", "off by one (Add 1 dropped)",
+                          "return None", "return None"])
+    inputs = [([1, 2, 3, 4, 5], 2), ([1], -1), ([1, 2, 3, 4], 0), ([1, 2, 3], 1), ([1, 2, 3, 4], 1)]
+    want = [_run(SRC, *i) for i in inputs]
+    assert want == [[1, 2, 3], "ValueError", [1, 2, 3, 4], [1, 2, 3], [1, 2]]
+    for k, _, op in found:
+        mutant = mc.mutate(SRC, k, op)
+        assert [_run(mutant, *i) for i in inputs] != want, op
+    # no setting (LIMIT, the default n) is a site
+    assert all(line not in (1, 4) for _, line, _ in found)
+
+
+def test_a_dropped_check_no_longer_raises_and_the_rest_is_unchanged(mc):
+    (k, line, _), = [s for s in mc.meaningful_sites(SRC, set(range(1, 10))) if s[2] == "check dropped"]
+    assert line == 5
+    mutant = mc.mutate(SRC, k, "check dropped")
+    assert _run(mutant, [1], -1) == [1]
+    assert _run(mutant, [1, 2, 3, 4, 5], 2) == [1, 2, 3]
+
+
+def test_sites_spread_over_modules_before_a_second_one_from_the_same(mc):
+    import random
+
+    pool = [("a.py", i, i, "x") for i in range(5)] + [("b.py", 9, 9, "x"), ("c.py", 7, 7, "x")]
+    got = mc._spread(pool, 3, random.Random(0))
+    assert sorted(m for m, *_ in got) == ["a.py", "b.py", "c.py"]
+    assert len(mc._spread(pool, 10, random.Random(0))) == len(pool)
