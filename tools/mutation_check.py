@@ -16,11 +16,23 @@ For every test file given (default: every ``tests/unit/**/test_*.py``) this tool
 
 A test file whose every mutant survives is listed: its assertions do not notice a broken
 implementation of what it runs. The sites are drawn from ``--seed``; ``--per-file`` sets how many.
+
+Integration files (``--integration``) start node processes and vLLM engines: minutes per run. There
+the coverage run includes the processes the test starts (coverage's ``.pth`` and
+``$COVERAGE_PROCESS_START``), the lines recorded by ``--record-coverage`` over ``tests/unit`` are left
+alone (``--exclude-covered-by``: a file is judged on what only it reaches), and the mutants are the
+bugs a reviewer would name, spread over the modules it runs: a check dropped, a comparison turned
+around or moved across its boundary, an ``x + 1`` made ``x``, a condition negated, ``return None``.
+``--python`` runs the tests in another interpreter (``.venv-verl`` for the ``verl`` tests, with
+``-m verl``); ``--resume`` goes on from the files already in ``--json``.
 Needs the ``coverage`` package (``.venv/bin/python -m pip install coverage``). Run it on a clean
 checkout: files are rewritten in place while it runs (and restored on exit, Ctrl-C included).
 
     .venv/bin/python tools/mutation_check.py --per-file 3 --json docs/benchmarks/mutation.json
     .venv/bin/python tools/mutation_check.py tests/unit/topology/test_planner.py --per-file 8
+    .venv/bin/python tools/mutation_check.py --record-coverage /tmp/unit.cov -m "not verl"
+    .venv/bin/python tools/mutation_check.py --integration --exclude-covered-by /tmp/unit.cov -m "not verl" \
+        --per-file 2 --file-budget 60 --json docs/internals/mutation_integration.json
 """
 
 from __future__ import annotations
