@@ -304,7 +304,7 @@ def covered_data(run: Runner, files: list[str], timeout: float) -> tuple[str, fl
             return how, seconds, tail, None
         cov = coverage.Coverage(data_file=str(Path(d) / ".coverage"), config_file=False)
         cov.combine([d])
-        data = coverage.CoverageData()
+        data = coverage.CoverageData(no_disk=True)  # in memory: no .coverage left in the checkout
         data.update(cov.get_data())
         return how, seconds, tail, data
 
