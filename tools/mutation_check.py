@@ -329,6 +329,16 @@ def load_lines(path: str) -> dict[str, set[int]]:
     return _project_lines(data)
 
 
+def _first_error(output: str, default: str) -> str:
+    """The line of a pytest run that says what failed: the ``FAILED`` summary line, else an ``E`` line."""
+    lines = output.splitlines()
+    for prefix in ("FAILED", "ERROR", "E "):
+        found = [ln.strip() for ln in lines if ln.startswith(prefix)]
+        if found:
+            return found[0][:240]
+    return default
+
+
 def _spread(pool: list[tuple[str, int, int, str]], n: int, rng: random.Random) -> list[tuple[str, int, int, str]]:
     """``n`` sites drawn from as many different modules as there are: one bug per module first."""
     by_mod: dict[str, list[tuple[str, int, int, str]]] = {}
@@ -360,7 +370,7 @@ def check_file(test_file: str, per_file: int, rng: random.Random, run: Runner, *
     if run.python != sys.executable or run.marker:
         res["python"], res["marker"] = run.python, run.marker
     if how != "passed":
-        res["why"] = f"baseline {how}: " + tail.strip().splitlines()[-1][:200] if tail.strip() else f"baseline {how}"
+        res["why"] = f"baseline {how}: {_first_error(tail, how)}"
         return res
     if exclude:
         lines = {m: ls - exclude.get(m, set()) for m, ls in lines.items()}
@@ -397,8 +407,7 @@ def check_file(test_file: str, per_file: int, rng: random.Random, run: Runner, *
         spent += m.seconds
         m.killed = m.how in ("failed", "timeout")
         if m.killed:  # which assertion or error noticed it
-            m.by = next((ln.strip()[:200] for ln in reversed(tail.splitlines())
-                         if ln.startswith(("E ", "FAILED", "ERROR"))), m.how)
+            m.by = _first_error(tail, m.how)
         res["mutants"].append(asdict(m))
         print(f"  {'killed ' if m.killed else 'SURVIVED'} {mod}:{line} {op} ({m.how}, {m.seconds:.0f} s)", flush=True)
     return res
