@@ -339,18 +339,40 @@ def _first_error(output: str, default: str) -> str:
     return default
 
 
-def _spread(pool: list[tuple[str, int, int, str]], n: int, rng: random.Random) -> list[tuple[str, int, int, str]]:
-    """``n`` sites drawn from as many different modules as there are: one bug per module first."""
-    by_mod: dict[str, list[tuple[str, int, int, str]]] = {}
-    for site in pool:
-        by_mod.setdefault(site[0], []).append(site)
-    mods = sorted(by_mod)
-    rng.shuffle(mods)
+def _functions(source: str) -> dict[int, str]:
+    """Line -> name of the innermost function or class around it."""
+    out: dict[int, str] = {}
+    for node in ast.walk(ast.parse(source)):  # outer before inner: inner names win
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
+                out[line] = node.name
+    return out
+
+
+def aimed(pool: list[tuple[str, int, int, str]], test_text: str, n: int,
+          rng: random.Random) -> list[tuple[str, int, int, str]]:
+    """``n`` sites in the code the test is about, one module each first: a site scores by the words of
+    the test file (its names, strings and comments) that name its module (``probe``, ``tls``) or the
+    function around it, and a dropped check scores more where the test expects errors. Ties are drawn."""
+    words = {w.lower() for w in re.findall(r"[A-Za-z][A-Za-z0-9]{2,}", test_text)}
+    words |= {w.lower() for w in re.findall(r"[A-Za-z_][A-Za-z0-9_]{3,}", test_text)}
+    errors = bool(re.search(r"pytest\.raises|[Ee]rror|refus", test_text))
+    funcs = {mod: _functions((REPO / mod).read_text()) for mod in {m for m, *_ in pool}}
+
+    def score(site: tuple[str, int, int, str]) -> float:
+        mod, _, line, op = site
+        parts = [x.lower() for x in Path(mod).with_suffix("").parts[1:] if x != "__init__"]
+        fn = funcs[mod].get(line, "").lower()
+        name_hit = fn in words or any(w in words for w in fn.strip("_").split("_") if len(w) > 3)
+        return (2 * sum(x in words for x in parts) + 2 * name_hit + (errors and op == "check dropped")
+                + rng.random())
+
+    ranked = sorted(pool, key=score, reverse=True)
     out: list[tuple[str, int, int, str]] = []
-    while len(out) < n and any(by_mod[m] for m in mods):
-        for m in mods:
-            if by_mod[m] and len(out) < n:
-                out.append(by_mod[m].pop(rng.randrange(len(by_mod[m]))))
+    for site in ranked:  # the best site of each module, best modules first
+        if len(out) < n and site[0] not in {m for m, *_ in out}:
+            out.append(site)
+    out += [s for s in ranked if s not in out][: n - len(out)]
     return out
 
 
@@ -387,7 +409,8 @@ def check_file(test_file: str, per_file: int, rng: random.Random, run: Runner, *
         pool += [(mod, k, line, op) for k, line, op in found]
     res["targets"] = sorted(wanted)
     res["sites"] = len(pool)
-    picked = _spread(pool, per_file, rng) if meaningful else rng.sample(pool, min(per_file, len(pool)))
+    picked = (aimed(pool, (REPO / test_file).read_text(), per_file, rng) if meaningful
+              else rng.sample(pool, min(per_file, len(pool))))
     # A mutant that hangs is killed by the file's own per-test timeouts; this bound only stops a run
     # that outlasts the baseline (which ran under coverage, slower) by far.
     timeout = min(run.timeout, 2 * base_s + 120)

@@ -60,10 +60,19 @@ def test_a_dropped_check_no_longer_raises_and_the_rest_is_unchanged(mc):
     assert _run(mutant, [1, 2, 3, 4, 5], 2) == [1, 2, 3]
 
 
-def test_sites_spread_over_modules_before_a_second_one_from_the_same(mc):
+def test_aimed_sites_are_in_the_code_the_test_names_one_module_each_first(mc):
     import random
 
-    pool = [("a.py", i, i, "x") for i in range(5)] + [("b.py", 9, 9, "x"), ("c.py", 7, 7, "x")]
-    got = mc._spread(pool, 3, random.Random(0))
-    assert sorted(m for m, *_ in got) == ["a.py", "b.py", "c.py"]
-    assert len(mc._spread(pool, 10, random.Random(0))) == len(pool)
+    root = Path(__file__).resolve().parents[2]
+    run = (root / "p2psync/probe/run.py").read_text().splitlines()
+    check = next(i for i, ln in enumerate(run, 1) if "if options.bytes <= 0" in ln)
+    facade = (root / "p2psync/node/facade.py").read_text().splitlines()
+    ret = next(i for i, ln in enumerate(facade, 1) if "return self._tasks.failure" in ln)
+    pool = [("p2psync/node/facade.py", 0, ret, "return None"), ("p2psync/probe/run.py", 0, check, "check dropped"),
+            ("p2psync/probe/run.py", 1, check, "If condition negated")]
+    text = "def test_probe_refuses_zero_bytes():\n    with pytest.raises(ConfigError): probe(...)\n"
+    for seed in range(5):
+        got = mc.aimed(pool, text, 2, random.Random(seed))
+        assert got[0] == pool[1]  # the probe module, its checked function, and the test expects errors
+        assert got[1] == pool[0]  # another module before a second site of the same
+    assert len(mc.aimed(pool, text, 5, random.Random(0))) == 3
