@@ -254,15 +254,30 @@ def _pytest(run: Runner, files: list[str], timeout: float, extra: list[str] | No
            *(["-m", run.marker] if run.marker else []), *files]
     t0 = time.monotonic()
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}  # node processes the tests start import this tree too
+    # Its own session: on a timeout or when this tool is stopped, the whole group goes (pytest and the
+    # node and engine processes it started), not only pytest.
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
     try:
-        r = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout, check=False,
-                           start_new_session=True)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return "timeout", time.monotonic() - t0, out[-2000:]
-    how = {0: "passed", 5: "no tests"}.get(r.returncode, "failed")
-    tail = (r.stdout + r.stderr)[-2000:]
-    if how == "passed" and not re.search(r"\b[1-9]\d* passed", r.stdout):
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        try:  # a process that left the group (its own session) may still hold the pipe
+            stdout, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            stdout = ""
+        return "timeout", time.monotonic() - t0, stdout[-2000:]
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    finally:  # whatever pytest left running in its group
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    how = {0: "passed", 5: "no tests"}.get(proc.returncode, "failed")
+    tail = (stdout + stderr)[-2000:]
+    if how == "passed" and not re.search(r"\b[1-9]\d* passed", stdout):
         how = "skipped"
     return how, time.monotonic() - t0, tail
 
