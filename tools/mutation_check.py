@@ -152,11 +152,12 @@ def _one(node: ast.AST) -> bool:
     return isinstance(node, ast.Constant) and type(node.value) is int and node.value == 1
 
 
-def meaningful_sites(source: str, lines: set[int]) -> list[tuple[int, int, str]]:
+def meaningful_sites(source: str, lines: set[int], ran: set[int] | None = None) -> list[tuple[int, int, str]]:
     """The sites a reviewer would call a real bug on ``lines``: a check dropped (``if bad: raise``
     made ``if False``), a comparison turned around or moved across its boundary (``<`` to ``<=``), an
     ``x + 1`` made ``x`` (off by one), a condition negated, ``and``/``or`` swapped, a ``return x`` made
-    ``return None``. No constant moved: a buffer size or a flag a correct program tolerates."""
+    ``return None``. No constant moved: a buffer size or a flag a correct program tolerates. ``ran``: every
+    line the test ran; a check whose ``raise`` it never reached is no site (valid input passes it)."""
     tree = ast.parse(source)
     skip = _excluded_lines(tree)
     settings = _settings(tree)
@@ -166,7 +167,8 @@ def meaningful_sites(source: str, lines: set[int]) -> list[tuple[int, int, str]]
         if line is None or line not in lines or line in skip or id(node) in settings:
             continue
         if isinstance(node, ast.If) and _raises(node):
-            out.append((k, line, "check dropped"))
+            if ran is None or any(r.lineno in ran for r in node.body if isinstance(r, ast.Raise)):
+                out.append((k, line, "check dropped"))
         elif isinstance(node, (ast.If, ast.While)):
             out.append((k, line, f"{type(node).__name__} condition negated"))
         elif isinstance(node, ast.Compare) and type(node.ops[0]) in _FLIP:
@@ -402,7 +404,7 @@ def check_file(test_file: str, per_file: int, rng: random.Random, run: Runner, *
     ``meaningful``: :func:`meaningful_sites` rather than :func:`sites`, spread over modules; ``budget``:
     no further mutant once this file's mutants have taken that many seconds."""
     how, base_s, tail, data = covered_data(run, [test_file], run.timeout)
-    lines = _project_lines(data)
+    lines = ran = _project_lines(data)
     res: dict = {"file": test_file, "baseline": how, "baseline_seconds": round(base_s, 1), "mutants": []}
     if run.python != sys.executable or run.marker:
         res["python"], res["marker"] = run.python, run.marker
@@ -420,7 +422,7 @@ def check_file(test_file: str, per_file: int, rng: random.Random, run: Runner, *
     pool = []
     for mod in sorted(wanted):
         src = (REPO / mod).read_text()
-        found = meaningful_sites(src, lines[mod]) if meaningful else sites(src, lines[mod])
+        found = meaningful_sites(src, lines[mod], ran[mod]) if meaningful else sites(src, lines[mod])
         pool += [(mod, k, line, op) for k, line, op in found]
     res["targets"] = sorted(wanted)
     res["sites"] = len(pool)

@@ -58,6 +58,11 @@ def test_a_dropped_check_no_longer_raises_and_the_rest_is_unchanged(mc):
     mutant = mc.mutate(SRC, k, "check dropped")
     assert _run(mutant, [1], -1) == [1]
     assert _run(mutant, [1, 2, 3, 4, 5], 2) == [1, 2, 3]
+    # a test that never reached the raise (valid input only) gets no mutant of that check
+    ops = [op for _, _, op in mc.meaningful_sites(SRC, set(range(1, 10)), ran={5, 7, 8, 9})]
+    assert "check dropped" not in ops and "If condition negated" in ops
+    ops = [op for _, _, op in mc.meaningful_sites(SRC, set(range(1, 10)), ran={5, 6})]
+    assert "check dropped" in ops
 
 
 def test_aimed_sites_are_in_the_code_the_test_names_one_module_each_first(mc):
