@@ -462,8 +462,7 @@ def summary(results: list[dict], seconds: float, a: argparse.Namespace) -> dict:
             "files_not_mutated": [{"file": r["file"], "baseline": r["baseline"], "sites": r.get("sites", 0),
                                    "why": r.get("why", "")} for r in results if not r["mutants"]],
             "seconds": round(seconds, 1), "seed": a.seed, "per_file": a.per_file,
-            "integration": a.integration, "python": os.path.relpath(a.python, REPO) if a.python.startswith(str(REPO))
-            else a.python, "marker": a.marker, "exclude_covered_by": a.exclude_covered_by,
+            "integration": a.integration, "exclude_covered_by": a.exclude_covered_by,  # interpreter, marker: per file
             "file_budget": a.file_budget, "date": time.strftime("%Y-%m-%d"), "results": results}
 
 
