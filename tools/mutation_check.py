@@ -181,8 +181,8 @@ def meaningful_sites(source: str, lines: set[int], ran: set[int] | None = None) 
         elif isinstance(node, ast.BoolOp):
             out.append((k, line, f"{type(node.op).__name__} swapped"))
         elif isinstance(node, ast.Return) and node.value is not None and not (
-                isinstance(node.value, ast.Constant) and node.value.value is None):
-            out.append((k, line, "return None"))
+                isinstance(node.value, ast.Constant) and node.value.value in (None, 0)):
+            out.append((k, line, "return None"))  # not ``return 0``: a command's status, sys.exit(None) is 0 too
     return out
 
 

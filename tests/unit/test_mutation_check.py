@@ -52,6 +52,12 @@ def test_every_meaningful_mutant_changes_what_the_code_does(mc):
     assert all(line not in (1, 4) for _, line, _ in found)
 
 
+def test_a_commands_return_0_is_no_site(mc):
+    # sys.exit(None) exits 0 as sys.exit(0) does: that mutant could never be killed
+    src = "def main(argv):\n    if argv:\n        return 2\n    return 0\n"
+    assert [(line, op) for _, line, op in mc.meaningful_sites(src, {2, 3, 4}) if op == "return None"] == [(3, "return None")]
+
+
 def test_a_dropped_check_no_longer_raises_and_the_rest_is_unchanged(mc):
     (k, line, _), = [s for s in mc.meaningful_sites(SRC, set(range(1, 10))) if s[2] == "check dropped"]
     assert line == 5
