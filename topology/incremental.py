@@ -84,6 +84,8 @@ class Replanner:
         self.pipe: dict[str, float] = {self.root: 0.0}
         self.lat: dict[str, float] = {self.root: 0.0}
         self.depth: dict[str, int] = {self.root: 0}
+        self._shallow: set[str] = {self.root}
+        """The nodes of ``depth`` at depth <= 3 (the tree pool's candidates), kept as depths change."""
         self.regions = {n: model.region_of(n) for n in model.node_ids}
         self.roles = {n: model.node(n).role for n in model.node_ids}
         self._detached: set[str] = set()
@@ -218,6 +220,7 @@ class Replanner:
             for d in (self.share, self.rate, self.eta, self.pipe, self.lat, self.depth, self.fallbacks,
                       self.regions, self.roles):
                 d.pop(g, None)
+            self._shallow.discard(g)
         self.model = model
         for j in joined:
             self.children[j] = []
@@ -333,6 +336,10 @@ class Replanner:
                 if was is not None and was != depth:
                     self._depth_moved[n] = was
                 self.rate[n], self.pipe[n], self.lat[n], self.depth[n] = r, pipe, lat, depth
+                if depth <= 3:
+                    self._shallow.add(n)
+                else:
+                    self._shallow.discard(n)
                 self.eta[n] = bits / r + pipe - cbits / r + lat
             order.extend(self.children[n])
         self._touched += len(order)
@@ -473,7 +480,7 @@ class Replanner:
         m, depth = self.model, self.depth
         up = _Uplinks(m)
         if self._tree_pool is None:
-            self._tree_pool = sorted((n for n in depth if depth[n] <= 3), key=lambda n: (depth[n], -up[n], n))[:_TREE_POOL]
+            self._tree_pool = sorted(self._shallow, key=lambda n: (depth[n], -up[n], n))[:_TREE_POOL]
         pools = self._pools
         # Siblings without measured links share region, depth, parent, grandparent and usually the
         # downlink, and so their ranking (as topology.fallbacks.rank_fallbacks memoises it).

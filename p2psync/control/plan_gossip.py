@@ -98,7 +98,7 @@ class PlanStep:
 
 def publish(g: GossipNode, new: Plan, now: float) -> list[CoordEntry]:
     """Gossip ``new``: the plan shards whose parents changed (coordinator only)."""
-    return g.publish_plan(new.epoch, new.root, dict(new.parents), now)
+    return g.publish_plan(new.epoch, new.root, new.parents, now)  # read only: no copy
 
 
 def planned_parent(g: GossipNode, node: str) -> tuple[int, str | None, str | None] | None:
