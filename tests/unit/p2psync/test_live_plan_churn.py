@@ -2,7 +2,7 @@
 
 The incremental path (:class:`topology.incremental.Replanner` under
 :class:`p2psync.control.live_plan.LivePlanner`) keeps its state in place and hands out each plan
-without walking every member; this pins its output on a seeded churn sequence (joins, leaves and
+without walking every member (told which members changed, by PlanStep); this pins its output on a seeded churn sequence (joins, leaves and
 both in one update, a relay among the leavers) to digests of the plans it produced before that
 work: any change to a parent, fallback, share, estimate, epoch or the members named as moved fails it.
 """
@@ -30,8 +30,9 @@ def _member(i: int) -> PlanMember:
     return PlanMember(f"n{i:05d}", role, f"r{i % 6:02d}", 0.0 if i % 7 else 1.25e8)
 
 
-def _churn() -> list[tuple[str, int, str]]:
-    """(digest, epoch, last_moved) after each update of a seeded churn sequence on 1,500 members."""
+def _churn(hint: bool = False) -> list[tuple[str, int, str]]:
+    """(digest, epoch, last_moved) after each update of a seeded churn sequence on 1,500 members;
+    ``hint``: each update is told which members changed (as PlanStep tells it)."""
     rng = random.Random(7)
     members = {m.id: m for m in map(_member, range(1500))}
     lp = LivePlanner("n00000")
@@ -39,6 +40,7 @@ def _churn() -> list[tuple[str, int, str]]:
     out = []
     nxt = 1500
     for step in range(24):
+        was = dict(members)
         for _ in range(rng.randrange(0, 6)):  # leaves (a relay now and then)
             pick = rng.choice(sorted(set(members) - {"n00000"}))
             del members[pick]
@@ -50,7 +52,8 @@ def _churn() -> list[tuple[str, int, str]]:
             pick = rng.choice(sorted(set(members) - {"n00000"}))
             old = members[pick]
             members[pick] = PlanMember(pick, old.role, "r05" if old.region != "r05" else "r00", old.bandwidth)
-        new = lp.update(list(members.values()))
+        changed = {n: members.get(n) for n in {*was, *members} if was.get(n) is not members.get(n)}
+        new = lp.update(list(members.values()), None, changed if hint else None)
         if new is None:
             continue
         moved = hashlib.sha256(",".join(sorted(lp.last_moved)).encode()).hexdigest()[:8]
@@ -88,3 +91,7 @@ EXPECTED: list[tuple[str, int, str]] = [
 
 def test_churn_sequence_plans_unchanged() -> None:
     assert _churn() == EXPECTED
+
+
+def test_changed_members_hint_gives_the_same_plans() -> None:
+    assert _churn(hint=True) == EXPECTED
