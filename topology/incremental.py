@@ -84,6 +84,8 @@ class Replanner:
         self.pipe: dict[str, float] = {self.root: 0.0}
         self.lat: dict[str, float] = {self.root: 0.0}
         self.depth: dict[str, int] = {self.root: 0}
+        self._shallow: set[str] = {self.root}
+        """The nodes of ``depth`` at depth <= 3 (the tree pool's candidates), kept as depths change."""
         self.regions = {n: model.region_of(n) for n in model.node_ids}
         self.roles = {n: model.node(n).role for n in model.node_ids}
         self._detached: set[str] = set()
@@ -122,7 +124,7 @@ class Replanner:
         gone = [n for n in dict.fromkeys(nodes) if n in self.parents]
         if self.root in gone:
             raise ValueError("the trainer cannot leave the plan")
-        return self._apply(self.model.without_nodes(gone), gone, [], set())
+        return self._snapshot(self._apply(self.model.without_nodes(gone), gone, [], set()))
 
 
     def partition(self, region: str) -> Change:
@@ -138,13 +140,34 @@ class Replanner:
     def join_many(self, specs: list[NodeSpec], links: Iterable[Measurement] = ()) -> Change:
         """Several members joined at once, placed in the order given as :meth:`join` places one; the
         model grows once (a copy of it per joiner cost ~0.1 s each at 100,000 nodes under churn)."""
+        return self.leave_and_join([], specs, links)
+
+    def leave_and_join(self, nodes: Iterable[str], specs: list[NodeSpec], links: Iterable[Measurement] = ()) -> Change:
+        """:meth:`leave` of ``nodes``, then :meth:`join_many` of ``specs`` (``links`` may name both kinds'
+        survivors and the joiners), handing out one plan: the tree, estimate, fallbacks and epoch
+        (one more per step that ran) are those of the two calls, and ``moved`` is their union. A
+        member in both leaves and comes back (a new region or role). Checked before anything changes."""
+        named = list(dict.fromkeys(nodes))
+        gone = [n for n in named if n in self.parents]
+        if self.root in gone:
+            raise ValueError("the trainer cannot leave the plan")
         ids = [s.id for s in specs]
-        taken = [i for i in ids if i in self.model]
+        gone_set = set(gone)
+        taken = [i for i in ids if i in self.model and i not in gone_set]
         if taken or len(set(ids)) != len(ids):
             raise ValueError(f"{(taken or ids)[0]!r} is already in the plan (or given twice)")
-        if not specs:
+        if not specs and not named:
             raise ValueError("join_many needs at least one node")
-        return self._apply(self.model.with_nodes(specs, links), [], ids, set())
+        links = list(links)
+        self._touched = 0
+        moved: frozenset[str] = frozenset()
+        if named:  # (as leave(): a step even when none of them is planned)
+            moved = self._apply(self.model.without_nodes(gone), gone, [], set())
+        touched = self._touched
+        if specs:
+            moved |= self._apply(self.model.with_nodes(specs, links), [], ids, set())
+        self._touched += touched
+        return self._snapshot(moved)
 
     def link_changed(self, src: str, dst: str, bandwidth_bps: float, rtt_s: float | None = None) -> Change:
         """The pair ``src -> dst`` was measured again. If it is a plan edge, ``dst`` (with its subtree)
@@ -155,12 +178,15 @@ class Replanner:
         if self.parents.get(dst) != src:
             self.model = model  # not a plan edge: the tree and its estimate are unchanged
             self._touched = 0
-            return self._finish(set(), frozenset())
-        return self._apply(model, [], [], {dst})
+            self._settle(set())
+            return self._snapshot(frozenset())
+        return self._snapshot(self._apply(model, [], [], {dst}))
 
     # ---- machinery --------------------------------------------------------------------------
 
-    def _apply(self, model: NetworkModel, gone: list[str], joined: list[str], replace: set[str]) -> Change:
+    def _apply(self, model: NetworkModel, gone: list[str], joined: list[str], replace: set[str]) -> frozenset[str]:
+        """One change (a step of the public methods): the tree, estimate and fallbacks updated and the
+        epoch advanced; the nodes it moved. The plan is handed out by :meth:`_snapshot`."""
         self._touched = 0
         self._depth_moved = {}
         gone_set = set(gone)
@@ -194,6 +220,7 @@ class Replanner:
             for d in (self.share, self.rate, self.eta, self.pipe, self.lat, self.depth, self.fallbacks,
                       self.regions, self.roles):
                 d.pop(g, None)
+            self._shallow.discard(g)
         self.model = model
         for j in joined:
             self.children[j] = []
@@ -234,15 +261,20 @@ class Replanner:
             dn, p = depth[n], parents[n]
             if any(f == p or depth.get(f, dn) >= dn for f in self.fallbacks.get(n, ())):
                 redo.add(n)
-        return self._finish(redo - gone_set, moved)
+        self._settle(redo - gone_set)
+        return moved
 
-    def _finish(self, redo: set[str], moved: frozenset[str]) -> Change:
+    def _settle(self, redo: set[str]) -> None:
         self._refallback(redo)
         self.epoch += 1
+
+    def _snapshot(self, moved: frozenset[str]) -> Change:
         plan = Plan(
-            root=self.root, parents=dict(self.parents), edge_bps=dict(self.share), eta_s=dict(self.eta),
-            est_completion_s=max(self.eta.values()), fallbacks=dict(self.fallbacks),
-            regions=dict(self.regions), roles=dict(self.roles),
+            # dict.copy, not dict(): these dicts have deleted slots, which make dict() insert key by
+            # key (at 100,000 nodes ~15 ms a dict against ~1 ms).
+            root=self.root, parents=self.parents.copy(), edge_bps=self.share.copy(), eta_s=self.eta.copy(),
+            est_completion_s=max(self.eta.values()), fallbacks=self.fallbacks.copy(),
+            regions=self.regions.copy(), roles=self.roles.copy(),
             payload_bytes=self.cfg.payload_bytes, chunk_bytes=self.cfg.chunk_bytes, epoch=self.epoch,
         )
         return Change(plan, moved, self._touched)
@@ -271,8 +303,9 @@ class Replanner:
         self.children[p].append(c)
         return self._count_edge(c, p, +1) | set(self.children[p])
 
-    def _refresh(self, edges: set[str]) -> None:
-        """Recompute the shares of ``edges`` (by child) and the path quantities below them."""
+    def _refresh(self, edges: set[str]) -> set[str]:
+        """Recompute the shares of ``edges`` (by child) and the path quantities below them; the nodes
+        walked (a node not walked kept its figures)."""
         live = [c for c in edges if c in self.parents and not self._is_loose(c)]
         for c in live:
             self.share[c] = edge_share(self.model, self.children, self.parents[c], c, self.flows)
@@ -281,6 +314,7 @@ class Replanner:
         for c in live:
             if c not in done:
                 done |= self._walk(c)
+        return done
 
     def _walk(self, top: str) -> set[str]:
         """Path quantities of ``top`` (from its parent's; the root's are fixed) and everything below."""
@@ -302,6 +336,10 @@ class Replanner:
                 if was is not None and was != depth:
                     self._depth_moved[n] = was
                 self.rate[n], self.pipe[n], self.lat[n], self.depth[n] = r, pipe, lat, depth
+                if depth <= 3:
+                    self._shallow.add(n)
+                else:
+                    self._shallow.discard(n)
                 self.eta[n] = bits / r + pipe - cbits / r + lat
             order.extend(self.children[n])
         self._touched += len(order)
@@ -344,31 +382,36 @@ class Replanner:
         share = self.model.node(u).uplink_bps / (len(self.children[u]) + 1)
         return any(share < self.rate[c] * 0.999 for c in self.children[u])
 
-    def _candidates(self, region: str, old_region: str | None) -> list[str]:
+    def _candidates(self, region: str, old_region: str | None) -> tuple[list[str], bool]:
         """Attached nodes with a free slot in ``region``; if none, the sources (the root and the nodes
-        entering a region) and the machines of ``old_region`` (where the top used to be fed from)."""
+        entering a region) and the machines of ``old_region`` (where the top used to be fed from).
+        The flag says whether they are the first kind (nodes of ``region`` only)."""
         m, cap, loose = self.model, self.cfg.max_degree, self._is_loose
         cands = [u for u in m.nodes_in(region) if len(self.children[u]) < cap and not loose(u)]
-        if not cands:
-            sources = [self.root] + [c for es in self.pipe_edges.values() for c in es]
-            near = m.nodes_in(old_region) if old_region is not None else []
-            cands = [u for u in (*sources, *near) if u in self.depth and len(self.children[u]) < cap
-                     and not loose(u)] or [self.root]
-        return cands
+        if cands:
+            return cands, True
+        sources = [self.root] + [c for es in self.pipe_edges.values() for c in es]
+        near = m.nodes_in(old_region) if old_region is not None else []
+        return [u for u in (*sources, *near) if u in self.depth and len(self.children[u]) < cap
+                and not loose(u)] or [self.root], False
 
     def _best(self, top: str, anchor: dict[str, str], old_regions: dict[str, str],
-              groups: dict[tuple[str, str | None], list[str]]) -> tuple[Key, str]:
-        """The best parent for ``top`` and its key; ``groups`` caches candidate lists until a placement."""
+              groups: dict[tuple[str, str | None], tuple[list[str], bool]]
+              ) -> tuple[tuple[Key, str], frozenset[str] | None]:
+        """The best parent for ``top`` and its key, and the regions whose nodes that choice read (None:
+        nodes of any region); ``groups`` caches candidate lists until a placement."""
         g = (self.regions[top], old_regions.get(top))
-        cands = groups.get(g)
-        if cands is None:
-            cands = groups[g] = self._candidates(*g)
+        got = groups.get(g)
+        if got is None:
+            got = groups[g] = self._candidates(*g)
+        cands, local = got
         best = self._table.best(self.model, cands, top, self.children, self.rate, self.depth, self.flows,
                                 self._harms)
         a = anchor.get(top)
         if a is not None and a in self.depth and len(self.children[a]) < self.cfg.max_degree:
             best = max(best, (self._key(a, top), a))
-        return best
+        return best, (frozenset((g[0], self.regions[a] if a is not None and a in self.regions else g[0]))
+                      if local else None)
 
     def _key(self, u: str, top: str) -> Key:
         return (not self._harms(u), self._offer(u, top), -self.depth[u], self.model.node(u).uplink_bps / (len(self.children[u]) + 1), u)
@@ -380,22 +423,53 @@ class Replanner:
         old_regions = {t: self.regions.get(a, "") for t, a in anchor.items()}
         remaining = sorted(tops, key=lambda n: (-m.node(n).uplink_bps, n))
         placed: dict[str, str] = {}
+        # Each top's best parent is kept from one placement to the next unless the placement touched
+        # a region that choice read: a placement changes the children, rates and depths only of nodes
+        # it walked, of the new parent, and of the placed subtree (which becomes candidates), and the
+        # flows only of a pipe into the placed top's region. Without this a join of k members scored
+        # every region candidate k^2 / 2 times (~0.3 s a round at 100,000 members under churn).
+        memo: dict[str, tuple[tuple[Key, str], frozenset[str]]] = {}
+
+        def best_of(t: str) -> tuple[Key, str]:
+            hit = memo.get(t)
+            if hit is not None:
+                return hit[0]
+            b, reads = self._best(t, anchor, old_regions, groups)
+            if reads is not None:
+                memo[t] = (b, reads)
+            return b
+
         while remaining:
-            groups: dict[tuple[str, str | None], list[str]] = {}
+            groups: dict[tuple[str, str | None], tuple[list[str], bool]] = {}
             if len(remaining) <= _PRIM_TOPS:
                 # Few tops (a failure): best offer first, so a promoted entry is in place before its
                 # region's other orphans; equal offers go to the top with the most uplink.
-                best = max(((self._best(t, anchor, old_regions, groups), t) for t in remaining),
+                best = max(((best_of(t), t) for t in remaining),
                            key=lambda x: (x[0][0], m.node(x[1]).uplink_bps, x[1]))
                 (_, parent), top = best
             else:
                 top = remaining[0]
-                _, parent = self._best(top, anchor, old_regions, groups)
+                (_, parent), _ = self._best(top, anchor, old_regions, groups)
             remaining.remove(top)
             placed[top] = parent
             self._detached.discard(top)
-            self._refresh(self._attach(top, parent) | {top})
+            walked = self._refresh(self._attach(top, parent) | {top})
+            if memo:
+                regions = self.regions
+                hit = {regions[n] for n in walked} | {regions[parent]} | self._subtree_regions(top)
+                for t in [t for t, (_, reads) in memo.items() if not reads.isdisjoint(hit)]:
+                    del memo[t]
         return placed
+
+    def _subtree_regions(self, top: str) -> set[str]:
+        """Regions of the nodes in ``top``'s subtree (the part a placement attaches)."""
+        children, regions = self.children, self.regions
+        out, todo = set(), [top]
+        while todo:
+            n = todo.pop()
+            out.add(regions[n])
+            todo.extend(children[n])
+        return out
 
     # ---- fallbacks --------------------------------------------------------------------------
 
@@ -406,7 +480,7 @@ class Replanner:
         m, depth = self.model, self.depth
         up = _Uplinks(m)
         if self._tree_pool is None:
-            self._tree_pool = sorted((n for n in depth if depth[n] <= 3), key=lambda n: (depth[n], -up[n], n))[:_TREE_POOL]
+            self._tree_pool = sorted(self._shallow, key=lambda n: (depth[n], -up[n], n))[:_TREE_POOL]
         pools = self._pools
         # Siblings without measured links share region, depth, parent, grandparent and usually the
         # downlink, and so their ranking (as topology.fallbacks.rank_fallbacks memoises it).

@@ -291,7 +291,7 @@ class GossipService:
         got = step.inputs(g, self.host.tls.revoked, now)
         if got is None:
             return  # nothing the plan reads changed since the last step
-        new = await asyncio.to_thread(planner.update, got[1], now)
+        new = await asyncio.to_thread(planner.update, got[1], now, step.changed)
         step.ran(got[0])
         if new is None:
             return

@@ -58,6 +58,7 @@ class PlanStep:
         self._revoked: frozenset[str] = frozenset()
         self._changed: set[str] = set()
         self._members: dict[str, PlanMember] = {}
+        self._delta: dict[str, PlanMember | None] | None = None
 
     def inputs(self, g: GossipNode, revoked: Collection[str], now: float | None
                ) -> tuple[Signature, list[PlanMember]] | None:
@@ -72,6 +73,7 @@ class PlanStep:
             self._changed.clear()
             self._members = {m.id: m for m in plan_members(g, rev)}
             self._g, self._revoked = g, rev
+            self._delta = None
         else:
             for mid in self._changed:
                 m = plan_member(g, mid, rev)
@@ -79,26 +81,35 @@ class PlanStep:
                     self._members.pop(mid, None)
                 else:
                     self._members[mid] = m
+                if self._delta is not None:
+                    self._delta[mid] = m
             self._changed.clear()
         return sig, list(self._members.values())
 
+    @property
+    def changed(self) -> dict[str, PlanMember | None] | None:
+        """The members changed since the last :meth:`ran` (None: all of them), for ``update``'s
+        ``changed`` (it then skips passes over every member)."""
+        return self._delta
+
     def ran(self, sig: Signature) -> None:
-        """Record that ``planner.update`` ran on the members of ``sig``."""
+        """Record that ``planner.update`` ran on the members of ``sig`` (and :attr:`changed`)."""
         self._last = sig
+        self._delta = {}
 
     def run(self, g: GossipNode, revoked: Collection[str], now: float | None) -> Plan | None:
         """The whole step in one call: a new plan to publish, or None."""
         got = self.inputs(g, revoked, now)
         if got is None:
             return None
-        new = self.planner.update(got[1], now)
+        new = self.planner.update(got[1], now, self._delta)
         self.ran(got[0])
         return new
 
 
 def publish(g: GossipNode, new: Plan, now: float) -> list[CoordEntry]:
     """Gossip ``new``: the plan shards whose parents changed (coordinator only)."""
-    return g.publish_plan(new.epoch, new.root, dict(new.parents), now)
+    return g.publish_plan(new.epoch, new.root, new.parents, now)  # read only: no copy
 
 
 def planned_parent(g: GossipNode, node: str) -> tuple[int, str | None, str | None] | None:

@@ -63,8 +63,11 @@ def bucket_of(key: str) -> int:
 
 
 @lru_cache(maxsize=1 << 17)
+@lru_cache(maxsize=1 << 18)
 def plan_shard(node_id: str) -> int:
-    """The plan shard that holds the parent of ``node_id``: the same on every node."""
+    """The plan shard that holds the parent of ``node_id``: the same on every node. (Cached: the
+    coordinator shards every member each time it publishes a plan, at 100,000 members ~50 ms of
+    hashing a round under churn.)"""
     return _h64("plan:" + node_id) % PLAN_SHARDS
 
 

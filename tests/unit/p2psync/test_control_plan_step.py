@@ -14,9 +14,9 @@ class _Counting(LivePlanner):
 
     calls = 0
 
-    def update(self, members, now=None):  # type: ignore[no-untyped-def]
+    def update(self, members, now=None, changed=None):  # type: ignore[no-untyped-def]
         self.calls += 1
-        return super().update(members, now)
+        return super().update(members, now, changed)
 
 
 def _setup(n: int = 30):

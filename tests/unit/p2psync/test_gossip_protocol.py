@@ -4,6 +4,7 @@ false suspicions under loss, refutation, coordinator entries. Fake clock, seeded
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 
@@ -144,3 +145,29 @@ def test_messages_are_bounded():
             break
     assert len(node.members) == 301  # the joiner learned everyone, 32 entries at a time
     assert max(sizes) < 32 * 300 + 2_000
+
+
+def test_plan_shards_after_a_sequence_of_plans_equal_a_fresh_publish():
+    """The coordinator rewrites only the shards whose parents changed (from the last plan it wrote);
+    after moves, joins, leaves and a new root the shards it holds give exactly the last plan, and equal,
+    shard by shard, what a coordinator publishing that plan from nothing holds."""
+    rng = random.Random(4)
+    parents = {f"n{i:05d}": f"n{rng.randrange(i):05d}" for i in range(1, 600)}
+    trainer = GossipNode(default_member(0), coordinator=default_member(0).id, seed=1)
+    trainer.publish_plan(1, "n00000", parents, 1.0)
+    for step in range(2, 8):
+        for c in rng.sample(sorted(parents), 5):  # moves
+            parents[c] = f"n{rng.randrange(5):05d}"
+        for c in rng.sample(sorted(parents), 3):  # leaves
+            parents.pop(c, None)
+        for i in range(3):  # joins
+            parents[f"j{step}-{i}"] = "n00000"
+        root = "n00000" if step < 6 else "n00001"
+        written = trainer.publish_plan(step, root, dict(parents), float(step))
+        assert 0 < len(written) <= (11 if step < 6 else 64)  # a new root rewrites every shard
+        fresh = GossipNode(default_member(0), coordinator=default_member(0).id, seed=1)
+        fresh.publish_plan(step, root, dict(parents), float(step))
+        assert trainer.coord.plan is not None and trainer.coord.plan[1:] == (root, parents)
+        for k in range(64):
+            a, b = trainer.coord.get(f"plan/{k}"), fresh.coord.get(f"plan/{k}")
+            assert (a and (a.value["root"], a.value["parents"])) == (b and (b.value["root"], b.value["parents"]))
