@@ -1,6 +1,8 @@
 """Who pulls from whom: the network model, the planner, the flow simulator and the topology picture.
 
-- :mod:`topology.model`: nodes, capacities, measured and estimated links (networkx), JSON.
+- :mod:`topology.model`: nodes, capacities, measured and estimated links (networkx).
+- :mod:`topology.model_types`: the value types a model is built from and their checks;
+  :mod:`topology.model_json`: the model's JSON file format.
 - :mod:`topology.synthetic`: seeded realistic models for tests and the scale study.
 - :mod:`topology.tree`: the :class:`~topology.tree.Plan` and the completion-time estimate it is scored by.
 - :mod:`topology.planner` / :mod:`topology.replan`: build a plan; repair it after joins and failures.

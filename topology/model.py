@@ -25,79 +25,27 @@ object.
 
 from __future__ import annotations
 
-import json
-import math
 import statistics
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 
+from topology import model_json
 from topology.errors import ModelError
-
-FORMAT_VERSION = 1
-ROLES = ("trainer", "relay", "rollout")
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """One machine that holds (or relays) artifacts."""
-
-    id: str
-    region: str
-    role: str
-    """``trainer`` (the root, exactly one), ``relay`` (serves, runs no engine) or ``rollout``."""
-    uplink_bps: float
-    """What the node can send in total, over all its children, in bits/s."""
-    downlink_bps: float
-    """What the node can receive in total, in bits/s."""
-    node_class: str | None = None
-    """Free-form machine class (``dc``, ``edge``...); informative only."""
-
-
-@dataclass(frozen=True)
-class Region:
-    """Figures for pairs of nodes inside one region that were not measured."""
-
-    name: str
-    intra_bandwidth_bps: float
-    """What one flow between two nodes of the region gets."""
-    intra_rtt_s: float
-
-
-@dataclass(frozen=True)
-class RegionLink:
-    """Figures for flows from region ``src`` to region ``dst`` (directed)."""
-
-    src: str
-    dst: str
-    bandwidth_bps: float
-    """What one flow from a node in ``src`` to a node in ``dst`` gets (typical, per flow)."""
-    rtt_s: float
-    capacity_bps: float | None = None
-    """Aggregate capacity of the ``src -> dst`` pipe, shared by all its flows; None: not a shared bottleneck."""
-
-
-@dataclass(frozen=True)
-class Measurement:
-    """One measured directed pair: ``dst`` pulling from ``src``."""
-
-    src: str
-    dst: str
-    bandwidth_bps: float
-    rtt_s: float
-
-
-@dataclass(frozen=True)
-class Defaults:
-    """Figures used where neither a measurement nor a region-level figure exists."""
-
-    intra_bandwidth_bps: float = 10e9
-    intra_rtt_s: float = 0.0005
-    inter_bandwidth_bps: float = 0.5e9
-    inter_rtt_s: float = 0.05
+from topology.model_json import FORMAT_VERSION
+from topology.model_types import (
+    ROLES,
+    Defaults,
+    Measurement,
+    NodeSpec,
+    Region,
+    RegionLink,
+    check_node,
+    check_non_negative,
+    check_positive,
+)
 
 
 class NetworkModel:
@@ -120,7 +68,7 @@ class NetworkModel:
         self.defaults = defaults
         self._spec: dict[str, NodeSpec] = {}
         for i, n in enumerate(nodes):
-            _check_node(n, f"nodes[{i}]")
+            check_node(n, f"nodes[{i}]")
             if n.id in self._spec:
                 raise ModelError(f"nodes[{i}].id", f"duplicate node id {n.id!r}")
             self._spec[n.id] = n
@@ -130,17 +78,17 @@ class NetworkModel:
         self.trainer: str = trainers[0]
         self.regions: dict[str, Region] = {}
         for i, r in enumerate(regions):
-            _positive(r.intra_bandwidth_bps, f"regions[{i}].intra_bandwidth_bps")
-            _non_negative(r.intra_rtt_s, f"regions[{i}].intra_rtt_s")
+            check_positive(r.intra_bandwidth_bps, f"regions[{i}].intra_bandwidth_bps")
+            check_non_negative(r.intra_rtt_s, f"regions[{i}].intra_rtt_s")
             self.regions[r.name] = r
         self.region_links: dict[tuple[str, str], RegionLink] = {}
         for i, rl in enumerate(region_links):
             if rl.src == rl.dst:
                 raise ModelError(f"region_links[{i}].dst", "must differ from src (use regions[] for intra-region figures)")
-            _positive(rl.bandwidth_bps, f"region_links[{i}].bandwidth_bps")
-            _non_negative(rl.rtt_s, f"region_links[{i}].rtt_s")
+            check_positive(rl.bandwidth_bps, f"region_links[{i}].bandwidth_bps")
+            check_non_negative(rl.rtt_s, f"region_links[{i}].rtt_s")
             if rl.capacity_bps is not None:
-                _positive(rl.capacity_bps, f"region_links[{i}].capacity_bps")
+                check_positive(rl.capacity_bps, f"region_links[{i}].capacity_bps")
             self.region_links[(rl.src, rl.dst)] = rl
         self._measured: dict[str, dict[str, tuple[float, float]]] = {}
         self._graph: nx.DiGraph | None = None
@@ -150,8 +98,8 @@ class NetworkModel:
                     raise ModelError(f"links[{i}].{end}", f"unknown node {getattr(m, end)!r}")
             if m.src == m.dst:
                 raise ModelError(f"links[{i}].dst", "a link needs two distinct nodes")
-            _positive(m.bandwidth_bps, f"links[{i}].bandwidth_bps")
-            _non_negative(m.rtt_s, f"links[{i}].rtt_s")
+            check_positive(m.bandwidth_bps, f"links[{i}].bandwidth_bps")
+            check_non_negative(m.rtt_s, f"links[{i}].rtt_s")
             self._measured.setdefault(m.src, {})[m.dst] = (m.bandwidth_bps, m.rtt_s)
         self._index()
 
@@ -333,7 +281,7 @@ class NetworkModel:
         A node already in the model is replaced by its new figures (a capacity change)."""
         added = list(added)
         for i, n in enumerate(added):
-            _check_node(n, f"added[{i}]")
+            check_node(n, f"added[{i}]")
             if n.role == "trainer" and n.id != self.trainer:
                 raise ModelError(f"added[{i}].role", "the model already has a trainer")
         spec = self._spec.copy()
@@ -353,8 +301,8 @@ class NetworkModel:
                     raise ModelError(f"links[{i}].{end}", f"unknown node {getattr(m, end)!r}")
             if m.src == m.dst:
                 raise ModelError(f"links[{i}].dst", "a link needs two distinct nodes")
-            _positive(m.bandwidth_bps, f"links[{i}].bandwidth_bps")
-            _non_negative(m.rtt_s, f"links[{i}].rtt_s")
+            check_positive(m.bandwidth_bps, f"links[{i}].bandwidth_bps")
+            check_non_negative(m.rtt_s, f"links[{i}].rtt_s")
             measured[m.src] = {**measured.get(m.src, {}), m.dst: (m.bandwidth_bps, m.rtt_s)}
         return measured
 
@@ -372,83 +320,23 @@ class NetworkModel:
                 measured[a] = {b: x for b, x in row.items() if b not in gone}
         return self._derive(spec, {a: row for a, row in measured.items() if row}, (), gone)
 
-    # ---- JSON ----------------------------------------------------------------------------
+    # ---- JSON (the format: topology.model_json) --------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "format_version": FORMAT_VERSION,
-            "defaults": vars(self.defaults).copy(),
-            "nodes": [
-                {k: v for k, v in vars(n).items() if not (k == "node_class" and v is None)}
-                for n in self._spec.values()
-            ],
-            "regions": [vars(r).copy() for r in self.regions.values()],
-            "region_links": [
-                {k: v for k, v in vars(rl).items() if not (k == "capacity_bps" and v is None)}
-                for rl in self.region_links.values()
-            ],
-            "links": [vars(m).copy() for m in self.measurements()],
-        }
+        return model_json.parts_to_json(self._spec.values(), self.measurements(), self.regions.values(),
+                                        self.region_links.values(), self.defaults)
 
     @classmethod
     def from_json(cls, data: Any) -> NetworkModel:
         """Parse the dict :meth:`to_json` writes; ``ValueError`` names the first bad field."""
-        if not isinstance(data, dict):
-            raise ModelError("<root>", "a network model must be a JSON object")
-        version = data.get("format_version")
-        if version != FORMAT_VERSION:
-            raise ModelError("format_version", f"unsupported model format version {version!r} (this build reads {FORMAT_VERSION})")
-        d = data.get("defaults", {})
-        if not isinstance(d, dict):
-            raise ModelError("defaults", "must be an object")
-        defaults = Defaults(**{
-            k: _num(d, k, "defaults", default=getattr(Defaults, k)) for k in Defaults.__dataclass_fields__
-        })
-        nodes = []
-        for i, o in enumerate(_list(data, "nodes", required=True)):
-            where = f"nodes[{i}]"
-            _obj(o, where)
-            role = _str(o, "role", where)
-            if role not in ROLES:
-                raise ModelError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {role!r}")
-            cls_ = o.get("node_class")
-            if cls_ is not None and not isinstance(cls_, str):
-                raise ModelError(f"{where}.node_class", "must be a string or absent")
-            nodes.append(NodeSpec(
-                _str(o, "id", where), _str(o, "region", where), role,
-                _num(o, "uplink_bps", where), _num(o, "downlink_bps", where), cls_,
-            ))
-        regions = []
-        for i, o in enumerate(_list(data, "regions")):
-            where = f"regions[{i}]"
-            _obj(o, where)
-            regions.append(Region(_str(o, "name", where), _num(o, "intra_bandwidth_bps", where), _num(o, "intra_rtt_s", where)))
-        region_links = []
-        for i, o in enumerate(_list(data, "region_links")):
-            where = f"region_links[{i}]"
-            _obj(o, where)
-            cap = o.get("capacity_bps")
-            region_links.append(RegionLink(
-                _str(o, "src", where), _str(o, "dst", where), _num(o, "bandwidth_bps", where),
-                _num(o, "rtt_s", where), None if cap is None else _num(o, "capacity_bps", where),
-            ))
-        links = []
-        for i, o in enumerate(_list(data, "links")):
-            where = f"links[{i}]"
-            _obj(o, where)
-            links.append(Measurement(_str(o, "src", where), _str(o, "dst", where), _num(o, "bandwidth_bps", where), _num(o, "rtt_s", where)))
-        return cls(nodes, links, regions, region_links, defaults)
+        return cls(*model_json.parse(data))
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        model_json.write_file(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> NetworkModel:
-        try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as exc:
-            raise ModelError(str(path), f"not valid JSON ({exc})") from exc
-        return cls.from_json(data)
+        return cls(*model_json.read_file(path))
 
 
 def model_from_measurements(
@@ -480,60 +368,6 @@ def model_from_measurements(
     regions = [Region(a, statistics.median(v), statistics.median(rtt[(a, b)])) for (a, b), v in bw.items() if a == b]
     links = [RegionLink(a, b, statistics.median(v), statistics.median(rtt[(a, b)])) for (a, b), v in bw.items() if a != b]
     return NetworkModel(nodes, measurements, regions, links, defaults)
-
-
-# ---- validation helpers ------------------------------------------------------------------
-
-
-def _check_node(n: NodeSpec, where: str) -> None:
-    if not isinstance(n.id, str) or not n.id:
-        raise ModelError(f"{where}.id", "must be a non-empty string")
-    if n.role not in ROLES:
-        raise ModelError(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {n.role!r}")
-    _positive(n.uplink_bps, f"{where}.uplink_bps")
-    _positive(n.downlink_bps, f"{where}.downlink_bps")
-
-
-def _positive(x: Any, where: str) -> None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x <= 0:
-        raise ModelError(where, f"must be a positive finite number, got {x!r}")
-
-
-def _non_negative(x: Any, where: str) -> None:
-    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or x < 0:
-        raise ModelError(where, f"must be a non-negative finite number, got {x!r}")
-
-
-def _obj(o: Any, where: str) -> None:
-    if not isinstance(o, dict):
-        raise ModelError(where, "must be an object")
-
-
-def _list(data: Mapping[str, Any], key: str, required: bool = False) -> list[Any]:
-    if key not in data:
-        if required:
-            raise ModelError(key, "missing")
-        return []
-    v = data[key]
-    if not isinstance(v, list):
-        raise ModelError(key, "must be a list")
-    return v
-
-
-def _str(o: Mapping[str, Any], key: str, where: str) -> str:
-    v = o.get(key)
-    if not isinstance(v, str) or not v:
-        raise ModelError(f"{where}.{key}", "missing" if v is None else f"must be a non-empty string, got {v!r}")
-    return v
-
-
-def _num(o: Mapping[str, Any], key: str, where: str, default: float | None = None) -> float:
-    v = o.get(key, default)
-    if v is None:
-        raise ModelError(f"{where}.{key}", "missing")
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
-        raise ModelError(f"{where}.{key}", f"must be a non-negative finite number, got {v!r}")
-    return float(v)
 
 
 __all__ = [
