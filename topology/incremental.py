@@ -37,17 +37,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from topology.model import Measurement, NetworkModel, NodeSpec
-from topology.fallbacks import rank_one
+from topology.fallbacks import LiveFallbacks
 from topology.offers import Key, NodeTable
 from topology.planner import PlannerConfig
 from topology.tree import Plan, edge_share, estimate
 
 # At most this many tops are placed best-offer-first (each costs a scan of its region's candidates).
 _PRIM_TOPS = 32
-# Shallowest nodes of the whole tree kept as the fallback pool (the planner takes 4 of them).
-_TREE_POOL = 64
-# Shallowest nodes of a region kept as its fallback pool (the planner takes 8 of them).
-_REGION_POOL = 64
 
 
 @dataclass(frozen=True)
@@ -93,25 +89,12 @@ class Replanner:
         self._above: dict[str, str | None] = {}
         """Per node seen during a change: the detached top above it (None: attached); see _is_loose."""
         self._table = NodeTable(model)
-        self._pools: dict[str, list[str]] = {}
-        """Per region, its shallowest nodes (fallback candidates); dropped when a node of it moves."""
-        self._tree_pool: list[str] | None = None
-        """The shallowest nodes of the tree; dropped when a node at depth <= 3 moves, leaves or joins."""
         self._touched = 0
         self._depth_moved: dict[str, int] = {}
         """Nodes whose depth changed during the current change, with their depth before it."""
         self._walk(self.root)
-        self.fallbacks = {n: list(plan.fallbacks.get(n, [])) for n in self.parents}
-        self.fb_users: dict[str, set[str]] = {}
-        for n, fbs in self.fallbacks.items():
-            for f in fbs:
-                self.fb_users.setdefault(f, set()).add(n)
-        # The fallback pools of every region, in one pass (a change then rebuilds only those it touches).
-        ups, depth = self._table.up, self.depth
-        for n in sorted(depth, key=lambda n: (depth[n], -ups[self._table.ix[n]], n)):
-            pool = self._pools.setdefault(self.regions[n], [])
-            if len(pool) < _REGION_POOL:
-                pool.append(n)
+        ups, ix = self._table.up, self._table.ix
+        self.fb = LiveFallbacks(plan.fallbacks, self.parents, self.depth, self.regions, lambda n: ups[ix[n]])
         self._touched = 0
 
     # ---- the changes ------------------------------------------------------------------------
@@ -210,15 +193,11 @@ class Replanner:
         for g in gone:
             stale |= self._detach(g)
         for g in gone:
-            for f in self.fallbacks.get(g, ()):
-                # A node that leaves no longer uses its fallbacks: a later depth change of one of them
-                # must not check it (it did, and failed on the missing node, after many changes).
-                self.fb_users.get(f, set()).discard(g)
+            self.fb.leave(g)
             for c in self.children.pop(g):
                 self.parents.pop(c)
                 self._count_edge(c, g, -1)
-            for d in (self.share, self.rate, self.eta, self.pipe, self.lat, self.depth, self.fallbacks,
-                      self.regions, self.roles):
+            for d in (self.share, self.rate, self.eta, self.pipe, self.lat, self.depth, self.regions, self.roles):
                 d.pop(g, None)
             self._shallow.discard(g)
         self.model = model
@@ -234,38 +213,23 @@ class Replanner:
         self._detached, self._above = set(), {}
         moved = frozenset(t for t, p in old_parent.items() if placed[t] != p)
         # Fallbacks are recomputed where the grandparent changed (the placed tops and their children)
-        # or a fallback left, and wherever the contract (each fallback shallower than the node, not
-        # its parent) no longer holds: nodes that got shallower and the users of a node whose depth
-        # changed are checked, and most pass (a subtree that moves up keeps its fallbacks when
-        # they moved up with it).
+        # or a fallback left, and wherever the contract no longer holds (LiveFallbacks.broken).
         redo: set[str] = set()
         for t in placed:
             redo.add(t)
             redo.update(self.children[t])
         for n in gone:
-            redo |= self.fb_users.pop(n, set())
+            redo |= self.fb.pop_users(n)
         changed = [*self._depth_moved, *joined]
         changed_regions.update(self.regions[n] for n in changed)
-        for r in changed_regions:
-            self._pools.pop(r, None)
-        pool = set(self._tree_pool or ())
-        if gone_set & pool or any(self.depth[n] <= 3 or n in pool for n in changed):
-            self._tree_pool = None
-        check: set[str] = set()
-        for n, was in self._depth_moved.items():
-            if self.depth[n] < was:
-                check.add(n)
-            check |= self.fb_users.get(n, set())
-        depth, parents = self.depth, self.parents
-        for n in check - redo - gone_set:
-            dn, p = depth[n], parents[n]
-            if any(f == p or depth.get(f, dn) >= dn for f in self.fallbacks.get(n, ())):
-                redo.add(n)
+        self.fb.invalidate(changed_regions, gone_set, changed, self.depth)
+        redo |= self.fb.broken(self._depth_moved, self.depth, self.parents, redo | gone_set)
         self._settle(redo - gone_set)
         return moved
 
     def _settle(self, redo: set[str]) -> None:
-        self._refallback(redo)
+        self._touched += self.fb.rank(redo, self.model, self.parents, self.depth, self._shallow, self.children,
+                                      self.cfg.fallbacks)
         self.epoch += 1
 
     def _snapshot(self, moved: frozenset[str]) -> Change:
@@ -273,7 +237,7 @@ class Replanner:
             # dict.copy, not dict(): these dicts have deleted slots, which make dict() insert key by
             # key (at 100,000 nodes ~15 ms a dict against ~1 ms).
             root=self.root, parents=self.parents.copy(), edge_bps=self.share.copy(), eta_s=self.eta.copy(),
-            est_completion_s=max(self.eta.values()), fallbacks=self.fallbacks.copy(),
+            est_completion_s=max(self.eta.values()), fallbacks=self.fb.of.copy(),
             regions=self.regions.copy(), roles=self.roles.copy(),
             payload_bytes=self.cfg.payload_bytes, chunk_bytes=self.cfg.chunk_bytes, epoch=self.epoch,
         )
@@ -470,55 +434,6 @@ class Replanner:
             out.add(regions[n])
             todo.extend(children[n])
         return out
-
-    # ---- fallbacks --------------------------------------------------------------------------
-
-    def _refallback(self, nodes: set[str]) -> None:
-        k = self.cfg.fallbacks
-        if not nodes or k == 0:
-            return
-        m, depth = self.model, self.depth
-        up = _Uplinks(m)
-        if self._tree_pool is None:
-            self._tree_pool = sorted(self._shallow, key=lambda n: (depth[n], -up[n], n))[:_TREE_POOL]
-        pools = self._pools
-        # Siblings without measured links share region, depth, parent, grandparent and usually the
-        # downlink, and so their ranking (as topology.fallbacks.rank_fallbacks memoises it).
-        memo: dict[tuple[str, int, str, str | None, float], list[str]] = {}
-        for v in nodes:
-            if v not in self.parents:
-                continue
-            r = m.region_of(v)
-            if r not in pools:
-                pools[r] = sorted((n for n in m.nodes_in(r) if n in depth), key=lambda n: (depth[n], -up[n], n))[:_REGION_POOL]
-            for f in self.fallbacks.get(v, []):
-                self.fb_users.get(f, set()).discard(v)
-            p = self.parents[v]
-            gp = self.parents.get(p)
-            key = None if m.has_measurements(v) else (r, depth[v], p, gp, m.node(v).downlink_bps)
-            fbs = memo.get(key) if key is not None else None
-            if fbs is None:
-                fbs = rank_one(m, v, p, gp, depth, pools[r], self._tree_pool, up, self.children, k)
-                if key is not None:
-                    memo[key] = fbs
-            fbs = list(fbs)
-            self.fallbacks[v] = fbs
-            for f in fbs:
-                self.fb_users.setdefault(f, set()).add(v)
-        self._touched += len(nodes)
-
-
-class _Uplinks(dict[str, float]):
-    """Uplinks looked up on demand (``rank_one`` reads a few)."""
-
-    def __init__(self, model: NetworkModel) -> None:
-        super().__init__()
-        self.model = model
-
-    def __missing__(self, n: str) -> float:
-        v = self.model.node(n).uplink_bps
-        self[n] = v
-        return v
 
 
 __all__ = ["Change", "Replanner"]

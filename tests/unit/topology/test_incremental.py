@@ -119,7 +119,7 @@ def test_a_long_run_of_failures_and_joins_never_keeps_a_departed_node_as_a_fallb
             r.join(NodeSpec(f"j{step}", f"r0{rng.randrange(4)}", "rollout", 10 * G, 10 * G))
         else:
             r.fail(rng.choice(sorted(n for n in r.model.node_ids if n != r.model.trainer)))
-        users = set().union(*r.fb_users.values())
+        users = set().union(*r.fb.users.values())
         assert users <= set(r.parents), f"step {step}: {sorted(users - set(r.parents))[:3]} left but still listed"
 
 
