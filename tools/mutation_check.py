@@ -278,7 +278,9 @@ def _pytest(run: Runner, files: list[str], timeout: float, extra: list[str] | No
         except ProcessLookupError:
             pass
     how = {0: "passed", 5: "no tests"}.get(proc.returncode, "failed")
-    tail = (stdout + stderr)[-2000:]
+    # What failed, kept ahead of the tail: node processes write their logs into the same pipes, and a
+    # long log pushes pytest's report out of the last 2000 characters.
+    tail = "\n".join(_said(stdout)) + "\n" + (stdout + stderr)[-2000:]
     if how == "passed" and not re.search(r"\b[1-9]\d* passed", stdout):
         how = "skipped"
     return how, time.monotonic() - t0, tail
@@ -346,14 +348,25 @@ def load_lines(path: str) -> dict[str, set[int]]:
     return _project_lines(data)
 
 
-def _first_error(output: str, default: str) -> str:
-    """The line of a pytest run that says what failed: the ``FAILED`` summary line, else an ``E`` line."""
+def _said(output: str) -> list[str]:
+    """The lines of a pytest report that say what failed: the first ``FAILED``/``ERROR`` summary line
+    (the test), the source line pytest marks with ``>`` above the first error (the failing statement)
+    and the first ``E   assert`` line, else the first ``E`` line (the values or the error)."""
     lines = output.splitlines()
-    for prefix in ("FAILED", "ERROR", "E "):
-        found = [ln.strip() for ln in lines if ln.startswith(prefix)]
-        if found:
-            return found[0][:240]
-    return default
+    summary = [ln.strip() for ln in lines if ln.startswith(("FAILED", "ERROR"))][:1]
+    first = next((i for i, ln in enumerate(lines) if ln.startswith("E ")), None)
+    if first is None:
+        return summary
+    where = [ln.strip()[:200] for ln in lines[:first] if ln.startswith(">")][-1:]
+    errors = [ln for ln in lines[first:] if ln.startswith("E ")]
+    value = next((ln for ln in errors if ln[1:].lstrip().startswith("assert ")), errors[0])
+    return summary + where + [value.strip()[:200]]
+
+
+def _first_error(output: str, default: str) -> str:
+    """What failed in a pytest run (:func:`_said`, joined), else ``default``."""
+    said = _said(output)
+    return " | ".join(said)[:600] if said else default
 
 
 def _functions(source: str) -> dict[int, str]:

@@ -87,3 +87,22 @@ def test_aimed_sites_are_in_the_code_the_test_names_one_module_each_first(mc):
         assert got[0] == pool[1]  # the probe module, its checked function, and the test expects errors
         assert got[1] == pool[0]  # another module before a second site of the same
     assert len(mc.aimed(pool, text, 5, random.Random(0))) == 3
+
+
+def test_which_assertion_failed_is_kept_past_a_long_log(mc, tmp_path):
+    """A failing run whose processes log a lot and whose assertion message is long still says which
+    statement failed (the chaos soak's baseline said only "1 failed")."""
+    (tmp_path / "test_noisy.py").write_text(
+        "import subprocess, sys\n\n\ndef test_noisy():\n"
+        "    detail = {'log': 'x' * 3000}\n"
+        "    subprocess.run([sys.executable, '-c', \"import sys; sys.stderr.write('node log\\\\n' * 500)\"])\n"
+        "    wall_s = 230\n"
+        "    assert detail and wall_s <= 200, detail\n")
+    import sys
+
+    run = mc.Runner(sys.executable, None, 60.0)
+    how, _, tail = mc._pytest(run, [str(tmp_path / "test_noisy.py")], 60.0)
+    said = mc._first_error(tail, how)
+    assert how == "failed"
+    assert "test_noisy" in said and "wall_s <= 200" in said, said
+    assert mc._first_error("1 passed", "passed") == "passed"
