@@ -242,10 +242,12 @@ def imported_modules(test_file: Path) -> set[str]:
 @dataclass
 class Runner:
     """How a test file runs: the interpreter (``.venv-verl/bin/python`` for the verl tests), a marker
-    expression, and the per-run timeout."""
+    expression, the per-run timeout, and a ``-k`` expression (a file whose cases each load a model
+    runs a few of them: ``-k "llama or qwen3_moe"``)."""
     python: str
     marker: str | None
     timeout: float
+    keyword: str | None = None
 
 
 def _pytest(run: Runner, files: list[str], timeout: float, extra: list[str] | None = None,
@@ -253,7 +255,8 @@ def _pytest(run: Runner, files: list[str], timeout: float, extra: list[str] | No
     """Run test files; ``("passed" | "failed" | "timeout" | "no tests" | "skipped", seconds, output tail)``.
     A run whose every test skipped (no vLLM, no root) is ``"skipped"``: its mutants would prove nothing."""
     cmd = [run.python, *(extra or ["-m", "pytest"]), "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly",
-           *(["-m", run.marker] if run.marker else []), *files]
+           *(["-m", run.marker] if run.marker else []),
+           *(["-k", run.keyword] if run.keyword else []), *files]
     t0 = time.monotonic()
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}  # node processes the tests start import this tree too
     # Its own session: on a timeout or when this tool is stopped, the whole group goes (pytest and the
@@ -421,6 +424,8 @@ def check_file(test_file: str, per_file: int, rng: random.Random, run: Runner, *
     res: dict = {"file": test_file, "baseline": how, "baseline_seconds": round(base_s, 1), "mutants": []}
     if run.python != sys.executable or run.marker:
         res["python"], res["marker"] = run.python, run.marker
+    if run.keyword:
+        res["keyword"] = run.keyword
     if how != "passed":
         res["why"] = f"baseline {how}: {_first_error(tail, how)}"
         return res
@@ -491,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default=sys.executable,
                     help="interpreter the tests run in (.venv-verl/bin/python for the verl tests)")
     ap.add_argument("-m", "--marker", help="pytest marker expression (-m verl, -m 'not verl')")
+    ap.add_argument("-k", "--keyword", help="pytest -k expression: run only these cases of each file")
     ap.add_argument("--record-coverage", metavar="DATA",
                     help="run the files once, in one session, under coverage (the processes they start "
                          "included) and write the lines they ran to the coverage data file DATA; no mutant")
@@ -502,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--file-budget", type=float,
                     help="no further mutant of a file once its mutants have taken this many seconds")
     a = ap.parse_args(argv)
-    run = Runner(a.python, a.marker, a.timeout)
+    run = Runner(a.python, a.marker, a.timeout, a.keyword)
     default = ("tests/integration", "test_*.py") if a.integration else ("tests/unit", "**/test_*.py")
     files = a.files or sorted(str(p.relative_to(REPO)) for p in (REPO / default[0]).glob(default[1]))
     if a.record_coverage:

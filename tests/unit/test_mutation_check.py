@@ -106,3 +106,15 @@ def test_which_assertion_failed_is_kept_past_a_long_log(mc, tmp_path):
     assert how == "failed"
     assert "test_noisy" in said and "wall_s <= 200" in said, said
     assert mc._first_error("1 passed", "passed") == "passed"
+
+
+def test_a_keyword_runs_only_the_cases_it_names(mc, tmp_path):
+    """``-k``: a file whose cases each load a model is judged on the few named (the others, here a
+    failing one, do not run)."""
+    import sys
+
+    f = tmp_path / "test_cases.py"
+    f.write_text("import pytest\n\n\n@pytest.mark.parametrize('family', ['llama', 'gpt2'])\n"
+                 "def test_family(family):\n    assert family == 'llama'\n")
+    assert mc._pytest(mc.Runner(sys.executable, None, 60.0, "llama"), [str(f)], 60.0)[0] == "passed"
+    assert mc._pytest(mc.Runner(sys.executable, None, 60.0), [str(f)], 60.0)[0] == "failed"
