@@ -522,6 +522,11 @@ def main(argv: list[str] | None = None) -> int:
         n = sum(len(v) for v in _project_lines(data).values())
         print(f"{how} in {seconds:.0f} s; {n} project lines in {a.record_coverage}")
         return 0 if how == "passed" else 1
+    exclude = load_lines(a.exclude_covered_by) if a.exclude_covered_by else None
+    if exclude is not None and not exclude:  # coverage keeps absolute paths: another checkout's match none
+        print(f"mutation_check: {a.exclude_covered_by} holds no line of this checkout's packages (recorded "
+              f"in another checkout? its paths are absolute); record it here", file=sys.stderr)
+        return 2
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *SOURCES], cwd=REPO,
                            capture_output=True, text=True, check=False).stdout.strip()
     if dirty:
@@ -529,7 +534,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # restore the module being mutated
-    exclude = load_lines(a.exclude_covered_by) if a.exclude_covered_by else None
     rng = random.Random(a.seed)
     results: list[dict] = []
     if a.resume and a.json and Path(a.json).exists():

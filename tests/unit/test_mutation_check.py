@@ -118,3 +118,17 @@ def test_a_keyword_runs_only_the_cases_it_names(mc, tmp_path):
                  "def test_family(family):\n    assert family == 'llama'\n")
     assert mc._pytest(mc.Runner(sys.executable, None, 60.0, "llama"), [str(f)], 60.0)[0] == "passed"
     assert mc._pytest(mc.Runner(sys.executable, None, 60.0), [str(f)], 60.0)[0] == "failed"
+
+
+def test_a_coverage_record_of_another_checkout_is_refused(mc, tmp_path, capsys):
+    """Coverage keeps absolute paths: a record made in another checkout would leave nothing alone, and
+    every file would be judged on the lines the unit tests run too."""
+    import coverage
+
+    data = coverage.CoverageData(basename=str(tmp_path / "unit.cov"))
+    data.add_lines({"/elsewhere/p2psync/lease.py": [1, 2, 3]})
+    data.write()
+    assert mc.main(["--integration", "--exclude-covered-by", str(tmp_path / "unit.cov"),
+                    "--json", str(tmp_path / "out.json"), "tests/integration/test_cli_errors.py"]) == 2
+    assert "another checkout" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
