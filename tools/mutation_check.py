@@ -242,10 +242,12 @@ def imported_modules(test_file: Path) -> set[str]:
 @dataclass
 class Runner:
     """How a test file runs: the interpreter (``.venv-verl/bin/python`` for the verl tests), a marker
-    expression, and the per-run timeout."""
+    expression, the per-run timeout, and a ``-k`` expression (a file whose cases each load a model
+    runs a few of them: ``-k "llama or qwen3_moe"``)."""
     python: str
     marker: str | None
     timeout: float
+    keyword: str | None = None
 
 
 def _pytest(run: Runner, files: list[str], timeout: float, extra: list[str] | None = None,
@@ -253,7 +255,8 @@ def _pytest(run: Runner, files: list[str], timeout: float, extra: list[str] | No
     """Run test files; ``("passed" | "failed" | "timeout" | "no tests" | "skipped", seconds, output tail)``.
     A run whose every test skipped (no vLLM, no root) is ``"skipped"``: its mutants would prove nothing."""
     cmd = [run.python, *(extra or ["-m", "pytest"]), "-q", "-x", "-p", "no:cacheprovider", "-p", "no:randomly",
-           *(["-m", run.marker] if run.marker else []), *files]
+           *(["-m", run.marker] if run.marker else []),
+           *(["-k", run.keyword] if run.keyword else []), *files]
     t0 = time.monotonic()
     env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}  # node processes the tests start import this tree too
     # Its own session: on a timeout or when this tool is stopped, the whole group goes (pytest and the
@@ -278,7 +281,9 @@ def _pytest(run: Runner, files: list[str], timeout: float, extra: list[str] | No
         except ProcessLookupError:
             pass
     how = {0: "passed", 5: "no tests"}.get(proc.returncode, "failed")
-    tail = (stdout + stderr)[-2000:]
+    # What failed, kept ahead of the tail: node processes write their logs into the same pipes, and a
+    # long log pushes pytest's report out of the last 2000 characters.
+    tail = "\n".join(_said(stdout)) + "\n" + (stdout + stderr)[-2000:]
     if how == "passed" and not re.search(r"\b[1-9]\d* passed", stdout):
         how = "skipped"
     return how, time.monotonic() - t0, tail
@@ -346,14 +351,25 @@ def load_lines(path: str) -> dict[str, set[int]]:
     return _project_lines(data)
 
 
-def _first_error(output: str, default: str) -> str:
-    """The line of a pytest run that says what failed: the ``FAILED`` summary line, else an ``E`` line."""
+def _said(output: str) -> list[str]:
+    """The lines of a pytest report that say what failed: the first ``FAILED``/``ERROR`` summary line
+    (the test), the source line pytest marks with ``>`` above the first error (the failing statement)
+    and the first ``E   assert`` line, else the first ``E`` line (the values or the error)."""
     lines = output.splitlines()
-    for prefix in ("FAILED", "ERROR", "E "):
-        found = [ln.strip() for ln in lines if ln.startswith(prefix)]
-        if found:
-            return found[0][:240]
-    return default
+    summary = [ln.strip() for ln in lines if ln.startswith(("FAILED", "ERROR"))][:1]
+    first = next((i for i, ln in enumerate(lines) if ln.startswith("E ")), None)
+    if first is None:
+        return summary
+    where = [ln.strip()[:200] for ln in lines[:first] if ln.startswith(">")][-1:]
+    errors = [ln for ln in lines[first:] if ln.startswith("E ")]
+    value = next((ln for ln in errors if ln[1:].lstrip().startswith("assert ")), errors[0])
+    return summary + where + [value.strip()[:200]]
+
+
+def _first_error(output: str, default: str) -> str:
+    """What failed in a pytest run (:func:`_said`, joined), else ``default``."""
+    said = _said(output)
+    return " | ".join(said)[:600] if said else default
 
 
 def _functions(source: str) -> dict[int, str]:
@@ -408,6 +424,8 @@ def check_file(test_file: str, per_file: int, rng: random.Random, run: Runner, *
     res: dict = {"file": test_file, "baseline": how, "baseline_seconds": round(base_s, 1), "mutants": []}
     if run.python != sys.executable or run.marker:
         res["python"], res["marker"] = run.python, run.marker
+    if run.keyword:
+        res["keyword"] = run.keyword
     if how != "passed":
         res["why"] = f"baseline {how}: {_first_error(tail, how)}"
         return res
@@ -478,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default=sys.executable,
                     help="interpreter the tests run in (.venv-verl/bin/python for the verl tests)")
     ap.add_argument("-m", "--marker", help="pytest marker expression (-m verl, -m 'not verl')")
+    ap.add_argument("-k", "--keyword", help="pytest -k expression: run only these cases of each file")
     ap.add_argument("--record-coverage", metavar="DATA",
                     help="run the files once, in one session, under coverage (the processes they start "
                          "included) and write the lines they ran to the coverage data file DATA; no mutant")
@@ -489,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--file-budget", type=float,
                     help="no further mutant of a file once its mutants have taken this many seconds")
     a = ap.parse_args(argv)
-    run = Runner(a.python, a.marker, a.timeout)
+    run = Runner(a.python, a.marker, a.timeout, a.keyword)
     default = ("tests/integration", "test_*.py") if a.integration else ("tests/unit", "**/test_*.py")
     files = a.files or sorted(str(p.relative_to(REPO)) for p in (REPO / default[0]).glob(default[1]))
     if a.record_coverage:
@@ -503,6 +522,11 @@ def main(argv: list[str] | None = None) -> int:
         n = sum(len(v) for v in _project_lines(data).values())
         print(f"{how} in {seconds:.0f} s; {n} project lines in {a.record_coverage}")
         return 0 if how == "passed" else 1
+    exclude = load_lines(a.exclude_covered_by) if a.exclude_covered_by else None
+    if exclude is not None and not exclude:  # coverage keeps absolute paths: another checkout's match none
+        print(f"mutation_check: {a.exclude_covered_by} holds no line of this checkout's packages (recorded "
+              f"in another checkout? its paths are absolute); record it here", file=sys.stderr)
+        return 2
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *SOURCES], cwd=REPO,
                            capture_output=True, text=True, check=False).stdout.strip()
     if dirty:
@@ -510,7 +534,6 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # restore the module being mutated
-    exclude = load_lines(a.exclude_covered_by) if a.exclude_covered_by else None
     rng = random.Random(a.seed)
     results: list[dict] = []
     if a.resume and a.json and Path(a.json).exists():

@@ -153,8 +153,8 @@ def test_refusals_leave_the_loaded_set_untouched(engine):
     served = _greedy(llm, slots.request("policy"))
     config = adapter.AdapterConfig("policy", R, 16.0, TARGETS, base_fp)
 
-    def refused(exc, artifact):
-        with pytest.raises(exc):
+    def refused(exc, artifact, match=None):
+        with pytest.raises(exc, match=match):
             slots.apply(*artifact)
         assert (slots.loaded("policy"), _registered(slots)) == before
 
@@ -164,12 +164,13 @@ def test_refusals_leave_the_loaded_set_untouched(engine):
     refused(SignatureError, stream.artifact(3, priv=keys.generate()))  # wrong key
     refused(WrongBase, stream.artifact(3, base=1))  # the stream holds version 2, not 1
     other_base = _Stream(priv, adapter.AdapterConfig("policy", R, 16.0, TARGETS, "f" * 32), _tensors(0))
-    refused(AdapterMismatch, other_base.artifact(0))  # trained on another base model
+    # Each a version 0 of a stream past it: the reason is matched, else the "not newer" refusal would do.
+    refused(AdapterMismatch, other_base.artifact(0), "trained on base")  # trained on another base model
     big = _Stream(priv, adapter.AdapterConfig("policy", 16, 16.0, TARGETS, base_fp), _tensors(0, r=16))
-    refused(AdapterMismatch, big.artifact(0))  # rank above max_lora_rank
+    refused(AdapterMismatch, big.artifact(0), "exceeds the engine's max_lora_rank")  # rank above max_lora_rank
     odd = _Stream(priv, adapter.AdapterConfig("policy", R, 16.0, ("q_proj", "rotary_emb"), base_fp),
                   _tensors(0, targets=("q_proj",)))
-    refused(AdapterMismatch, odd.artifact(0))  # a target module vLLM serves no LoRA on
+    refused(AdapterMismatch, odd.artifact(0), "not served with LoRA")  # a target module vLLM serves no LoRA on
     assert _greedy(llm, slots.request("policy")) == served
 
 

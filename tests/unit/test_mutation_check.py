@@ -87,3 +87,48 @@ def test_aimed_sites_are_in_the_code_the_test_names_one_module_each_first(mc):
         assert got[0] == pool[1]  # the probe module, its checked function, and the test expects errors
         assert got[1] == pool[0]  # another module before a second site of the same
     assert len(mc.aimed(pool, text, 5, random.Random(0))) == 3
+
+
+def test_which_assertion_failed_is_kept_past_a_long_log(mc, tmp_path):
+    """A failing run whose processes log a lot and whose assertion message is long still says which
+    statement failed (the chaos soak's baseline said only "1 failed")."""
+    (tmp_path / "test_noisy.py").write_text(
+        "import subprocess, sys\n\n\ndef test_noisy():\n"
+        "    detail = {'log': 'x' * 3000}\n"
+        "    subprocess.run([sys.executable, '-c', \"import sys; sys.stderr.write('node log\\\\n' * 500)\"])\n"
+        "    wall_s = 230\n"
+        "    assert detail and wall_s <= 200, detail\n")
+    import sys
+
+    run = mc.Runner(sys.executable, None, 60.0)
+    how, _, tail = mc._pytest(run, [str(tmp_path / "test_noisy.py")], 60.0)
+    said = mc._first_error(tail, how)
+    assert how == "failed"
+    assert "test_noisy" in said and "wall_s <= 200" in said, said
+    assert mc._first_error("1 passed", "passed") == "passed"
+
+
+def test_a_keyword_runs_only_the_cases_it_names(mc, tmp_path):
+    """``-k``: a file whose cases each load a model is judged on the few named (the others, here a
+    failing one, do not run)."""
+    import sys
+
+    f = tmp_path / "test_cases.py"
+    f.write_text("import pytest\n\n\n@pytest.mark.parametrize('family', ['llama', 'gpt2'])\n"
+                 "def test_family(family):\n    assert family == 'llama'\n")
+    assert mc._pytest(mc.Runner(sys.executable, None, 60.0, "llama"), [str(f)], 60.0)[0] == "passed"
+    assert mc._pytest(mc.Runner(sys.executable, None, 60.0), [str(f)], 60.0)[0] == "failed"
+
+
+def test_a_coverage_record_of_another_checkout_is_refused(mc, tmp_path, capsys):
+    """Coverage keeps absolute paths: a record made in another checkout would leave nothing alone, and
+    every file would be judged on the lines the unit tests run too."""
+    import coverage
+
+    data = coverage.CoverageData(basename=str(tmp_path / "unit.cov"))
+    data.add_lines({"/elsewhere/p2psync/lease.py": [1, 2, 3]})
+    data.write()
+    assert mc.main(["--integration", "--exclude-covered-by", str(tmp_path / "unit.cov"),
+                    "--json", str(tmp_path / "out.json"), "tests/integration/test_cli_errors.py"]) == 2
+    assert "another checkout" in capsys.readouterr().err
+    assert not (tmp_path / "out.json").exists()
