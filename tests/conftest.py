@@ -64,3 +64,29 @@ def _root_logging():
     yield
     root.setLevel(saved[0])
     root.handlers[:] = saved[1]
+
+
+_VLLM_LOGGING_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
+
+
+def _vllm_logging_level_put_back() -> None:
+    if _VLLM_LOGGING_LEVEL is None:
+        os.environ.pop("VLLM_LOGGING_LEVEL", None)
+    else:
+        os.environ["VLLM_LOGGING_LEVEL"] = _VLLM_LOGGING_LEVEL
+
+
+@pytest.fixture(autouse=True)
+def _vllm_logging_level():
+    """Importing trl sets ``VLLM_LOGGING_LEVEL=ERROR`` in this process's environment (``trl._compat``),
+    at collection or in a test; every ``vllm serve`` a later test starts would inherit it and log
+    nothing at INFO or WARNING, and the tests that read a server's log (a request reaching the engine,
+    a warning that must not appear) would wait forever or pass without looking. Put back before and
+    after each test."""
+    _vllm_logging_level_put_back()
+    yield
+    _vllm_logging_level_put_back()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _vllm_logging_level_put_back()  # a test module that imports trl at collection

@@ -102,7 +102,8 @@ def served(tmp_path_factory):
     priv = keys.generate()
     port = free_port()
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
-           "P2PSYNC_LORA_WINDOW": "2", "PYTHONUNBUFFERED": "1"}
+           "P2PSYNC_LORA_WINDOW": "2", "PYTHONUNBUFFERED": "1",
+           "VLLM_LOGGING_LEVEL": "INFO"}  # the pin test reads "Added request" in the log
     server = Background([sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
                          "--model", str(root / "model"), "--skip-tokenizer-init", "--dtype", "bfloat16",
                          "--max-model-len", "256", "--enforce-eager", "--kv-cache-memory-bytes", "1G",
