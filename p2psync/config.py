@@ -211,6 +211,10 @@ class GossipSettings:
     """Seconds dead/left members and empty lease entries are remembered before removal."""
     report_interval: float = 10.0
     """A member re-sends its versions and throughput to the coordinator at least this often."""
+    report_budget: float = 500.0
+    """Reports a second the coordinator takes from all members together, on average: each member
+    spaces its reports (new versions included) at least ``live members / report_budget`` seconds
+    apart. 0: no bound (each new version reported on the next round)."""
     send_timeout: float = 2.0
     """Seconds a gossip POST may take before it is dropped (gossip is fire and forget)."""
 
@@ -426,6 +430,8 @@ class NodeConfig:
         for name in ("interval", "suspect_after", "dead_after", "tombstone_ttl", "report_interval", "send_timeout"):
             if not getattr(g, name) > 0:
                 raise ConfigError(f"gossip.{name}", "must be > 0")
+        if not g.report_budget >= 0:
+            raise ConfigError("gossip.report_budget", f"must be >= 0, got {g.report_budget}")
         if g.suspect_after < 2 * g.interval:
             raise ConfigError("gossip.suspect_after", "must be at least two gossip intervals (or every lost "
                                                       "heartbeat is a suspicion)")

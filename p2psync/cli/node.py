@@ -89,12 +89,29 @@ def _exit_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _raise_open_files() -> None:
+    """Lift the soft limit on open files to the hard one. Every connection is a descriptor: the
+    coordinator of a large cluster holds one per member whose connection is kept alive, a relay one
+    per child stream, and the soft limit many systems start a process with (1,024) is far below
+    the hard one (often 524,288)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        want = 1 << 20 if hard == resource.RLIM_INFINITY else hard
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, want), hard))
+        except (ValueError, OSError):
+            pass  # a container may refuse; the node runs with what it has
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from p2psync import config
 
     _exit_with_parent()
+    _raise_open_files()
     cfg = config.load(args.config, args.overrides, role=args.role, id=args.id)
     job = _load_job(args.job, args.job_config) if args.job else None
     code = asyncio.run(_main(cfg, args.publish_dir, job))

@@ -130,6 +130,7 @@ class GossipService:
         me = MemberEntry(id=cfg.id, address=host.address, role=cfg.role, region=cfg.region,
                          node_class=s.node_class, incarnation=restart_incarnation(self.saved.incarnation, now))
         gcfg = GossipConfig(interval=s.interval, fanout=s.fanout, report_interval=s.report_interval,
+                            report_budget=s.report_budget,
                             rejoin_interval=10 * s.interval,
                             detector=DetectorConfig(suspect_after=s.suspect_after, dead_after=s.dead_after,
                                                     tombstone_ttl=s.tombstone_ttl))

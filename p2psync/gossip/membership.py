@@ -167,6 +167,11 @@ class MemberTable:
         """Ids of alive and suspect members, in ring order (kept sorted as liveness changes)."""
         return [i for _, i in self._ring_ids()]
 
+    @property
+    def live_count(self) -> int:
+        """How many members are alive or suspect, this node included."""
+        return len(self._ring_ids())
+
     def __len__(self) -> int:
         return len(self.entries)
 

@@ -117,6 +117,7 @@ lease_ttl = 12.0
     ("--gossip.interval=0", "gossip.interval"),
     ("--gossip.suspect_after=0.5", "gossip.suspect_after"),
     ("--gossip.fanout=0", "gossip.fanout"),
+    ("--gossip.report_budget=-5", "gossip.report_budget"),
     ("--control.lease_ttl=-1", "control.lease_ttl"),
     ("--control.coordinator_url=10.0.0.1", "control.coordinator_url"),
     ("--control.max_staleness=-1", "control.max_staleness"),

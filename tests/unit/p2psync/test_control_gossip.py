@@ -9,7 +9,7 @@ import pytest
 
 from p2psync import keys
 from p2psync.errors import NotCoordinator
-from p2psync.gossip import GossipNode
+from p2psync.gossip import GossipConfig, GossipNode
 from p2psync.gossip.items import CoordEntry
 from p2psync.gossip.messages import Delta, Report, dumps, loads
 from p2psync.gossip.signing import signer, verifier
@@ -172,3 +172,49 @@ def test_versions_follow_the_clock_so_a_restarted_coordinator_wins():
     peer = sim.nodes[default_member(3).address]
     peer.receive(sim.now, trainer.members.me.address, Delta(trainer.id, coord=(new,)))
     assert peer.coord.head == 6
+
+
+def _reports_to_coordinator(n: int, budget: float, seconds: float, seed: int = 11) -> tuple[float, Sim]:
+    """Every member takes a new version every 2 s for ``seconds``: the coordinator's reports a second
+    after the cluster's first ones (10 s in)."""
+    sim = Sim.cluster(n, seed=seed, config=GossipConfig(report_budget=budget))
+    trainer = sim.nodes[default_member(0).address]
+    got: list[float] = []
+    take = trainer._take_report
+
+    def counting(now: float, rep: Report) -> None:
+        got.append(now)
+        take(now, rep)
+
+    trainer._take_report = counting  # type: ignore[method-assign]
+    for step in range(1, int(seconds / 2) + 1):
+        for nd in sim.running():
+            nd.update_self(sim.now, versions=(step,))
+        sim.run_until(sim.now + 2.0)
+    return len([t for t in got if t >= 10.0]) / (sim.now - 10.0), sim
+
+
+def test_reports_stay_within_the_coordinators_budget_when_every_member_takes_each_version():
+    n, budget = 300, 30.0
+    unbounded, _ = _reports_to_coordinator(n, 0.0, 40.0)
+    assert unbounded > 4 * budget  # each member reports each version: n / 2 s
+    rate, sim = _reports_to_coordinator(n, budget, 40.0)
+    assert rate <= 1.2 * budget, rate
+    # Each member's newest version still reaches the coordinator, within 1.5 spacings of taking it.
+    trainer = sim.nodes[default_member(0).address]
+    assert trainer.report_spacing() == n / budget
+    last = 20
+    sim.run_until(sim.now + 1.5 * n / budget + 2.0)
+    held = {nd.id: trainer.reports[nd.id][1].versions for nd in sim.running() if nd is not trainer}
+    assert all(v == (last,) for v in held.values()), sorted(set(held.values()))
+
+
+def test_a_member_reports_at_once_when_the_cluster_is_small_enough():
+    # 40 members with the default budget (500 a second): spacing 0.08 s, under one round.
+    sim = Sim.cluster(40, seed=12)
+    trainer = sim.nodes[default_member(0).address]
+    sim.run_until(5.0)
+    member = sim.nodes[default_member(7).address]
+    member.update_self(sim.now, versions=(3,))
+    sim.run_until(sim.now + 1.5)
+    assert trainer.reports[member.id][1].versions == (3,)
