@@ -15,8 +15,10 @@ nodes:
   items, one version older), and answers that with a ``Delta``. Its own ``fanout`` Syns a round get
   a ``Buckets`` reply that differs in one bucket, answered with a ``Digest``.
 - ``Heartbeat`` s from the members that precede it on the watcher ring (``watchers + slack``).
-- ``Report`` s: each node reports every ``report_interval`` (10 s: N / 10 a round), and all of
-  them in the round after a new head version.
+- ``Report`` s, as members space them (``GossipNode.report_spacing``: ``live / report_budget``,
+  200 s at 100,000): a member whose report is behind a new head sends it at its slot in the
+  spacing, one with nothing new at its slot in ``max(report_interval, spacing)``; so about
+  ``report_budget`` (500) a round after a new head, fewer between.
 - Churn (1 % of the nodes per minute): joins and graceful leaves arrive as the member entries a
   peer's ``Delta`` carries, and each joiner's first exchange is with its seed, the coordinator (its
   table holds itself only: the coordinator answers with up to ``max_entries`` entries); a new head
@@ -78,6 +80,8 @@ class Harness:
         self.sent = 0
         self.ids = [self.member(i) for i in range(1, n)]
         self.reports = {e.id: Report(e.id, 0, (0,), e.throughput, e.bandwidth) for e in self.ids}
+        self.behind: set[str] = {e.id for e in self.ids}
+        """Members whose report is due: behind the newest head, or (at the start) never sent."""
         self.heartbeat = 0
         self.next_id = n + 1_000_000
 
@@ -142,16 +146,24 @@ class Harness:
         for mid in g.members._neighbours(g.id, c.watchers + c.slack, -1):
             e = g.members.entries[mid]
             self._call(g.receive, self.now, e.address, Heartbeat(mid, e.incarnation, self.heartbeat))
-        # Reports: every report_interval, and all after a new head.
-        every = int(g.config.report_interval)
+        # Reports, spaced by the report budget: a member behind the new head at its slot in the
+        # spacing, the others at their slot in max(report_interval, spacing).
         r = int(self.now)
+        if new_head:
+            self.behind = {e.id for e in self.ids}
+        spacing = max(1, round(g.report_spacing()))
+        idle = max(int(g.config.report_interval), spacing)
         for e in self.ids:
-            if new_head or int(e.id[1:]) % every == r % every:
+            i = int(e.id[1:])
+            if e.id in self.behind and i % spacing == r % spacing:
                 rep = self.reports.get(e.id) or Report(e.id, 0, (0,), e.throughput, e.bandwidth)
-                if new_head:
-                    rep = replace(rep, versions=(*rep.versions[-1:], r))
-                    self.reports[e.id] = rep
-                self._call(g.receive, self.now, e.address, rep)
+                rep = self.reports[e.id] = replace(rep, versions=(*rep.versions[-1:], r))
+                self.behind.discard(e.id)
+            elif i % idle == r % idle:
+                rep = self.reports.get(e.id) or Report(e.id, 0, (0,), e.throughput, e.bandwidth)
+            else:
+                continue
+            self._call(g.receive, self.now, e.address, rep)
         # The coordinator's own round, and the answers its Syns get.
         out = self._call(g.tick, self.now)
         if churn:
@@ -207,7 +219,8 @@ def main() -> None:
                            "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv]),
                            "first_round_cpu_s": round(time.process_time() - t, 3)}
     log(f"{args.nodes} members, first plan: {out['first_round_cpu_s']} s CPU")
-    h.measure(int(h.g.config.report_interval), False, args.step_seconds)  # every node's first report seen
+    # Every member's first report seen (spaced like the others: 200 rounds at 100,000).
+    h.measure(max(int(h.g.config.report_interval), math.ceil(h.g.report_spacing())), False, args.step_seconds)
     for name, churn in (("idle", False), ("churn", True)):
         m = h.measure(args.seconds, churn, args.step_seconds)
         out[f"coordinator_cpu_per_round_s_{name}"] = round(m["gossip"] + m["plan"], 5)
