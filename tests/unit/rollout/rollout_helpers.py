@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +16,9 @@ from p2psync.codec.encode import CodecOptions, encode_delta, encode_snapshot
 from p2psync.control.api import Grant, ResponseResult
 from p2psync.errors import LeaseExpired
 from p2psync.state import ModelState
+
+if TYPE_CHECKING:
+    from rollout.engines.vllm.apply.weights import LiveWeights
 
 CHUNK = 64 << 10
 
@@ -155,3 +159,23 @@ class MemoryWork:
 def grant(work_id: str, payload: dict, responses: int = 1, resume: dict | None = None, done: dict | None = None,
           lease_id: int = 1) -> Grant:
     return Grant(work_id, lease_id, payload, responses, resume or {}, done or {})
+
+
+@contextmanager
+def failing_host_writes(live: LiveWeights, fail: bool = True) -> Iterator[None]:
+    """Inside the block each host write of ``live`` is made and then raises ``OSError("injected write
+    failure")``: a rank that fails after it wrote, which every rank must take back. ``fail=False``
+    leaves ``live`` alone (the ranks that do not fail run the same code)."""
+    if not fail:
+        yield
+        return
+    real = live._write_host
+
+    def failing(*args, **kw):
+        real(*args, **kw)
+        raise OSError("injected write failure")
+    live._write_host = failing  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del live._write_host
