@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -161,21 +160,26 @@ def grant(work_id: str, payload: dict, responses: int = 1, resume: dict | None =
     return Grant(work_id, lease_id, payload, responses, resume or {}, done or {})
 
 
-@contextmanager
-def failing_host_writes(live: LiveWeights, fail: bool = True) -> Iterator[None]:
-    """Inside the block each host write of ``live`` is made and then raises ``OSError("injected write
-    failure")``: a rank that fails after it wrote, which every rank must take back. ``fail=False``
-    leaves ``live`` alone (the ranks that do not fail run the same code)."""
-    if not fail:
-        yield
-        return
+def apply_with_failing_writes(live: LiveWeights, manifest: Manifest, chunks: Sequence[bytes | None],
+                              fail: bool) -> str:
+    """How ``live.apply_delta(manifest, chunks)`` ends ("applied", or the error's class name) when, with
+    ``fail``, this rank's host writes are made and then raise ``OSError("injected write failure")``: a
+    rank that fails after it wrote, which every rank must take back (the ranks that do not fail pass
+    ``fail=False`` and run the same code)."""
+    from rollout.engines.vllm.apply.ranks import RankRefused
+
     real = live._write_host
 
     def failing(*args, **kw):
         real(*args, **kw)
         raise OSError("injected write failure")
-    live._write_host = failing  # type: ignore[method-assign]
+    if fail:
+        live._write_host = failing  # type: ignore[method-assign]
     try:
-        yield
+        live.apply_delta(manifest, chunks)
+        return "applied"
+    except (RankRefused, OSError) as exc:
+        return type(exc).__name__
     finally:
-        del live._write_host
+        if fail:
+            del live._write_host
