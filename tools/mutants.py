@@ -13,6 +13,7 @@ site rewritten. Pure functions of the source text: nothing here runs a test or w
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 
 _FLIP = {ast.Lt: ast.GtE, ast.GtE: ast.Lt, ast.Gt: ast.LtE, ast.LtE: ast.Gt, ast.Eq: ast.NotEq,
          ast.NotEq: ast.Eq, ast.In: ast.NotIn, ast.NotIn: ast.In, ast.Is: ast.IsNot, ast.IsNot: ast.Is}
@@ -59,26 +60,30 @@ def _settings(tree: ast.Module) -> set[int]:
     return {id(n) for r in roots for n in ast.walk(r)}
 
 
-def sites(source: str, lines: set[int]) -> list[tuple[int, int, str]]:
-    """``(node index in ast.walk order, line, description)`` of every mutation site on ``lines``."""
+def _candidates(source: str, lines: set[int]) -> Iterator[tuple[int, int, ast.AST]]:
+    """``(index in ast.walk order, line, node)`` of the nodes on ``lines`` that a mutant may touch:
+    not on an excluded line (:func:`_excluded_lines`), not part of a setting (:func:`_settings`)."""
     tree = ast.parse(source)
     skip = _excluded_lines(tree)
     settings = _settings(tree)
-    out = []
     for k, node in enumerate(ast.walk(tree)):
         line = getattr(node, "lineno", None)
-        if line is None or line not in lines or line in skip:
-            continue
+        if line is not None and line in lines and line not in skip and id(node) not in settings:
+            yield k, line, node
+
+
+def sites(source: str, lines: set[int]) -> list[tuple[int, int, str]]:
+    """``(node index in ast.walk order, line, description)`` of every mutation site on ``lines``."""
+    out = []
+    for k, line, node in _candidates(source, lines):
         if isinstance(node, ast.Compare) and type(node.ops[0]) in _FLIP:
             out.append((k, line, f"{type(node.ops[0]).__name__} -> {_FLIP[type(node.ops[0])].__name__}"))
         elif isinstance(node, ast.BoolOp):
             out.append((k, line, f"{type(node.op).__name__} swapped"))
         elif isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub)):
             out.append((k, line, f"{type(node.op).__name__} swapped"))
-        elif isinstance(node, (ast.If, ast.While)) and id(node) not in settings:
+        elif isinstance(node, (ast.If, ast.While)):
             out.append((k, line, f"{type(node).__name__} condition negated"))
-        elif isinstance(node, ast.Constant) and id(node) in settings:
-            continue
         elif isinstance(node, ast.Constant) and type(node.value) is int:
             out.append((k, line, f"constant {node.value} -> {node.value + 1}"))
         elif isinstance(node, ast.Constant) and isinstance(node.value, bool):
@@ -106,14 +111,8 @@ def meaningful_sites(source: str, lines: set[int], ran: set[int] | None = None) 
     ``x + 1`` made ``x`` (off by one), a condition negated, ``and``/``or`` swapped, a ``return x`` made
     ``return None``. No constant moved: a buffer size or a flag a correct program tolerates. ``ran``: every
     line the test ran; a check whose ``raise`` it never reached is no site (valid input passes it)."""
-    tree = ast.parse(source)
-    skip = _excluded_lines(tree)
-    settings = _settings(tree)
     out = []
-    for k, node in enumerate(ast.walk(tree)):
-        line = getattr(node, "lineno", None)
-        if line is None or line not in lines or line in skip or id(node) in settings:
-            continue
+    for k, line, node in _candidates(source, lines):
         if isinstance(node, ast.If) and _raises(node):
             if ran is None or any(r.lineno in ran for r in node.body if isinstance(r, ast.Raise)):
                 out.append((k, line, "check dropped"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import ssl
+from pathlib import Path
 
 import pytest
 import tlsutil
@@ -59,6 +60,20 @@ def test_bad_requests_get_their_codes_and_the_node_keeps_serving(cluster: Cluste
     assert TOKEN and request(tr.url + "/v1/head")[0] == 200
 
 
+def held_by_a_process(server_port: int, client_port: int) -> bool:
+    """Whether some process still holds the server's end of the TCP connection from
+    ``client_port`` to ``server_port``: Linux lists a socket whose owner closed it with inode 0
+    (orphaned, the kernel finishing it alone) until it drops it from /proc/net/tcp*."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            local, remote, inode = f[1], f[2], int(f[9])
+            if (int(local.rsplit(":", 1)[1], 16) == server_port
+                    and int(remote.rsplit(":", 1)[1], 16) == client_port and inode != 0):
+                return True
+    return False
+
+
 @pytest.mark.timeout(120)
 def test_a_client_that_stops_reading_is_cut_off_while_others_are_served(cluster: Cluster):
     import torch
@@ -76,7 +91,8 @@ def test_a_client_that_stops_reading_is_cut_off_while_others_are_served(cluster:
     m = build_manifest(enc, model_id="test", target_version=0, chunk_size=size + (1 << 20),
                        private_key=cluster.priv)
     write_file(cluster.publish_dir / "000000-snapshot.p2sa", m, enc.chunks)
-    tr = cluster.start("trainer", "trainer", publish=True, extra=["--limits.idle_timeout=2"])
+    stall = 2  # seconds a write may wait on a client that does not read
+    tr = cluster.start("trainer", "trainer", publish=True, extra=[f"--limits.idle_timeout={stall}"])
     wait_for(lambda: at_version(tr, 0), 60, "trainer published")
     host, port = tr.url.split("//")[1].rsplit(":", 1)
     path = f"/v1/artifacts/{m.artifact_id}/chunks/0"
@@ -86,6 +102,8 @@ def test_a_client_that_stops_reading_is_cut_off_while_others_are_served(cluster:
     slow.connect((host, int(port)))
     slow = tlsutil.client_context().wrap_socket(slow)
     slow.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+    client_port = slow.getsockname()[1]
+    assert held_by_a_process(int(port), client_port)  # from here on it reads nothing
 
     # While that write is stuck, other clients get whole chunks and answers.
     for _ in range(2):
@@ -97,6 +115,10 @@ def test_a_client_that_stops_reading_is_cut_off_while_others_are_served(cluster:
         text = request(tr.url + "/metrics")[1].decode()
         return "p2psync_slow_clients_cut_total" in text
     wait_for(cut, 60, "the stalled client to be cut off")
+    # The node let go of the connection while the client still reads nothing: an abort, not a
+    # close that waits for the client to take the rest (which would hold it for good).
+    wait_for(lambda: not held_by_a_process(int(port), client_port), 5 * stall,
+             "the node to release the stalled client's connection")
     got = 0
     slow.settimeout(20)
     try:

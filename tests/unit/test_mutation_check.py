@@ -52,6 +52,13 @@ def test_every_meaningful_mutant_changes_what_the_code_does(mc):
     assert all(line not in (1, 4) for _, line, _ in found)
 
 
+def test_no_setting_is_a_site_of_either_kind(mc):
+    # a module constant's or a default's arithmetic is a setting too, not only a bare constant
+    src = "LIMIT = 2 + 1\n\n\ndef f(x, n=1 - 0):\n    return x + LIMIT\n"
+    for find in (mc.sites, mc.meaningful_sites):
+        assert {line for _, line, _ in find(src, {1, 2, 3, 4, 5})} == {5}, find.__name__
+
+
 def test_a_commands_return_0_is_no_site(mc):
     # sys.exit(None) exits 0 as sys.exit(0) does: that mutant could never be killed
     src = "def main(argv):\n    if argv:\n        return 2\n    return 0\n"

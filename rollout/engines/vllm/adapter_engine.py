@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from p2psync.errors import ConfigError, FingerprintMismatch, P2PSyncError
 from rollout.engines.base import EngineConfig, Prepared, SeqRequest
-from rollout.engines.vllm.engine import VLLMEngine, VLLMGeneration, llm_kwargs, start_llm
+from rollout.engines.vllm.engine import VLLMEngine, VLLMGeneration, llm_kwargs, require_vllm, start_llm
 
 if TYPE_CHECKING:
     from p2psync.artifact import Manifest
@@ -51,10 +51,7 @@ class VLLMAdapterEngine(VLLMEngine):
 
     @classmethod
     def build(cls, config: EngineConfig) -> VLLMAdapterEngine:
-        try:
-            import vllm  # noqa: F401  (installed?)
-        except ImportError as exc:
-            raise P2PSyncError(f"engine 'vllm-lora' needs vLLM installed (pip install 'p2psync[vllm]'): {exc}") from exc
+        require_vllm(cls.name)
         if not config.model_path:
             raise ConfigError("model_path", "engine 'vllm-lora' serves a frozen base: give its checkpoint folder "
                               "(the node's stream carries the adapter only)")

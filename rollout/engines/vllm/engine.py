@@ -144,6 +144,14 @@ def checkpoint_quantization(model: str) -> str | None:
     return str(q.get("quant_method") or q.get("format") or "unknown") if isinstance(q, dict) else "unknown"
 
 
+def require_vllm(engine: str) -> None:
+    """Raise :class:`P2PSyncError` naming ``engine`` and how to install vLLM when it is not installed."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        raise P2PSyncError(f"engine {engine!r} needs vLLM installed (pip install 'p2psync[vllm]'): {exc}") from exc
+
+
 def start_llm(kw: dict[str, Any]) -> Any:
     """``vllm.LLM(**kw)`` whose engine-core and worker processes end when this process dies, even by
     SIGKILL (:func:`rollout.engines.vllm.plugin.owned_processes`)."""
@@ -184,10 +192,7 @@ class VLLMEngine(RolloutEngine):
 
     @classmethod
     def build(cls, config: EngineConfig) -> VLLMEngine:
-        try:
-            import vllm  # noqa: F401  (installed?)
-        except ImportError as exc:
-            raise P2PSyncError(f"engine 'vllm' needs vLLM installed (pip install 'p2psync[vllm]'): {exc}") from exc
+        require_vllm(cls.name)
         if config.model_path:
             model = config.model_path
             extra: dict[str, Any] = {}

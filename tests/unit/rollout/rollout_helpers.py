@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from p2psync.codec.encode import CodecOptions, encode_delta, encode_snapshot
 from p2psync.control.api import Grant, ResponseResult
 from p2psync.errors import LeaseExpired
 from p2psync.state import ModelState
+
+if TYPE_CHECKING:
+    from rollout.engines.vllm.apply.weights import LiveWeights
 
 CHUNK = 64 << 10
 
@@ -155,3 +158,28 @@ class MemoryWork:
 def grant(work_id: str, payload: dict, responses: int = 1, resume: dict | None = None, done: dict | None = None,
           lease_id: int = 1) -> Grant:
     return Grant(work_id, lease_id, payload, responses, resume or {}, done or {})
+
+
+def apply_with_failing_writes(live: LiveWeights, manifest: Manifest, chunks: Sequence[bytes | None],
+                              fail: bool) -> str:
+    """How ``live.apply_delta(manifest, chunks)`` ends ("applied", or the error's class name) when, with
+    ``fail``, this rank's host writes are made and then raise ``OSError("injected write failure")``: a
+    rank that fails after it wrote, which every rank must take back (the ranks that do not fail pass
+    ``fail=False`` and run the same code)."""
+    from rollout.engines.vllm.apply.ranks import RankRefused
+
+    real = live._write_host
+
+    def failing(*args, **kw):
+        real(*args, **kw)
+        raise OSError("injected write failure")
+    if fail:
+        live._write_host = failing  # type: ignore[method-assign]
+    try:
+        live.apply_delta(manifest, chunks)
+        return "applied"
+    except (RankRefused, OSError) as exc:
+        return type(exc).__name__
+    finally:
+        if fail:
+            del live._write_host

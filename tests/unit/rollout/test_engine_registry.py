@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from p2psync.errors import ConfigError
+from p2psync.errors import ConfigError, P2PSyncError
 from rollout.engines import ENGINES, build_engine, engine_class
 from rollout.engines.base import EngineConfig
 from rollout.options import WorkerOptions
@@ -25,6 +25,13 @@ def test_unknown_engine_is_a_config_error_naming_the_choices() -> None:
 
 def test_hf_engine_class_by_name() -> None:
     assert engine_class("hf").__name__ == "HFEngine"
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm-lora"])
+def test_a_vllm_engine_without_vllm_installed_says_how_to_install_it(name: str, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # what `import vllm` meets where it is not installed
+    with pytest.raises(P2PSyncError, match=rf"engine '{name}' needs vLLM installed \(pip install 'p2psync\[vllm\]'\)"):
+        build_engine(EngineConfig(engine=name, model_path="/nonexistent"))
 
 
 def test_importing_the_registry_imports_no_backend() -> None:

@@ -22,6 +22,7 @@ from p2psync.artifact import build_manifest
 from p2psync.codec.encode import CodecOptions, encode_delta
 from p2psync.errors import CodecError, P2PSyncError
 from p2psync.state import ModelState
+from rollout_helpers import apply_with_failing_writes
 
 H, HEADS, KV, HD, INTER, VOCAB, PAD = 32, 4, 1, 8, 48, 64, 2
 P = "model.layers.0."
@@ -216,20 +217,7 @@ def _rank(rank: int, port: int, old: dict, new: dict, fps: tuple[str, str], m, c
             res["corrupt"] = type(exc).__name__
         res["corrupt_kept"] = _params(model) == before and live.audit() == fps[0]
         # One rank's write fails after the others wrote: all take their writes back.
-        if rank == 0:
-            real = live._write_host
-
-            def failing(j, item, undo, lanes, **kw):
-                real(j, item, undo, lanes, **kw)
-                raise OSError("injected write failure")
-            live._write_host = failing  # type: ignore[method-assign]
-        try:
-            live.apply_delta(m, chunks)
-            res["write"] = "applied"
-        except (RankRefused, OSError) as exc:
-            res["write"] = type(exc).__name__
-        if rank == 0:
-            del live._write_host
+        res["write"] = apply_with_failing_writes(live, m, chunks, fail=rank == 0)
         res["write_kept"] = _params(model) == before and live.audit() == fps[0]
         spans: list = []  # the segments this rank decodes in the update that lands
         decode_segment = live.decode_segment

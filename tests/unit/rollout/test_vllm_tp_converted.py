@@ -26,6 +26,7 @@ from p2psync.state import ModelState, TensorSpec
 from rollout.engines.vllm.apply.kept import CheckpointUnreadable, Kept, box_of
 from rollout.engines.vllm.placement.boxes import compress
 from rollout.engines.vllm.placement.rules import LayoutError
+from rollout_helpers import apply_with_failing_writes
 from test_vllm_tp import P, SHAPES, _params, rank_model
 
 ROWS, COLS = 12, 40
@@ -127,7 +128,7 @@ def _tensors(words: dict, ckpt: torch.dtype, served: torch.dtype) -> dict:
 def _rank(rank: int, port: int, wide: bool, old: dict, new: dict, fps: tuple[str, str], m, chunks, out) -> None:
     import torch.distributed as dist
 
-    from rollout.engines.vllm.apply.ranks import RankRefused, TorchGroup
+    from rollout.engines.vllm.apply.ranks import TorchGroup
     from rollout.engines.vllm.apply.slices import chunks_needed
     from rollout.engines.vllm.apply.weights import LiveWeights
 
@@ -152,20 +153,8 @@ def _rank(rank: int, port: int, wide: bool, old: dict, new: dict, fps: tuple[str
         chunks = [c if need is None or i in need else None for i, c in enumerate(chunks)]
         before = _params(model)
         kept_before = [None if k is None else k.words.copy() for k in live.kept]
-        if rank == 0:  # this rank's writes fail after they were made: both ranks take theirs back
-            real = live._write_host
-
-            def failing(j, item, undo, lanes, **kw):
-                real(j, item, undo, lanes, **kw)
-                raise OSError("injected write failure")
-            live._write_host = failing  # type: ignore[method-assign]
-        try:
-            live.apply_delta(m, chunks)
-            res["write"] = "applied"
-        except (RankRefused, OSError) as exc:
-            res["write"] = type(exc).__name__
-        if rank == 0:
-            del live._write_host
+        # Rank 0's writes fail after they were made: both ranks take theirs back.
+        res["write"] = apply_with_failing_writes(live, m, chunks, fail=rank == 0)
         res["live_kept"] = _params(model) == before
         res["kept_kept"] = all((a is None and k is None) or np.array_equal(a, k.words)
                                for a, k in zip(kept_before, live.kept))
