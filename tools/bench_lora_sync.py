@@ -89,7 +89,7 @@ async def run(args: argparse.Namespace, root: Path) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rollout.engines.base import EngineConfig
-    from rollout.engines.vllm.engine import llm_kwargs, start_llm
+    from rollout.engines.vllm.launch import llm_kwargs, start_llm
 
     heads = args.hidden // 64
     kv_heads = max(1, heads // 2)

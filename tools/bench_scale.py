@@ -99,7 +99,8 @@ def engine(ctx: dict, url: str, tp: int) -> Iterator[tuple[Any, Any]]:
     worker), attached to ``url`` at version 0 and audited once: ``(engine, parent)``."""
     from p2psync.transport.leaf import Parent
     from rollout.engines.base import EngineConfig
-    from rollout.engines.vllm.engine import VLLMEngine, llm_kwargs, start_llm
+    from rollout.engines.vllm.engine import VLLMEngine
+    from rollout.engines.vllm.launch import llm_kwargs, start_llm
 
     ck, keydir = ctx["ck"], Path(ctx["keydir"])
     parent = Parent.create(url, vllm_workload.TOKEN, (keydir / "trainer.pub").read_text(), "bench", ctx["tls_dir"])

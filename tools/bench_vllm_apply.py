@@ -283,7 +283,8 @@ def run_engine(ctx: dict, url: str, dense: str) -> dict:
 
     from p2psync.transport.leaf import Parent
     from rollout.engines.base import EngineConfig
-    from rollout.engines.vllm.engine import VLLMEngine, llm_kwargs
+    from rollout.engines.vllm.engine import VLLMEngine
+    from rollout.engines.vllm.launch import llm_kwargs
 
     ck, keydir, out, tls_dir = Path(ctx["ck"]), Path(ctx["keydir"]), Path(ctx["out"]), ctx["tls_dir"]
     wait_head(ctx, url)

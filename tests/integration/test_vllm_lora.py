@@ -78,7 +78,7 @@ def engine(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from rollout.engines.base import EngineConfig
-    from rollout.engines.vllm.engine import llm_kwargs, start_llm
+    from rollout.engines.vllm.launch import llm_kwargs, start_llm
     from rollout.engines.vllm.lora import AdapterSlots
 
     root = tmp_path_factory.mktemp("qwen3-lora")

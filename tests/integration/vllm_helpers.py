@@ -101,7 +101,8 @@ def build(model_dir: str, version: int | None = None, max_model_len: int = 256, 
     """A p2psync vLLM engine on the checkpoint ``model_dir`` (its processes end with this one);
     ``vllm``: extra ``vllm.LLM`` keyword arguments."""
     from rollout.engines.base import EngineConfig
-    from rollout.engines.vllm.engine import VLLMEngine, llm_kwargs, start_llm
+    from rollout.engines.vllm.engine import VLLMEngine
+    from rollout.engines.vllm.launch import llm_kwargs, start_llm
 
     kw = llm_kwargs(EngineConfig(engine="vllm", model_path=model_dir, vllm=vllm), model_dir)
     kw["max_model_len"] = max_model_len

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from p2psync.errors import ConfigError, FingerprintMismatch, P2PSyncError
 from rollout.engines.base import EngineConfig, Prepared, SeqRequest
-from rollout.engines.vllm.engine import VLLMEngine, VLLMGeneration, llm_kwargs, require_vllm, start_llm
+from rollout.engines.vllm.engine import VLLMEngine, VLLMGeneration
+from rollout.engines.vllm.launch import llm_kwargs, require_vllm, start_llm
 
 if TYPE_CHECKING:
     from p2psync.artifact import Manifest

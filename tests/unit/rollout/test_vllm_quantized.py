@@ -10,7 +10,7 @@ import pytest
 
 from p2psync.errors import ConfigError
 from rollout.engines.base import EngineConfig
-from rollout.engines.vllm.engine import checkpoint_quantization, llm_kwargs
+from rollout.engines.vllm.launch import checkpoint_quantization, llm_kwargs
 
 
 def _folder(tmp_path: Path, **extra: object) -> str:
