@@ -211,7 +211,7 @@ class GossipSettings:
     """Seconds dead/left members and empty lease entries are remembered before removal."""
     report_interval: float = 10.0
     """A member re-sends its versions and throughput to the coordinator at least this often."""
-    report_budget: float = 500.0
+    report_budget: float = 200.0
     """Reports a second the coordinator takes from all members together, on average: each member
     spaces its reports (new versions included) at least ``live members / report_budget`` seconds
     apart. 0: no bound (each new version reported on the next round)."""

@@ -16,9 +16,9 @@ nodes:
   a ``Buckets`` reply that differs in one bucket, answered with a ``Digest``.
 - ``Heartbeat`` s from the members that precede it on the watcher ring (``watchers + slack``).
 - ``Report`` s, as members space them (``GossipNode.report_spacing``: ``live / report_budget``,
-  200 s at 100,000): a member whose report is behind a new head sends it at its slot in the
+  500 s at 100,000): a member whose report is behind a new head sends it at its slot in the
   spacing, one with nothing new at its slot in ``max(report_interval, spacing)``; so about
-  ``report_budget`` (500) a round after a new head, fewer between.
+  ``report_budget`` (200) a round after a new head, fewer between.
 - Churn (1 % of the nodes per minute): joins and graceful leaves arrive as the member entries a
   peer's ``Delta`` carries, and each joiner's first exchange is with its seed, the coordinator (its
   table holds itself only: the coordinator answers with up to ``max_entries`` entries); a new head
@@ -219,7 +219,7 @@ def main() -> None:
                            "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv]),
                            "first_round_cpu_s": round(time.process_time() - t, 3)}
     log(f"{args.nodes} members, first plan: {out['first_round_cpu_s']} s CPU")
-    # Every member's first report seen (spaced like the others: 200 rounds at 100,000).
+    # Every member's first report seen (spaced like the others: 500 rounds at 100,000).
     h.measure(max(int(h.g.config.report_interval), math.ceil(h.g.report_spacing())), False, args.step_seconds)
     for name, churn in (("idle", False), ("churn", True)):
         m = h.measure(args.seconds, churn, args.step_seconds)

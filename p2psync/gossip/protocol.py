@@ -26,9 +26,9 @@ version, so they go to their only reader instead of through the whole table.
 Every report is an HTTP request on the coordinator, and every node takes a new
 version at about the same time: so each member leaves at least ``live /
 report_budget`` seconds between its reports, new versions included, at a random
-phase, and the coordinator takes about ``report_budget`` (500) a second however
-large the cluster (at 10,000 members a member reports every 20 s, at 100,000
-every 200 s). Nothing waits on a report: a node's lease requests carry the
+phase, and the coordinator takes about ``report_budget`` (200) a second however
+large the cluster (at 10,000 members a member reports every 50 s, at 100,000
+every 500 s). Nothing waits on a report: a node's lease requests carry the
 version it holds, and the scheduler takes the fresher of the two.
 
 Lease entries (``leases/<node>``) are private to the coordinator and the node named
@@ -100,11 +100,12 @@ class GossipConfig:
     """Throughput/bandwidth are reported at most this often unless they move by 25 %."""
     report_interval: float = 10.0
     """A member re-sends its report to the coordinator at least this often (a lost report heals)."""
-    report_budget: float = 500.0
+    report_budget: float = 200.0
     """Reports a second the coordinator takes from all members together, on average (0: unbounded).
-    Each report is an HTTP request there (~0.4 ms of a core over mutual TLS, ``tools/coord_http.py``), so
+    Each report is an HTTP request there (0.4 ms of a core over a kept mutual-TLS connection, 1.9 ms with
+    a handshake, ``tools/coord_http.py``: 200 a second take at most 0.4 of a core), so
     with ``live`` members each spaces its reports at least ``live / report_budget`` seconds apart,
-    changes included, with a random phase: 20 s at 10,000 members, 200 s at 100,000 (see above)."""
+    changes included, with a random phase: 50 s at 10,000 members, 500 s at 100,000 (see above)."""
     rejoin_interval: float = 10.0
     """Seconds between Syns to a seed that is not a live member here (see the module docstring)."""
     detector: DetectorConfig = field(default_factory=DetectorConfig)
