@@ -10,10 +10,14 @@ figure) and the queue never runs dry, that process has a closed form:
 machine ``i`` goes to the queue entry whose slot range covers ``i`` (a
 cumulative sum). :func:`fan_out` computes it and answers None whenever
 either condition fails, so the caller falls back to the one-by-one loop and
-the two always give the same tree.
+the two always give the same tree. :class:`Shares` serves that loop when the
+queue runs dry.
 """
 
 from __future__ import annotations
+
+import heapq
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -73,3 +77,38 @@ def worst_below(model: NetworkModel, a: ModelArrays, heads: I64, head_rate: F64,
 
 
 __all__ = ["fan_out", "worst_below"]
+
+
+class Shares:
+    """For the one-by-one loop when no relay has a free slot: the attached machine that keeps the
+    largest uplink share per child if given one more, below the degree cap (ties: the lower rank).
+
+    A heap whose entries are refreshed when their machine gained a child since they were pushed
+    (children only grow while a fan-out runs), instead of a pass over every attached machine per
+    member: quadratic in a region's size when no relay has a free slot, as in a restarted
+    coordinator's first plan before any member reported its bandwidth."""
+
+    def __init__(self, model: NetworkModel, reserved: Mapping[str, float], children: Mapping[str, list[str]],
+                 rank: Mapping[str, int], max_degree: int) -> None:
+        self.m, self.reserved, self.children, self.rank, self.cap = model, reserved, children, rank, max_degree
+        self.heap: list[tuple[float, int, str, int]] = []
+
+    def key(self, n: str) -> tuple[float, int]:
+        """What the pick maximises: (uplink share per child with one more, -rank)."""
+        return ((self.m.node(n).uplink_bps - self.reserved.get(n, 0.0)) / (1 + len(self.children[n])), -self.rank[n])
+
+    def add(self, n: str) -> None:
+        heapq.heappush(self.heap, (-self.key(n)[0], self.rank[n], n, len(self.children[n])))
+
+    def best(self) -> str | None:
+        """The pick among the machines added, or None when every one is at the degree cap."""
+        children = self.children
+        while self.heap:
+            _, _, n, had = self.heap[0]
+            if len(children[n]) >= self.cap:
+                heapq.heappop(self.heap)  # full, and stays full while the fan-out runs
+            elif len(children[n]) != had:
+                heapq.heapreplace(self.heap, (-self.key(n)[0], self.rank[n], n, len(children[n])))
+            else:
+                return n
+        return None

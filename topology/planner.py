@@ -41,7 +41,6 @@ measured link into the region, while that lowers the estimate.
 
 from __future__ import annotations
 
-import heapq
 import math
 import random
 
@@ -118,38 +117,6 @@ class _Shared:
         self.strongest = {r: sorted((n for n in ids if n != root), key=strength) for r, ids in self.by_region.items()}
         self.fanouts: dict[tuple[Any, ...], dict[str, str]] = {}
         self.arrays = arrays_of(model)
-
-
-class _Shares:
-    """The attached machine that keeps the largest uplink share per child if given one more, below
-    the degree cap (ties: the lower rank), for :meth:`_Builder.fan_out`: a heap whose entries are
-    refreshed when their machine gained a child since, instead of a pass over every attached
-    machine per member (quadratic in a region's size when no relay has a free slot, as when no
-    member has reported its bandwidth yet: the first plan of a restarted coordinator)."""
-
-    def __init__(self, b: _Builder) -> None:
-        self.b = b
-        self.heap: list[tuple[float, int, str, int]] = []
-
-    def key(self, n: str) -> tuple[float, int]:
-        b = self.b
-        return ((b.m.node(n).uplink_bps - b.reserved.get(n, 0.0)) / (1 + len(b.children[n])), -b.rank[n])
-
-    def add(self, n: str) -> None:
-        share, neg_rank = self.key(n)
-        heapq.heappush(self.heap, (-share, -neg_rank, n, len(self.b.children[n])))
-
-    def best(self) -> str | None:
-        children, cap = self.b.children, self.b.cfg.max_degree
-        while self.heap:
-            _, _, n, had = self.heap[0]
-            if len(children[n]) >= cap:
-                heapq.heappop(self.heap)  # children only grow while a fan-out runs: it stays full
-            elif len(children[n]) != had:
-                heapq.heapreplace(self.heap, (-self.key(n)[0], self.b.rank[n], n, len(children[n])))
-            else:
-                return n
-        return None
 
 
 class _Builder:
@@ -295,7 +262,7 @@ class _Builder:
         queue = [q for q in queue if q[1] > 0] or [[heads[-1], 1]]
         qi = 0
         attached = list(heads)
-        shares = _Shares(self)
+        shares = fanout.Shares(m, self.reserved, self.children, self.rank, self.cfg.max_degree)
         for h in heads:
             shares.add(h)
         for c in members:
