@@ -16,8 +16,9 @@ idle rate, in three modes:
   connection lapsed: reports further apart than the keep-alive, or a restarted coordinator);
 - ``plain``: HTTP without TLS (``tls.enabled = false``), the floor.
 
-From those it derives the share of one core the reports take at 10,000 and 100,000 members, and
-the file descriptors the kept connections need (one per member).
+From those it derives the share of one core that reports at ``n / 10`` a second would take at
+10,000 and 100,000 members (what members' report spacing, ``gossip.report_budget``, now bounds),
+and it records this machine's open-files limit (a kept connection per member is a descriptor).
 
     PYTHONPATH=$PWD .venv/bin/python tools/coord_http.py --rate 400 --seconds 15 --json out.json
 """
