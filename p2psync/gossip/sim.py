@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 from p2psync.gossip.items import MemberEntry
 from p2psync.gossip.messages import Message, dumps, loads, wire_size
-from p2psync.gossip.protocol import GossipConfig, GossipNode
+from p2psync.gossip.config import GossipConfig
+from p2psync.gossip.protocol import GossipNode
 
 
 @dataclass(frozen=True)
