@@ -25,7 +25,8 @@ class GossipConfig:
     """JSON bytes per Delta or Digest at most (estimated per item): a node's server refuses a
     gossip body over ``limits.max_body_bytes`` (64 KiB by default)."""
     reconnect_interval: float = 5.0
-    """With as many members dead as alive, each node calls a dead one about this often (see :mod:`p2psync.gossip.protocol`)."""
+    """With as many members dead as alive, each node calls a dead one about this often (see
+    :mod:`p2psync.gossip.protocol`)."""
     metrics_interval: float = 30.0
     """Throughput/bandwidth are reported at most this often unless they move by 25 %."""
     report_interval: float = 10.0
@@ -35,7 +36,8 @@ class GossipConfig:
     Each report is an HTTP request there (0.4 ms of a core over a kept mutual-TLS connection, 1.9 ms with
     a handshake, ``tools/coord_http.py``: 200 a second take at most 0.4 of a core), so
     with ``live`` members each spaces its reports at least ``live / report_budget`` seconds apart,
-    changes included, with a random phase: 50 s at 10,000 members, 500 s at 100,000 (see :mod:`p2psync.gossip.protocol`)."""
+    changes included, with a random phase: 50 s at 10,000 members, 500 s at 100,000 (see
+    :mod:`p2psync.gossip.protocol`)."""
     rejoin_interval: float = 10.0
     """Seconds between Syns to a seed that is not a live member here (see :mod:`p2psync.gossip.protocol`)."""
     detector: DetectorConfig = field(default_factory=DetectorConfig)
