@@ -76,9 +76,6 @@ def worst_below(model: NetworkModel, a: ModelArrays, heads: I64, head_rate: F64,
     return float(paths.eta[ntop:].max())
 
 
-__all__ = ["fan_out", "worst_below"]
-
-
 class Shares:
     """For the one-by-one loop when no relay has a free slot: the attached machine that keeps the
     largest uplink share per child if given one more, below the degree cap (ties: the lower rank).
@@ -97,8 +94,12 @@ class Shares:
         """What the pick maximises: (uplink share per child with one more, -rank)."""
         return ((self.m.node(n).uplink_bps - self.reserved.get(n, 0.0)) / (1 + len(self.children[n])), -self.rank[n])
 
+    def _entry(self, n: str) -> tuple[float, int, str, int]:
+        """Heap order: the largest share first, then the lower rank; with the children it was taken at."""
+        return (-self.key(n)[0], self.rank[n], n, len(self.children[n]))
+
     def add(self, n: str) -> None:
-        heapq.heappush(self.heap, (-self.key(n)[0], self.rank[n], n, len(self.children[n])))
+        heapq.heappush(self.heap, self._entry(n))
 
     def best(self) -> str | None:
         """The pick among the machines added, or None when every one is at the degree cap."""
@@ -108,7 +109,10 @@ class Shares:
             if len(children[n]) >= self.cap:
                 heapq.heappop(self.heap)  # full, and stays full while the fan-out runs
             elif len(children[n]) != had:
-                heapq.heapreplace(self.heap, (-self.key(n)[0], self.rank[n], n, len(children[n])))
+                heapq.heapreplace(self.heap, self._entry(n))
             else:
                 return n
         return None
+
+
+__all__ = ["Shares", "fan_out", "worst_below"]
