@@ -217,6 +217,11 @@ class GossipSettings:
     apart. 0: no bound (each new version reported on the next round)."""
     send_timeout: float = 2.0
     """Seconds a gossip POST may take before it is dropped (gossip is fire and forget)."""
+    max_body_bytes: int = 1 << 20
+    """The largest gossip message (``POST /v1/gossip``) this node takes, instead of
+    ``limits.max_body_bytes``; it tells its peers, and keeps what it sends each within theirs. After
+    a partition heals each node relearns nearly the whole member table (~2 MB at 10,000 members):
+    1 MiB messages carry it in a few exchanges (see :mod:`p2psync.gossip.config`)."""
 
     def on(self, role: str) -> bool:
         return bool(self.seeds) or role == "trainer" if self.enabled is None else self.enabled
@@ -432,6 +437,8 @@ class NodeConfig:
                 raise ConfigError(f"gossip.{name}", "must be > 0")
         if not g.report_budget >= 0:
             raise ConfigError("gossip.report_budget", f"must be >= 0, got {g.report_budget}")
+        if not 64 << 10 <= g.max_body_bytes <= 64 << 20:
+            raise ConfigError("gossip.max_body_bytes", f"must be 64 KiB..64 MiB, got {g.max_body_bytes}")
         if g.suspect_after < 2 * g.interval:
             raise ConfigError("gossip.suspect_after", "must be at least two gossip intervals (or every lost "
                                                       "heartbeat is a suspicion)")

@@ -21,7 +21,8 @@ nodes:
   ``report_budget`` (200) a round after a new head, fewer between.
 - Churn (1 % of the nodes per minute): joins and graceful leaves arrive as the member entries a
   peer's ``Delta`` carries, and each joiner's first exchange is with its seed, the coordinator (its
-  table holds itself only: the coordinator answers with up to ``max_entries`` entries); a new head
+  table holds itself only: the coordinator answers with as many entries as fit
+  ``coordinator_answer_bytes``); every peer names the same ``accept`` as the coordinator; a new head
   every ``--step-seconds``.
 
 Figures: process CPU per round of every call into the coordinator (receive, tick, plan step and
@@ -109,7 +110,7 @@ class Harness:
         if items:
             k, v = items[-1]
             items[-1] = (k, (*v[:-1], max(0, v[-1] - 1)))
-        return Digest(sender, (b,), tuple(items))
+        return Digest(sender, (b,), tuple(items), g.config.max_body_bytes)
 
     def round(self, churn: bool, events: float, new_head: bool) -> None:
         g, rng = self.g, self.rng
@@ -122,7 +123,8 @@ class Harness:
                 self.ids.append(e)
                 # The joiner's first exchange is with its seed, the coordinator: its table holds itself only.
                 self._call(g.receive, self.now, e.address, Syn(e.id, "0" * 16, 1))
-                self._call(g.receive, self.now, e.address, Digest(e.id, tuple(range(64)), ((e.key, e.version),)))
+                self._call(g.receive, self.now, e.address,
+                           Digest(e.id, tuple(range(64)), ((e.key, e.version),), g.config.max_body_bytes))
             else:
                 i = rng.randrange(len(self.ids))
                 e = replace(self.ids[i], status="left", status_at=self.now)
@@ -172,7 +174,7 @@ class Harness:
                     other = list(g.index.bucket_hex())
                     b = rng.randrange(64)
                     other[8 * b] = "f" if other[8 * b] != "f" else "0"
-                    self._call(g.receive, self.now, addr, Buckets("peer", "".join(other)))
+                    self._call(g.receive, self.now, addr, Buckets("peer", "".join(other), g.config.max_body_bytes))
         # The plan step, as the gossip service runs it after a change (at most every replan_every s).
         if int(self.now) % self.replan_every:
             self.now += 1.0

@@ -5,8 +5,8 @@ GossipConfig (interval 1 s, fanout 2); node 0 is the trainer, the coordinator: i
 entries with a trainer key and runs the real live plan (``LivePlanner`` and
 :mod:`p2psync.control.plan_gossip`, as the node's gossip service does) once per second when the
 alive membership changed. Nodes do not verify signatures here (that costs each node, not the
-coordinator); bytes are of the compact JSON each message serializes to, and a message over
-64 KiB is dropped as a node's server would refuse it (``oversize``).
+coordinator); bytes are of the compact JSON each message serializes to, and a message over its
+receiver's ``max_body_bytes`` (1 MiB) is dropped as that node's server would refuse it (``oversize``).
 
 Phases, each on a fresh cluster so that memory stays one cluster's:
 
@@ -291,6 +291,7 @@ def phase_partition(n: int, seed: int, seconds: int, out: dict[str, Any], log) -
     for r in range(1, 121):
         sim.run_until(sim.now + 1.0)
         share, ok = one_view(sim)
+        log(f"  heal round {r}: {share:.1%} of the nodes on the most common view")
         if ok and share >= 0.99 and r99 is None:
             r99 = r
         if ok and share == 1.0:

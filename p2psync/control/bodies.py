@@ -3,14 +3,17 @@ checked by :func:`parse` (:mod:`p2psync.validate`; :class:`BadRequest`, answered
 field), and the grant a rollout node receives.
 
 Shared by the coordinator (:mod:`p2psync.control.coordinator`) and its client
-(:mod:`p2psync.control.work_client`).
+(:mod:`p2psync.control.work_client`); :func:`read_body` also by the gossip endpoint
+(:mod:`p2psync.control.gossip_service`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+import asyncio
 from typing import Annotated, Any, TypeVar
 
+from aiohttp import web
 from msgspec import Meta
 
 from p2psync.control.api import ResponseResult
@@ -28,6 +31,23 @@ MAX_WAIT = 60.0
 
 class BadRequest(ValueError):
     """A request body that does not follow the schema (400)."""
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The body of a request whose endpoint has a limit of its own (``limit`` bytes) rather than
+    the node's general one (aiohttp's ``client_max_size``, which ``request.read()`` applies): the
+    transport guard already refused a declared length over it unread; :class:`BadRequest` for a
+    body without a length, one shorter than its length, or one over ``limit``."""
+    n = request.content_length
+    if request.body_exists and n is None:
+        raise BadRequest("Content-Length required")
+    try:
+        raw = await request.content.readexactly(n) if n else b""
+    except asyncio.IncompleteReadError:
+        raise BadRequest("body shorter than its Content-Length") from None
+    if len(raw) > limit:
+        raise BadRequest(f"body over {limit} bytes")
+    return raw
 
 
 def _bad(field: str, message: str) -> BadRequest:

@@ -52,6 +52,7 @@ from p2psync.control.bodies import (
     check_report,
     parse,
     parse_response,
+    read_body,
 )
 from p2psync.control.lease_core import CoordinatorCore, Waiter
 from p2psync.errors import LeaseExpired, ProgressGap, UnknownWork
@@ -78,18 +79,8 @@ class Coordinator(CoordinatorCore):
 
     # --- HTTP ----------------------------------------------------------------------------------
     async def _body(self, request: web.Request) -> dict[str, Any]:
-        # Read here, not with request.read(): control bodies may exceed the node's general body limit
-        # (the transport guard already refused a Content-Length over control.max_body_bytes).
-        limit = self.host.config.control.max_body_bytes
-        n = request.content_length
-        if request.body_exists and n is None:
-            raise BadRequest("Content-Length required")
-        try:
-            raw = await request.content.readexactly(n) if n else b""
-        except asyncio.IncompleteReadError:
-            raise BadRequest("body shorter than its Content-Length") from None
-        if len(raw) > limit:
-            raise BadRequest(f"body over {limit} bytes")
+        # Control bodies carry tokens and may exceed the node's general body limit.
+        raw = await read_body(request, self.host.config.control.max_body_bytes)
         try:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:

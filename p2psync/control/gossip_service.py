@@ -2,7 +2,9 @@
 
 ``POST /v1/gossip`` carries one gossip message (``messages.dumps``); the sender's
 advertised URL rides the ``X-P2PSync-Gossip-From`` header (not the TCP source
-port, which is an ephemeral client port). Replies go out as new POSTs, fire and
+port, which is an ephemeral client port); a body may take up to ``gossip.max_body_bytes``
+(1 MiB), not the node's general 64 KiB, and each message is sized to what its receiver
+said it takes (see :mod:`p2psync.gossip.config`). Replies go out as new POSTs, fire and
 forget with a short timeout: a lost message only slows convergence.
 ``GET /v1/cluster`` answers :meth:`p2psync.node.Node.cluster` as JSON.
 
@@ -47,6 +49,7 @@ import aiohttp
 from aiohttp import web
 
 from p2psync.control import plan_gossip, saved_state
+from p2psync.control.bodies import BadRequest, read_body
 from p2psync.control.saved_state import SavedControl
 from p2psync.errors import CodecError, NotCoordinator, PeerRefused
 from p2psync.gossip import DetectorConfig, GossipConfig, GossipNode, MemberEntry
@@ -130,7 +133,7 @@ class GossipService:
         me = MemberEntry(id=cfg.id, address=host.address, role=cfg.role, region=cfg.region,
                          node_class=s.node_class, incarnation=restart_incarnation(self.saved.incarnation, now))
         gcfg = GossipConfig(interval=s.interval, fanout=s.fanout, report_interval=s.report_interval,
-                            report_budget=s.report_budget,
+                            report_budget=s.report_budget, max_body_bytes=s.max_body_bytes,
                             rejoin_interval=10 * s.interval,
                             detector=DetectorConfig(suspect_after=s.suspect_after, dead_after=s.dead_after,
                                                     tombstone_ttl=s.tombstone_ttl))
@@ -221,8 +224,8 @@ class GossipService:
         if not _valid_url(sender):
             return web.json_response({"error": f"missing or bad {FROM_HEADER} header", "status": 400}, status=400)
         try:
-            msg = loads(await request.read())
-        except CodecError as exc:
+            msg = loads(await read_body(request, self.settings.max_body_bytes))
+        except (BadRequest, CodecError) as exc:
             return web.json_response({"error": str(exc), "status": 400}, status=400)
         refused = claim_refused(request, msg.sender, "gossip sender")
         if refused:

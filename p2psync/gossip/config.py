@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from p2psync.gossip.items import MAX_ITEMS
 from p2psync.gossip.membership import DetectorConfig
+from p2psync.gossip.messages import LEGACY_ACCEPT
 
 
 @dataclass(frozen=True)
@@ -17,13 +19,26 @@ class GossipConfig:
     """Seconds between rounds."""
     fanout: int = 2
     """Peers a round opens an exchange with."""
-    max_entries: int = 256
-    """Entries per Delta at most (a full member entry is ~200 bytes of JSON)."""
+    max_entries: int = 4096
+    """Entries per Delta at most (a member entry is ~180-250 bytes of JSON)."""
     max_digest_items: int = 512
-    """Keys and versions per Digest at most."""
-    max_message_bytes: int = 60_000
-    """JSON bytes per Delta or Digest at most (estimated per item): a node's server refuses a
-    gossip body over ``limits.max_body_bytes`` (64 KiB by default)."""
+    """Keys and versions per Digest at most (~25 bytes each) while two tables differ in at most half
+    their buckets: under churn a few recent changes, each costing its bucket's keys (n / 64), so a
+    larger digest would mostly list keys that match."""
+    max_digest_items_far: int = 16384
+    """Keys and versions per Digest at most when two tables differ in more than half their buckets:
+    after a partition heals (nearly every entry differs) or a node's long absence."""
+    coordinator_answer_bytes: int = 64 << 10
+    """The coordinator's Deltas are at most this large (or the peer's ``accept``, if smaller): it is
+    every joiner's seed (a joiner's first Digest names only itself, so the answer is as much of the
+    table as fits) and the root of the weight tree; a joiner gets the rest from other peers."""
+    max_body_bytes: int = 1 << 20
+    """The largest gossip message this node takes (its server's limit on ``/v1/gossip``), named as
+    ``accept`` in the messages it expects an answer to. What it sends a peer is bounded by the
+    smaller of this and the peer's ``accept`` (64 KiB for a peer that names none), less a sixteenth
+    of headroom for the per-item size estimate. After a partition heals, every member refutes the
+    ``dead`` entries the other side held about it, so each node relearns nearly the whole table:
+    at 10,000 members ~2 MB, which takes a few exchanges of 1 MiB and dozens of 64 KiB."""
     reconnect_interval: float = 5.0
     """With as many members dead as alive, each node calls a dead one about this often (see
     :mod:`p2psync.gossip.protocol`)."""
@@ -49,9 +64,18 @@ class GossipConfig:
             raise ValueError("report_interval and rejoin_interval must be > 0")
         if not self.report_budget >= 0:
             raise ValueError("report_budget must be >= 0")
-        if self.fanout < 1 or self.max_entries < 1 or self.max_digest_items < 1:
-            raise ValueError("fanout, max_entries and max_digest_items must be >= 1")
-        if self.max_message_bytes < 1024:
-            raise ValueError("max_message_bytes must be >= 1024")
+        if self.fanout < 1 or self.max_entries < 1 or self.max_digest_items < 1 or self.max_digest_items_far < 1:
+            raise ValueError("fanout, max_entries, max_digest_items and max_digest_items_far must be >= 1")
+        if self.coordinator_answer_bytes < 4096:
+            raise ValueError("coordinator_answer_bytes must be >= 4096")
+        if self.max_body_bytes < 4096:
+            raise ValueError("max_body_bytes must be >= 4096")
+        if max(self.max_digest_items, self.max_digest_items_far, self.max_entries) > MAX_ITEMS:
+            raise ValueError(f"max_entries and the digest item caps must be <= {MAX_ITEMS} (what a message may carry)")
+
+    def message_budget(self, accept: int) -> int:
+        """JSON bytes a message to a peer that takes ``accept`` bytes (0: not said) may use."""
+        peer = accept if accept > 0 else LEGACY_ACCEPT
+        return min(self.max_body_bytes, peer) * 15 // 16
         if not self.reconnect_interval > 0:
             raise ValueError("reconnect_interval must be > 0")

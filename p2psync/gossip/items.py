@@ -56,13 +56,19 @@ def ring_hash(member_id: str) -> int:
     return _h64("ring:" + member_id)
 
 
+@lru_cache(maxsize=1 << 18)
+def ring_item(member_id: str) -> tuple[int, str]:
+    """``(ring_hash(member_id), member_id)``, what a member table's ring holds: one tuple per member
+    for every table in the process (the simulator's 10,000 tables of 10,000 members)."""
+    return (ring_hash(member_id), member_id)
+
+
 @lru_cache(maxsize=1 << 16)
 def bucket_of(key: str) -> int:
     """The bucket of an item key: the same on every node."""
     return _h64(key) % BUCKETS
 
 
-@lru_cache(maxsize=1 << 17)
 @lru_cache(maxsize=1 << 18)
 def plan_shard(node_id: str) -> int:
     """The plan shard that holds the parent of ``node_id``: the same on every node. (Cached: the
@@ -138,7 +144,7 @@ def refused(field: str, message: str) -> CodecError:
 # ---------------------------------------------------------------- table items
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MemberEntry:
     """One member as its owner last published it (status fields may be set by others).
 
@@ -147,6 +153,11 @@ class MemberEntry:
     it ``suspect`` or ``dead`` at the incarnation it knows; the member refutes by
     publishing a higher incarnation. ``status_at`` is when the status was set, on
     the loosely synchronized clock the nodes share; it only times tombstone removal.
+
+    Slotted, with ``version``, ``hash`` and ``wire_bytes`` cached in slots of their own: every node
+    holds an entry per member, and after a partition each one its own ``dead`` copy of every member
+    across it (285 bytes an entry with its cached version and hash, against 1,020 with a ``__dict__`` and cached
+    properties: ``tracemalloc`` over 1,000 ``dead`` copies).
     """
 
     id: str
@@ -164,27 +175,42 @@ class MemberEntry:
     bandwidth: float = 0.0
     """Measured download bandwidth, bytes/s (0 if unknown)."""
     status_at: float = 0.0
+    _version: tuple[int, ...] | None = field(default=None, init=False, repr=False, compare=False)
+    _hash: int | None = field(default=None, init=False, repr=False, compare=False)
+    _wire_bytes: int | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def key(self) -> str:
         return "m:" + self.id
 
-    @cached_property
+    @property
     def version(self) -> tuple[int, ...]:
-        return (self.incarnation, STATUS_RANK[self.status], self.rev)
+        v = self._version
+        if v is None:
+            v = (self.incarnation, STATUS_RANK[self.status], self.rev)
+            object.__setattr__(self, "_version", v)
+        return v
 
-    @cached_property
+    @property
     def hash(self) -> int:
-        return item_hash(self.key, self.version)
+        h = self._hash
+        if h is None:
+            h = item_hash(self.key, self.version)
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @property
     def live(self) -> bool:
         return self.status in ("alive", "suspect")
 
-    @cached_property
+    @property
     def wire_bytes(self) -> int:
         """Bytes of this entry in a message's compact JSON (what message budgets count)."""
-        return len(json.dumps(self.to_dict(), separators=(",", ":"))) + 1
+        n = self._wire_bytes
+        if n is None:
+            n = len(json.dumps(self.to_dict(), separators=(",", ":"))) + 1
+            object.__setattr__(self, "_wire_bytes", n)
+        return n
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -51,7 +51,7 @@ import random
 from dataclasses import dataclass, replace
 
 from p2psync.gossip.index import BucketIndex
-from p2psync.gossip.items import MemberEntry, ring_hash
+from p2psync.gossip.items import MemberEntry, ring_hash, ring_item
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +106,42 @@ def restart_incarnation(saved: int, now: float) -> int:
     return max(saved + 1, int(now))
 
 
+class Deadlines:
+    """Member ids each due at a time, kept in slots of 1/16 s (a heap of slot numbers, a list of ids
+    per slot): an id costs a list slot, where a heap of ``(time, id)`` tuples cost ~90 bytes an
+    entry. After a partition each node holds a deadline for every member across it (the simulator
+    holds 10,000 nodes' worth). Lazy, like a heap: the caller checks an id against its table when
+    it comes due."""
+
+    __slots__ = ("_slots", "_keys")
+    PER_SECOND = 16
+
+    def __init__(self) -> None:
+        self._slots: dict[int, list[str]] = {}
+        self._keys: list[int] = []
+
+    def push(self, t: float, member_id: str) -> None:
+        k = math.floor(t * self.PER_SECOND) + 1  # > t * PER_SECOND: the slot is due only once t has passed
+        ids = self._slots.get(k)
+        if ids is None:
+            self._slots[k] = ids = []
+            heapq.heappush(self._keys, k)
+        ids.append(member_id)
+
+    def pop_due(self, now: float) -> list[str]:
+        """The ids whose time is before ``now`` (at most 1/16 s after it passed), removed."""
+        keys, limit, out = self._keys, now * self.PER_SECOND, []
+        while keys and keys[0] <= limit:
+            out.extend(self._slots.pop(heapq.heappop(keys)))
+        return out
+
+    def copy(self) -> Deadlines:
+        c = Deadlines()
+        c._slots = {k: list(v) for k, v in self._slots.items()}
+        c._keys = list(self._keys)
+        return c
+
+
 class _Watch:
     __slots__ = ("armed_at", "heard_at", "heard")
 
@@ -125,15 +161,15 @@ class MemberTable:
         self.heartbeats: dict[str, int] = {}
         """Largest heartbeat counter heard directly, per member (watched ones and senders)."""
         self._suspect_since: dict[str, float] = {}
-        self._tombstones: set[str] = set()
-        # Deadlines as heaps (lazy: an entry is checked against the table when it comes due), so a
-        # round costs O(log n) per due entry, not a scan of every suspect and tombstone (after a
-        # partition, thousands of each).
-        self._dead_due: list[tuple[float, str]] = []
-        self._drop_due: list[tuple[float, str]] = []
-        self._dead: dict[str, int] = {}
+        # Deadlines (lazy: an entry is checked against the table when it comes due), so a round costs
+        # the due entries, not a scan of every suspect and tombstone (after a partition, thousands of each).
+        self._dead_due = Deadlines()
+        self._drop_due = Deadlines()
         self._dead_list: list[str] = []
-        """Members held ``dead`` (not ``left``), for :meth:`random_dead` in O(1)."""
+        """Members held ``dead`` (not ``left``), for :meth:`random_dead`; lazy, like the deadlines: an
+        id whose entry is no longer dead is removed when it is drawn (or when stale ids outnumber the
+        dead), which saves an index of every dead member on every node."""
+        self._dead_count = 0
         self._watch: dict[str, _Watch] = {}
         self._ring: list[tuple[int, str]] = []
         self._ring_shared = False
@@ -190,44 +226,46 @@ class MemberTable:
         if e.status == "suspect":
             if old is None or old.status != "suspect" or old.incarnation != e.incarnation:
                 self._suspect_since[e.id] = now
-                heapq.heappush(self._dead_due, (now + self.config.timeouts(len(self._ring))[1], e.id))
+                self._dead_due.push(now + self.config.timeouts(len(self._ring))[1], e.id)
         else:
             self._suspect_since.pop(e.id, None)
-        self._mark_dead(e.id, e.status == "dead")
-        if e.live:
-            self._tombstones.discard(e.id)
-        else:
-            if e.id not in self._tombstones or old is None or old.status_at != e.status_at:
-                heapq.heappush(self._drop_due, (e.status_at + self.config.tombstone_ttl, e.id))
-            self._tombstones.add(e.id)
+        self._mark_dead(e.id, old is not None and old.status == "dead", e.status == "dead")
+        if not e.live and (old is None or old.live or old.status_at != e.status_at):
+            self._drop_due.push(e.status_at + self.config.tombstone_ttl, e.id)
 
-    def _mark_dead(self, member_id: str, dead: bool) -> None:
-        i = self._dead.get(member_id)
-        if dead and i is None:
-            self._dead[member_id] = len(self._dead_list)
+    def _mark_dead(self, member_id: str, was: bool, dead: bool) -> None:
+        if dead and not was:
+            self._dead_count += 1
             self._dead_list.append(member_id)
-        elif not dead and i is not None:
-            last = self._dead_list.pop()
-            if last != member_id:
-                self._dead_list[i] = last
-                self._dead[last] = i
-            del self._dead[member_id]
+        elif was and not dead:
+            self._dead_count -= 1
+            if len(self._dead_list) > 2 * self._dead_count + 64:
+                self._dead_list = list(dict.fromkeys(i for i in self._dead_list if self._is_dead(i)))
+
+    def _is_dead(self, member_id: str) -> bool:
+        e = self.entries.get(member_id)
+        return e is not None and e.status == "dead"
 
     def dead_count(self) -> int:
-        return len(self._dead_list)
+        return self._dead_count
 
     def random_dead(self, rng: random.Random) -> MemberEntry | None:
         """A member held dead, chosen at random (None if none): a reconnection target."""
-        if not self._dead_list:
-            return None
-        return self.entries[self._dead_list[rng.randrange(len(self._dead_list))]]
+        ids = self._dead_list
+        while ids and self._dead_count:
+            i = rng.randrange(len(ids))
+            if self._is_dead(ids[i]):
+                return self.entries[ids[i]]
+            ids[i] = ids[-1]  # stale: no longer dead here
+            ids.pop()
+        return None
 
     def _ring_change(self, member_id: str, live: bool) -> None:
         """Insert or remove one member on the ring: O(log n) search plus a list shift, not a re-sort."""
         if self._ring_shared:
             self._ring = list(self._ring)
             self._ring_shared = False
-        item = (ring_hash(member_id), member_id)
+        item = ring_item(member_id)
         i = bisect.bisect_left(self._ring, item)
         present = i < len(self._ring) and self._ring[i] == item
         if live and not present:
@@ -243,8 +281,7 @@ class MemberTable:
         self.index.replace(old.key, old.hash, None)
         if old.live:
             self._ring_change(member_id, False)
-        self._mark_dead(member_id, False)
-        self._tombstones.discard(member_id)
+        self._mark_dead(member_id, old.status == "dead", False)
         self._suspect_since.pop(member_id, None)
         self.heartbeats.pop(member_id, None)
 
@@ -280,11 +317,10 @@ class MemberTable:
         self.index = index
         self.entries = dict(other.entries)
         self._suspect_since = dict(other._suspect_since)
-        self._tombstones = set(other._tombstones)
-        self._dead_due = list(other._dead_due)
-        self._drop_due = list(other._drop_due)
-        self._dead = dict(other._dead)
+        self._dead_due = other._dead_due.copy()
+        self._drop_due = other._drop_due.copy()
         self._dead_list = list(other._dead_list)
+        self._dead_count = other._dead_count
         self._ring = other._ring
         self._ring_shared = other._ring_shared = True
         self.changes += 1
@@ -372,22 +408,18 @@ class MemberTable:
                     logger.info("suspecting %s: no heartbeat for %.1f s", mid, now - w.heard_at)
                     w.heard_at = now  # a refuted member gets a fresh wait
                     changed.append(s)
-            due = self._dead_due
-            while due and due[0][0] < now:
-                _, mid = heapq.heappop(due)
+            for mid in self._dead_due.pop_due(now):
                 since = self._suspect_since.get(mid)
                 if since is None:
                     continue  # refuted
                 if now - since <= dead_after:  # suspected again later, or the cluster grew since
-                    heapq.heappush(due, (since + dead_after, mid))
+                    self._dead_due.push(since + dead_after, mid)
                     continue
                 d = replace(self.entries[mid], status="dead", status_at=now)
                 self._put(d, now)
                 logger.info("declaring %s dead: suspect for %.1f s", mid, now - since)
                 changed.append(d)
-        due = self._drop_due
-        while due and due[0][0] <= now:
-            _, mid = heapq.heappop(due)
+        for mid in self._drop_due.pop_due(now):
             t = self.entries.get(mid)
             if t is not None and not t.live and t.status_at + c.tombstone_ttl <= now:
                 self._drop(mid)

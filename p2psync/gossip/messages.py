@@ -35,6 +35,9 @@ from p2psync.gossip.items import (
 from p2psync.validate import convert, decode_json
 
 GOSSIP_VERSION = 1
+LEGACY_ACCEPT = 64 << 10
+"""The gossip body a peer that names none (``accept`` 0: a build from before the field) takes: its
+server's general body limit, ``limits.max_body_bytes``."""
 
 # ---------------------------------------------------------------- wire schema of the messages
 # Checked by msgspec while the JSON is parsed (see p2psync.gossip.items for the items' schema).
@@ -55,6 +58,7 @@ class _Buckets(msgspec.Struct, tag="buckets", tag_field="type"):
     format: Format
     sender: Id
     buckets: Annotated[str, Meta(pattern=f"^[0-9a-f]{{{8 * BUCKETS}}}$")]
+    accept: Count = 0
 
 
 class _Digest(msgspec.Struct, tag="digest", tag_field="type"):
@@ -64,6 +68,7 @@ class _Digest(msgspec.Struct, tag="digest", tag_field="type"):
     items: Annotated[list[Annotated[list[ItemKey | Count], Meta(min_length=2, max_length=4)]],
                      Meta(max_length=MAX_ITEMS)] = []
     """``[key, *version]``: a key, then 1 to 3 integers (checked in :func:`_message`)."""
+    accept: Count = 0
 
 
 class _Delta(msgspec.Struct, tag="delta", tag_field="type"):
@@ -72,6 +77,7 @@ class _Delta(msgspec.Struct, tag="delta", tag_field="type"):
     members: Annotated[list[MemberWire], Meta(max_length=MAX_ITEMS)] = []
     coord: Annotated[list[CoordWire], Meta(max_length=MAX_ITEMS)] = []
     want: Annotated[list[ItemKey], Meta(max_length=MAX_ITEMS)] = []
+    accept: Count = 0
 
 
 class _Heartbeat(msgspec.Struct, tag="heartbeat", tag_field="type"):
@@ -112,6 +118,9 @@ class Buckets:
 
     sender: str
     buckets: str
+    accept: int = 0
+    """The largest gossip body the sender takes (0: not said, an older build: ``LEGACY_ACCEPT``);
+    on the three messages that are answered with entries or keys, so that the answer fits."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +130,8 @@ class Digest:
     sender: str
     buckets: tuple[int, ...]
     items: tuple[tuple[str, tuple[int, ...]], ...]
+    accept: int = 0
+    """As on :class:`Buckets`."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +142,8 @@ class Delta:
     members: tuple[MemberEntry, ...] = ()
     coord: tuple[CoordEntry, ...] = ()
     want: tuple[str, ...] = ()
+    accept: int = 0
+    """As on :class:`Buckets` (set when ``want`` is)."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +197,8 @@ def encode(msg: Message) -> dict[str, Any]:
             d["leases"] = msg.leases
     else:
         d.update(inc=msg.incarnation, hb=msg.heartbeat)
+    if isinstance(msg, (Buckets, Digest, Delta)) and msg.accept:
+        d["accept"] = msg.accept
     return d
 
 
@@ -203,13 +218,13 @@ def wire_size(msg: Message) -> int:
     ``wire_bytes``) or the items of a ``Digest``: what a traffic figure counts for every message, at a
     fraction of the cost of :func:`dumps` (the simulator counts millions)."""
     if isinstance(msg, Delta):
-        size = len(dumps(Delta(msg.sender, want=msg.want)))
+        size = len(dumps(Delta(msg.sender, want=msg.want, accept=msg.accept)))
         for entries in (msg.members, msg.coord):
             if entries:
                 size += sum(e.wire_bytes for e in entries) - 1  # wire_bytes counts a separating comma
         return size
     if isinstance(msg, Digest):
-        size = len(dumps(Digest(msg.sender, msg.buckets, ())))
+        size = len(dumps(Digest(msg.sender, msg.buckets, (), msg.accept)))
         if msg.items:  # '["m:id",3,1,0]' per item, commas between
             size += sum(_json_str_bytes(k) + 2 + sum(len(str(v)) + 1 for v in version)
                         for k, version in msg.items) + len(msg.items) - 1
@@ -225,18 +240,18 @@ def _message(w: _Wire) -> Message:
         return Report(w.sender, w.inc, tuple(w.versions), w.tps, w.bw, w.leases)
     if isinstance(w, _Delta):
         return Delta(w.sender, tuple(MemberEntry._of(m) for m in w.members),
-                     tuple(CoordEntry._of(c, f"coord.{i}") for i, c in enumerate(w.coord)), tuple(w.want))
+                     tuple(CoordEntry._of(c, f"coord.{i}") for i, c in enumerate(w.coord)), tuple(w.want), w.accept)
     if isinstance(w, _Syn):
         return Syn(w.sender, w.root, w.count)
     if isinstance(w, _Buckets):
-        return Buckets(w.sender, w.buckets)
+        return Buckets(w.sender, w.buckets, w.accept)
     items = []
     for i, it in enumerate(w.items):
         key, version = it[0], it[1:]
         if not isinstance(key, str) or not all(isinstance(v, int) for v in version):
             raise refused(f"items.{i}", f"must be [key, *version] (a string, then 1 to 3 integers >= 0), got {it!r}")
         items.append((key, tuple(v for v in version if isinstance(v, int))))
-    return Digest(w.sender, tuple(w.buckets), tuple(items))
+    return Digest(w.sender, tuple(w.buckets), tuple(items), w.accept)
 
 
 def _format_refused(d: Any) -> None:

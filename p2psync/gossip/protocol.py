@@ -16,9 +16,17 @@ Exchange, initiated each round with ``fanout`` random live peers::
 
 So an idle cluster exchanges ~100-byte Syns, and a change costs each node a few
 bucket digests plus the changed entries. Messages are bounded: at most
-``max_entries`` entries and ``max_digest_items`` digest items each, and at most
-``max_message_bytes`` of JSON (under the 64 KiB a node's server accepts in one
-body); what does not fit goes in a later round. Each round a node also sends a ``Heartbeat`` to its
+``max_entries`` entries each, and at most the JSON bytes its receiver takes:
+``Buckets``, ``Digest`` and a ``Delta`` with a ``want`` name the sender's
+``max_body_bytes`` as ``accept`` (1 MiB by default), and the answer to each is sized
+to it (64 KiB when a peer of an older build names none); what does not fit goes in
+a later round. A Digest lists at most ``max_digest_items`` (512) keys while the two
+tables differ in at most half the buckets (churn: each recent change costs its
+bucket's keys, so more would mostly list keys that match) and up to
+``max_digest_items_far`` (16,384) beyond (a healed partition: nearly every entry
+differs, and one exchange then carries what dozens did). The coordinator's Deltas
+stay within ``coordinator_answer_bytes`` (64 KiB): every joiner's first exchange is
+with it, and would otherwise take as much of the table as the joiner accepts. Each round a node also sends a ``Heartbeat`` to its
 ring successors (see :mod:`p2psync.gossip.membership`), and a ``Report`` of its
 versions held and measured throughput to the coordinator when they changed (at
 least every ``report_interval``): those figures change on every node with every
@@ -72,7 +80,7 @@ from p2psync.gossip.coordinator_state import CoordinatorState, is_private
 from p2psync.gossip.config import GossipConfig
 from p2psync.gossip.index import BucketIndex
 from p2psync.gossip.membership import MemberTable
-from p2psync.gossip.items import LEASES_PREFIX, MAX_VERSIONS, CoordEntry, MemberEntry
+from p2psync.gossip.items import BUCKETS, LEASES_PREFIX, MAX_VERSIONS, CoordEntry, MemberEntry
 from p2psync.gossip.messages import Buckets, Delta, Digest, Heartbeat, Message, Report, Syn
 
 logger = logging.getLogger(__name__)
@@ -238,7 +246,7 @@ class GossipNode:
             if e is not None and e.status in ("suspect", "dead"):
                 out.append((sender, Delta(self.id, members=(e,))))  # it is alive: let it refute at once
             if msg.root != self.index.root:
-                out.append((sender, Buckets(self.id, self.index.bucket_hex())))
+                out.append((sender, Buckets(self.id, self.index.bucket_hex(), self.config.max_body_bytes)))
             return out
         if isinstance(msg, Buckets):
             return self._on_buckets(sender, msg)
@@ -283,20 +291,22 @@ class GossipNode:
         chosen: list[int] = []
         items: list[tuple[str, tuple[int, ...]]] = []
         size = 0
+        budget = self.config.message_budget(msg.accept) - 200
+        cap = self.config.max_digest_items_far if 2 * len(diff) > BUCKETS else self.config.max_digest_items
         members, coord = self.members.entries, self.coord.entries
         for b in diff:
             keys = self.index.keys_in(b)
-            if chosen and len(items) + len(keys) > self.config.max_digest_items:
+            if chosen and len(items) + len(keys) > cap:
                 break
             # (inlined _item/item_version: a digest at 10,000 members lists ~500 items)
             more = [(k, members[k[2:]].version if k[0] == "m" else (coord[k[2:]].version,)) for k in keys]
             more_size = sum(len(k) + 6 + 4 * len(v) for k, v in more)  # '["m:id",12,0,3],' with room
-            if chosen and size + more_size > self.config.max_message_bytes - 200:
+            if chosen and size + more_size > budget:
                 break
             chosen.append(b)
             items.extend(more)
             size += more_size
-        return [(sender, Digest(self.id, tuple(sorted(chosen)), tuple(items)))]
+        return [(sender, Digest(self.id, tuple(sorted(chosen)), tuple(items), self.config.max_body_bytes))]
 
     def _item(self, key: str) -> MemberEntry | CoordEntry:
         if key.startswith("m:"):
@@ -334,15 +344,19 @@ class GossipNode:
                 # digest names every bucket: listing the whole table, 100,000 keys, and sorting it
                 # cost the coordinator, every joiner's seed, a tenth of a second each)
             send.extend(k for k in self.index.keys_in(b) if k not in theirs)
-        delta = self._delta(send, tuple(want[: self.config.max_entries]))
+        delta = self._delta(send, msg.accept, tuple(want[: self.config.max_entries]))
         return [] if delta is None else [(sender, delta)]
 
-    def _delta(self, keys: list[str], want: tuple[str, ...] = ()) -> Delta | None:
+    def _delta(self, keys: list[str], accept: int, want: tuple[str, ...] = ()) -> Delta | None:
+        """The entries of ``keys`` (member entries first) and ``want`` that fit a peer taking ``accept`` bytes."""
         members: list[MemberEntry] = []
         coord: list[CoordEntry] = []
         # Member status changes first: they are what the cluster waits on.
         keys = sorted(keys, key=lambda k: (not k.startswith("m:"), k))[: self.config.max_entries]
-        budget = self.config.max_message_bytes - 200 - sum(len(k) + 3 for k in want)
+        budget = self.config.message_budget(accept)
+        if self.coord.is_coordinator:
+            budget = min(budget, self.config.message_budget(self.config.coordinator_answer_bytes))
+        budget -= 200 + sum(len(k) + 3 for k in want)
         for k in keys:
             it = self._item(k)
             size = it.wire_bytes
@@ -352,7 +366,7 @@ class GossipNode:
             (members if isinstance(it, MemberEntry) else coord).append(it)  # type: ignore[arg-type]
         if not members and not coord and not want:
             return None
-        return Delta(self.id, tuple(members), tuple(coord), want)
+        return Delta(self.id, tuple(members), tuple(coord), want, self.config.max_body_bytes if want else 0)
 
     def _on_delta(self, now: float, sender: str, msg: Delta) -> Outgoing:
         for e in msg.members:
@@ -368,7 +382,7 @@ class GossipNode:
         if not msg.want:
             return []
         have = [k for k in msg.want if self._has(k) is not None]
-        delta = self._delta(have)
+        delta = self._delta(have, msg.accept)
         return [] if delta is None else [(sender, delta)]
 
     # ------------------------------------------------------------ local changes

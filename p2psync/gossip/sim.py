@@ -6,8 +6,8 @@ after a random latency; with the fault knobs a message may be dropped, held
 back by an extra delay (which also reorders it behind later ones), and with
 ``wire=True`` every message goes through ``messages.dumps``/``loads`` as on
 HTTP. Byte counts are of the compact JSON a message serializes to; when bytes
-are counted, a message over ``max_body`` (a node's server limit, 64 KiB) is
-dropped as the server would refuse it, and counted in ``oversize``.
+are counted, a message over its receiver's ``max_body_bytes`` (its server's limit on
+gossip bodies) is dropped as the server would refuse it, and counted in ``oversize``.
 :meth:`Sim.partition` cuts the network between groups of nodes until
 :meth:`Sim.heal`.
 """
@@ -55,7 +55,6 @@ class Sim:
         self.messages = 0
         self.dropped = 0
         self.oversize = 0
-        self.max_body = 64 << 10
         self._side: Callable[[str], object] | None = None
 
     # ------------------------------------------------------------ building
@@ -135,7 +134,8 @@ class Sim:
                 elif size is None:
                     size = sizes[id(msg)] = wire_size(msg)
                 self.bytes_sent[src] += size
-                if size > self.max_body:
+                receiver = self.nodes.get(dest)
+                if receiver is not None and size > receiver.config.max_body_bytes:
                     self.oversize += 1
                     continue
             if self._side is not None and self._side(src) != self._side(dest):

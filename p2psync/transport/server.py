@@ -45,6 +45,7 @@ from p2psync.transport.tls import Tls
 from p2psync.transport.view import HeadSignal, NodeView
 
 CONTROL_PREFIX = f"{API}/control/"
+GOSSIP_PATH = f"{API}/gossip"
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class Server:
         self.token = view.config.token().encode()
         self.limits = view.config.limits
         self.control_body_limit = view.config.control.max_body_bytes
+        self.gossip_body_limit = view.config.gossip.max_body_bytes
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.guard], client_max_size=self.limits.max_body_bytes)
@@ -100,9 +102,15 @@ class Server:
             self.view.metrics.inc("p2psync_requests_total", code="401")
             return _error(401, "missing or wrong cluster token")
         length = request.content_length
-        # Control requests (results, progress batches) carry tokens: they have their own, larger limit,
-        # and their handler reads the body itself (aiohttp's client_max_size is the general limit).
-        limit = self.control_body_limit if request.path.startswith(CONTROL_PREFIX) else self.limits.max_body_bytes
+        # Control requests (results, progress batches) carry tokens and gossip messages a table's worth
+        # of entries after a partition: they have their own, larger limits, and their handlers read the
+        # body themselves (aiohttp's client_max_size is the general limit).
+        if request.path.startswith(CONTROL_PREFIX):
+            limit = self.control_body_limit
+        elif request.path == GOSSIP_PATH:
+            limit = self.gossip_body_limit
+        else:
+            limit = self.limits.max_body_bytes
         if length is not None and length > limit:
             self.view.metrics.inc("p2psync_requests_total", code="413")
             resp = _error(413, f"request body of {length} bytes exceeds the {limit} limit")

@@ -16,7 +16,7 @@ import tlsutil
 from p2psync import config, keys
 from p2psync.control.api import ResponseResult
 from p2psync.errors import LeaseExpired
-from p2psync.gossip.items import CoordEntry, plan_shard
+from p2psync.gossip.items import CoordEntry, MemberEntry, plan_shard
 from p2psync.gossip.messages import Delta, Report, dumps
 from p2psync.gossip.signing import signer
 from p2psync.node import Node
@@ -259,6 +259,42 @@ def test_forged_coordinator_entries_are_refused(tmp_path):
         finally:
             await leaf.close()
             await tr.close()
+
+    asyncio.run(go())
+
+
+def test_gossip_takes_bodies_to_its_own_limit_and_refuses_larger_unread(tmp_path):
+    """After a partition heals a node relearns nearly the whole member table: ``/v1/gossip`` takes a
+    Delta of 2,000 members (~370 KB, over the node's general 64 KiB body limit) and merges them; one
+    over ``gossip.max_body_bytes`` is refused (413) with none merged, and the general limit still
+    holds on every other endpoint."""
+    k = Keys(tmp_path)
+
+    def members(prefix: str, n: int) -> tuple[MemberEntry, ...]:
+        return tuple(MemberEntry(id=f"{prefix}{i:05d}", address=f"https://10.1.{i // 256}.{i % 256}:7070",
+                                 role="rollout", region="r01", node_class="preemptible", versions=(3, 4))
+                     for i in range(n))
+
+    async def go():
+        nowhere = ["https://127.0.0.1:9"]
+        leaf = await Node.create(k.cfg("leaf", "rollout", seeds=nowhere, parents=nowhere,
+                                       gossip={"max_body_bytes": 1 << 20}))
+        try:
+            g = leaf.gossip.gossip
+            hdr = {**AUTH, "X-P2PSync-Gossip-From": "https://127.0.0.1:9"}
+            fits, over = dumps(Delta("relay-x", members("a", 2000))), dumps(Delta("relay-x", members("b", 6000)))
+            assert 64 << 10 < len(fits) < 1 << 20 < len(over)
+            async with aiohttp.ClientSession(headers=hdr, connector=tlsutil.node_tls("relay-x").connector()) as s:
+                async with s.post(leaf.address + "/v1/gossip", data=fits) as r:
+                    assert r.status == 204
+                async with s.post(leaf.address + "/v1/gossip", data=over) as r:
+                    assert r.status == 413
+                async with s.post(leaf.address + "/v1/head", data=fits) as r:
+                    assert r.status == 413
+            assert sum(1 for m in g.members.entries if m.startswith("a")) == 2000
+            assert not any(m.startswith("b") for m in g.members.entries)
+        finally:
+            await leaf.close()
 
     asyncio.run(go())
 

@@ -14,12 +14,13 @@ M = MemberEntry("n1", "10.0.0.1:7070", "rollout", "r01", "preemptible", 2, "susp
 C = CoordEntry("plan/7", 9, "trainer", {"epoch": 3, "root": "trainer", "parents": {"n1": "trainer"}})
 MESSAGES = [
     Syn("n1", "0123456789abcdef", 10),
-    Buckets("n1", "0" * 8 * BUCKETS),
-    Digest("n1", (0, 5), (("m:n1", (2, 1, 5)), ("c:head", (4,)))),
+    Buckets("n1", "0" * 8 * BUCKETS, 1 << 20),  # with the largest body the sender takes
+    Digest("n1", (0, 5), (("m:n1", (2, 1, 5)), ("c:head", (4,))), 1 << 20),
     Delta("n1", (M,), (C, CoordEntry("head", 4, "trainer", {"version": 12}),
-                      CoordEntry("leases/n1", 5, "trainer", [["w1", 30.5]])), ("m:n2",)),
+                      CoordEntry("leases/n1", 5, "trainer", [["w1", 30.5]])), ("m:n2",), 1 << 20),
     Heartbeat("n1", 2, 99),
     Report("n1", 3, (41, 42), 900.0, 1e8, 1764331200123),  # with the version of its lease entry
+    Buckets("n1", "0" * 8 * BUCKETS),  # from a build before ``accept``
 ]
 
 
@@ -58,6 +59,8 @@ BAD = {
     "root not hex": {**encode(MESSAGES[0]), "root": "z" * 16},
     "negative count": {**encode(MESSAGES[0]), "count": -1},
     "short buckets": {**encode(MESSAGES[1]), "buckets": "00"},
+    "negative accept": {**encode(MESSAGES[1]), "accept": -1},
+    "accept not an integer": {**encode(MESSAGES[3]), "accept": "1MiB"},
     "bucket out of range": {**encode(MESSAGES[2]), "buckets": [BUCKETS]},
     "digest item not a list": {**encode(MESSAGES[2]), "items": ["m:n1"]},
     "digest version negative": {**encode(MESSAGES[2]), "items": [["m:n1", -1]]},

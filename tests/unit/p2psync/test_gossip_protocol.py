@@ -9,8 +9,8 @@ import random
 import pytest
 
 from p2psync.gossip import DetectorConfig, GossipConfig, GossipNode, NotCoordinator
-from p2psync.gossip.items import CoordEntry
-from p2psync.gossip.messages import Delta, dumps
+from p2psync.gossip.items import BUCKETS, CoordEntry
+from p2psync.gossip.messages import Buckets, Delta, Digest, dumps
 from p2psync.gossip.sim import Faults, Sim, default_member
 
 
@@ -145,6 +145,29 @@ def test_messages_are_bounded():
             break
     assert len(node.members) == 301  # the joiner learned everyone, 32 entries at a time
     assert max(sizes) < 32 * 300 + 2_000
+
+
+def test_answers_fit_the_body_the_peer_named_and_64_kib_when_it_named_none():
+    """A node of 4,000 members answers an empty peer's Buckets with a Digest, and that peer's Digest
+    with a Delta: each within the ``accept`` the peer named (64 KiB when it named none, an older
+    build), and the 1 MiB peer gets more of the table per message than the 64 KiB one. The
+    coordinator, every joiner's seed, answers within 64 KiB whatever the peer takes."""
+    sim = Sim.cluster(4000, seed=21)
+    coordinator, full = sim.nodes[default_member(0).address], sim.nodes[default_member(1).address]
+    empty = GossipNode(default_member(4000), coordinator=default_member(0).id)
+    sizes: dict[int, tuple[int, int]] = {}
+    for accept in (0, 64 << 10, 1 << 20):
+        digest = next(m for _, m in full.receive(1.0, "peer", Buckets(empty.id, empty.index.bucket_hex(), accept)))
+        theirs = Digest(empty.id, tuple(range(BUCKETS)), (), accept)
+        delta = next(m for _, m in full.receive(1.0, "peer", theirs))
+        sizes[accept] = (len(dumps(digest)), len(dumps(delta)))
+        assert isinstance(digest, Digest) and isinstance(delta, Delta)
+        assert max(sizes[accept]) <= (accept or 64 << 10)
+        assert digest.accept == full.config.max_body_bytes  # so that the peer's answer fits too
+    assert min(sizes[1 << 20]) > 64 << 10 and max(sizes[0]) > 32 << 10
+    joiner_digest = Digest(empty.id, tuple(range(BUCKETS)), ((empty.members.me.key, empty.members.me.version),), 1 << 20)
+    (_, delta), = coordinator.receive(1.0, "peer", joiner_digest)
+    assert 32 << 10 < len(dumps(delta)) <= 64 << 10
 
 
 def test_plan_shards_after_a_sequence_of_plans_equal_a_fresh_publish():

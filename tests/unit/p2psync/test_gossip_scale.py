@@ -1,6 +1,6 @@
 """What breaks when gossip grows to 10,000 nodes, shown on small clusters (in-memory pump, fake
 clock, seeded): partitions that heal, refutation on contact, detector waits that grow with log n,
-messages that fit a node's 64 KiB body limit, a plan that rides gossip in small shards, and the
+messages that fit what their receiver takes, a plan that rides gossip in small shards, and the
 live coordinator's figures. tools/gossip_scale.py measures 10,000 nodes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from p2psync.control import plan_gossip
 from p2psync.errors import CodecError
-from p2psync.gossip import DetectorConfig, GossipNode, MemberEntry
+from p2psync.gossip import DetectorConfig, GossipConfig, GossipNode, MemberEntry
 from p2psync.gossip.index import BucketIndex
 from p2psync.gossip.membership import MemberTable
 from p2psync.gossip.items import MAX_ENTRY_BYTES, PLAN_SHARDS
@@ -86,28 +86,73 @@ def test_the_suspicion_wait_grows_with_log_n(n, silent_ok, silent_suspect):
     assert {m for _, m in t.suspicions} == set(t.watched())
 
 
+def test_a_suspect_is_declared_dead_on_time_and_its_tombstone_dropped_on_time():
+    """Deadlines kept per 1/16 s: a suspect held ``dead_after`` without a refutation is declared dead,
+    not before; a refuted one never; the tombstone goes ``tombstone_ttl`` after it was written, not
+    before, and the old entry is refused afterwards (it does not come back)."""
+    t = _table(50)
+    t.check(100.0)  # arms the watches (none fires before 130 s: never heard, three times the wait)
+    victim, refuter = default_member(7), default_member(9)
+    for m in (victim, refuter):
+        t.merge(dataclasses.replace(m, status="suspect", status_at=100.0), 100.0)
+    t.merge(dataclasses.replace(refuter, incarnation=1), 105.0)
+    dead_after, ttl = t.config.timeouts(50)[1], t.config.tombstone_ttl
+    t.check(100.0 + dead_after - 0.1)
+    assert t.get(victim.id).status == "suspect"
+    t.check(100.0 + dead_after + 0.1)
+    dead = t.get(victim.id)
+    assert dead.status == "dead" and dead.status_at == 100.0 + dead_after + 0.1
+    assert t.get(refuter.id).status == "alive"
+    t.check(dead.status_at + ttl - 0.1)
+    assert t.get(victim.id) is dead
+    t.check(dead.status_at + ttl + 0.1)
+    assert t.get(victim.id) is None and not t.merge(dead, dead.status_at + ttl + 0.2)
+
+
 def _fat(i: int) -> MemberEntry:
     """A member entry at the schema's limits (long id and address, 16 versions held)."""
     return dataclasses.replace(default_member(i), id=f"n{i:05d}-" + "x" * 120,
                                address="https://" + "a" * 230 + f".example:{7000 + i}", versions=tuple(range(16)))
 
 
-def test_every_message_fits_the_64_kib_body_limit_and_a_joiner_still_learns_everyone():
+def test_every_message_fits_what_its_receiver_takes_in_a_cluster_of_mixed_limits():
+    """A third of the nodes are an older build (64 KiB bodies, ``accept`` never named), a third take
+    64 KiB, the rest 1 MiB, and one joiner of each kind joins through a 1 MiB seed (not the
+    coordinator, which answers within 64 KiB whatever the peer takes): every message fits
+    its receiver, the 1 MiB joiner learns every member (~180 KB of entries at the schema's limits) in
+    its first exchange, and the other two learn them 64 KiB at a time."""
     sim = Sim.cluster(300, seed=13, count_bytes=True, make=lambda i: default_member(0) if i == 0 else _fat(i))
-    sizes: list[int] = []
+    small = 64 << 10
+    older = {nd.members.me.address for i, nd in enumerate(sim.nodes.values()) if i % 3 == 1}
+    for i, nd in enumerate(sim.nodes.values()):
+        if i % 3:
+            nd.config = dataclasses.replace(nd.config, max_body_bytes=small)
+    over: list[tuple[int, int]] = []
+    big = 0
     send = sim._send
 
     def spy(src, out):
-        sizes.extend(len(dumps(m)) for _, m in out)
+        nonlocal big
+        if src in older:  # a build from before ``accept``: its messages name none
+            out = [(d, dataclasses.replace(m, accept=0) if hasattr(m, "accept") else m) for d, m in out]
+        for d, m in out:
+            size, limit = len(dumps(m)), sim.nodes[d].config.max_body_bytes
+            over.extend([(size, limit)] if size > limit else [])
+            big = max(big, size)
         send(src, out)
     sim._send = spy  # type: ignore[method-assign]
-    joiner = sim.join(_fat(300), seeds=(default_member(0).address,))
-    for _ in range(40):
+    seed = (_fat(3).address,)  # 1 MiB
+    joiners = [sim.join(_fat(300 + i), seeds=seed, config=GossipConfig(max_body_bytes=small if i else 1 << 20))
+               for i in range(3)]
+    older.add(joiners[2].members.me.address)
+    sim.run_until(sim.now + 1.0)
+    assert len(joiners[0].members) >= 301  # the whole cluster in one exchange
+    for _ in range(20):
         sim.run_until(sim.now + 1.0)
-        if len(joiner.members) == 301:
+        if all(len(nd.members) == 303 for nd in sim.running()):
             break
-    assert len(joiner.members) == 301
-    assert max(sizes) <= 64 << 10 and sim.oversize == 0
+    assert all(len(nd.members) == 303 for nd in sim.running())
+    assert not over and sim.oversize == 0 and big > small
 
 
 def test_a_10000_node_plan_rides_gossip_in_shards_and_a_small_replan_rewrites_few():
