@@ -19,6 +19,11 @@ import bisect
 from p2psync.gossip.items import BUCKETS, bucket_of
 
 
+def hex32(h: int) -> str:
+    """8 hex digits of a hash (its low 32 bits): what ``Buckets`` and ``Leaves`` carry per bucket or leaf."""
+    return f"{h & 0xFFFFFFFF:08x}"
+
+
 class BucketIndex:
     """XOR hashes per bucket plus the sorted keys in each bucket."""
 
@@ -53,7 +58,7 @@ class BucketIndex:
         if new is not None:
             h ^= new
         self._hash[b] = h
-        self._hex[b] = f"{h & 0xFFFFFFFF:08x}"
+        self._hex[b] = hex32(h)
         if old is None and new is not None:
             keys = self._keys[b]
             i = bisect.bisect_left(keys, key)

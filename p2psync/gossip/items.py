@@ -24,6 +24,10 @@ from p2psync.validate import FINITE, convert
 
 BUCKETS = 64
 """Items are spread over this many buckets by a hash of their key; every node must agree."""
+LEAVES = 64
+"""Each bucket is split into this many leaves by the next bits of the same hash (:func:`leaf_of`): an
+exchange between tables that differ in a few entries compares a bucket's leaf hashes and lists the
+keys of the differing leaves only (see :mod:`p2psync.gossip.protocol`)."""
 Role = Literal["trainer", "relay", "rollout"]
 NodeClass = Literal["reserved", "on-demand", "preemptible"]
 Status = Literal["alive", "suspect", "dead", "left"]
@@ -67,6 +71,12 @@ def ring_item(member_id: str) -> tuple[int, str]:
 def bucket_of(key: str) -> int:
     """The bucket of an item key: the same on every node."""
     return _h64(key) % BUCKETS
+
+
+@lru_cache(maxsize=1 << 16)
+def leaf_of(key: str) -> int:
+    """The leaf of an item key within its bucket: the same on every node."""
+    return _h64(key) // BUCKETS % LEAVES
 
 
 @lru_cache(maxsize=1 << 18)

@@ -9,7 +9,10 @@ a half-valid message. The exchange (see :mod:`p2psync.gossip.protocol`):
 
 ``Syn`` (root hash) -> ``Buckets`` (bucket hashes, only when roots differ) ->
 ``Digest`` (keys and versions of the differing buckets) -> ``Delta`` (entries the
-initiator lacks, plus keys it should send) -> ``Delta`` (the wanted entries).
+initiator lacks, plus keys it should send) -> ``Delta`` (the wanted entries). Between
+large tables that differ in a few entries, ``Buckets`` is answered with ``Leaves`` (the
+leaf hashes of the differing buckets), and that with a ``Digest`` of the differing
+leaves, which goes on as above with the roles swapped.
 ``Heartbeat`` goes from a member to its watchers only. ``Report`` (versions held,
 measured throughput and bandwidth) goes from a member to the coordinator only:
 those change every version on every node, and only the coordinator (scheduler,
@@ -30,7 +33,7 @@ from msgspec import Meta
 
 from p2psync.errors import CodecError
 from p2psync.gossip.items import (
-    BUCKETS, MAX_ITEMS, Count, CoordEntry, CoordWire, Figure, Id, ItemKey, MemberEntry, MemberWire, Versions, refused,
+    BUCKETS, LEAVES, MAX_ITEMS, Count, CoordEntry, CoordWire, Figure, Id, ItemKey, MemberEntry, MemberWire, Versions, refused,
 )
 from p2psync.validate import convert, decode_json
 
@@ -69,6 +72,17 @@ class _Digest(msgspec.Struct, tag="digest", tag_field="type"):
                      Meta(max_length=MAX_ITEMS)] = []
     """``[key, *version]``: a key, then 1 to 3 integers (checked in :func:`_message`)."""
     accept: Count = 0
+    leaves: Annotated[list[Annotated[int, Meta(ge=0, lt=BUCKETS * LEAVES)]], Meta(max_length=MAX_ITEMS)] = []
+
+
+class _Leaves(msgspec.Struct, tag="leaves", tag_field="type"):
+    format: Format
+    sender: Id
+    buckets: Annotated[list[Annotated[int, Meta(ge=0, lt=BUCKETS)]], Meta(max_length=BUCKETS)]
+    hashes: Annotated[str, Meta(pattern="^[0-9a-f]*$", max_length=8 * LEAVES * BUCKETS)]
+    """8 hex digits per leaf, ``LEAVES`` per bucket, the buckets in the order listed (checked in
+    :func:`_message`)."""
+    accept: Count = 0
 
 
 class _Delta(msgspec.Struct, tag="delta", tag_field="type"):
@@ -97,7 +111,7 @@ class _Report(msgspec.Struct, tag="report", tag_field="type"):
     leases: Count = 0
 
 
-_Wire = Union[_Syn, _Buckets, _Digest, _Delta, _Heartbeat, _Report]
+_Wire = Union[_Syn, _Buckets, _Digest, _Leaves, _Delta, _Heartbeat, _Report]
 
 
 # ---------------------------------------------------------------- messages
@@ -130,6 +144,23 @@ class Digest:
     sender: str
     buckets: tuple[int, ...]
     items: tuple[tuple[str, tuple[int, ...]], ...]
+    accept: int = 0
+    """As on :class:`Buckets`."""
+    leaves: tuple[int, ...] = ()
+    """Leaves (``bucket * LEAVES + leaf``) whose keys ``items`` also lists completely: a Digest that
+    answers :class:`Leaves`."""
+
+
+@dataclass(frozen=True)
+class Leaves:
+    """Answers a ``Buckets`` between large tables that differ in few entries: for each differing
+    bucket, 8 hex digits per leaf (``LEAVES`` of them), so that the answer, a ``Digest``, lists the
+    keys of the differing leaves only. Only sent to a peer that named ``accept`` (an older build does
+    not know it)."""
+
+    sender: str
+    buckets: tuple[int, ...]
+    hashes: str
     accept: int = 0
     """As on :class:`Buckets`."""
 
@@ -172,8 +203,8 @@ class Report:
     """Version of the sender's own ``leases/<sender>`` entry it holds (0: none)."""
 
 
-Message = Union[Syn, Buckets, Digest, Delta, Heartbeat, Report]
-_TYPES = {"syn": Syn, "buckets": Buckets, "digest": Digest, "delta": Delta, "heartbeat": Heartbeat,
+Message = Union[Syn, Buckets, Digest, Leaves, Delta, Heartbeat, Report]
+_TYPES = {"syn": Syn, "buckets": Buckets, "digest": Digest, "leaves": Leaves, "delta": Delta, "heartbeat": Heartbeat,
           "report": Report}
 _NAMES = {cls: name for name, cls in _TYPES.items()}
 
@@ -188,6 +219,10 @@ def encode(msg: Message) -> dict[str, Any]:
     elif isinstance(msg, Digest):
         d["buckets"] = list(msg.buckets)
         d["items"] = [[k, *v] for k, v in msg.items]
+        if msg.leaves:
+            d["leaves"] = list(msg.leaves)
+    elif isinstance(msg, Leaves):
+        d.update(buckets=list(msg.buckets), hashes=msg.hashes)
     elif isinstance(msg, Delta):
         d.update(members=[m.to_dict() for m in msg.members], coord=[c.to_dict() for c in msg.coord],
                  want=list(msg.want))
@@ -197,7 +232,7 @@ def encode(msg: Message) -> dict[str, Any]:
             d["leases"] = msg.leases
     else:
         d.update(inc=msg.incarnation, hb=msg.heartbeat)
-    if isinstance(msg, (Buckets, Digest, Delta)) and msg.accept:
+    if isinstance(msg, (Buckets, Digest, Leaves, Delta)) and msg.accept:
         d["accept"] = msg.accept
     return d
 
@@ -224,7 +259,7 @@ def wire_size(msg: Message) -> int:
                 size += sum(e.wire_bytes for e in entries) - 1  # wire_bytes counts a separating comma
         return size
     if isinstance(msg, Digest):
-        size = len(dumps(Digest(msg.sender, msg.buckets, (), msg.accept)))
+        size = len(dumps(Digest(msg.sender, msg.buckets, (), msg.accept, msg.leaves)))
         if msg.items:  # '["m:id",3,1,0]' per item, commas between
             size += sum(_json_str_bytes(k) + 2 + sum(len(str(v)) + 1 for v in version)
                         for k, version in msg.items) + len(msg.items) - 1
@@ -245,13 +280,18 @@ def _message(w: _Wire) -> Message:
         return Syn(w.sender, w.root, w.count)
     if isinstance(w, _Buckets):
         return Buckets(w.sender, w.buckets, w.accept)
+    if isinstance(w, _Leaves):
+        if len(w.hashes) != 8 * LEAVES * len(w.buckets):
+            raise refused("hashes", f"must be {8 * LEAVES} hex digits per bucket listed, {8 * LEAVES * len(w.buckets)} "
+                          f"for {len(w.buckets)}, got {len(w.hashes)}")
+        return Leaves(w.sender, tuple(w.buckets), w.hashes, w.accept)
     items = []
     for i, it in enumerate(w.items):
         key, version = it[0], it[1:]
         if not isinstance(key, str) or not all(isinstance(v, int) for v in version):
             raise refused(f"items.{i}", f"must be [key, *version] (a string, then 1 to 3 integers >= 0), got {it!r}")
         items.append((key, tuple(v for v in version if isinstance(v, int))))
-    return Digest(w.sender, tuple(w.buckets), tuple(items), w.accept)
+    return Digest(w.sender, tuple(w.buckets), tuple(items), w.accept, tuple(w.leaves))
 
 
 def _format_refused(d: Any) -> None:

@@ -14,19 +14,28 @@ Exchange, initiated each round with ``fanout`` random live peers::
     B -> A  Delta(entries A lacks or holds older, want=keys where A is newer)
     A -> B  Delta(wanted entries)
 
+Between large tables that differ in a few buckets (over ``LEAF_FROM``, 32, keys per
+differing bucket: from ~2,000 members), A answers Buckets with leaf hashes instead::
+
+    A -> B  Leaves(64 leaf hashes of each differing bucket)
+    B -> A  Digest(keys+versions of the differing leaves)
+    A -> B  Delta(entries B lacks or holds older, want=keys where B is newer)
+    B -> A  Delta(wanted entries)
+
 So an idle cluster exchanges ~100-byte Syns, and a change costs each node a few
-bucket digests plus the changed entries. Messages are bounded: at most
-``max_entries`` entries each, and at most the JSON bytes its receiver takes:
-``Buckets``, ``Digest`` and a ``Delta`` with a ``want`` name the sender's
+leaf digests (a few keys each; a bucket's keys at 10,000 members are ~156, ~1,560 at
+100,000) plus the changed entries. Messages are bounded: at most ``max_entries``
+entries each, and at most the JSON bytes their receiver takes: ``Buckets``,
+``Digest``, ``Leaves`` and a ``Delta`` with a ``want`` name the sender's
 ``max_body_bytes`` as ``accept`` (1 MiB by default), and the answer to each is sized
-to it (64 KiB when a peer of an older build names none); what does not fit goes in
-a later round. A Digest lists at most ``max_digest_items`` (512) keys while the two
-tables differ in at most half the buckets (churn: each recent change costs its
-bucket's keys, so more would mostly list keys that match) and up to
-``max_digest_items_far`` (16,384) beyond (a healed partition: nearly every entry
-differs, and one exchange then carries what dozens did). The coordinator's Deltas
-stay within ``coordinator_answer_bytes`` (64 KiB): every joiner's first exchange is
-with it, and would otherwise take as much of the table as the joiner accepts. Each round a node also sends a ``Heartbeat`` to its
+to it (64 KiB when a peer of an older build names none; such a peer is never sent
+``Leaves``, which it does not know); what does not fit goes in a later round. A
+Digest lists at most ``max_digest_items`` (512) keys while the two tables differ in
+at most half the buckets (or leaves), and up to ``max_digest_items_far`` (16,384)
+beyond, when A lists buckets, not leaves: after a partition heals nearly every entry
+differs, and one exchange then carries what dozens did. The coordinator's Deltas stay
+within ``coordinator_answer_bytes`` (64 KiB): every joiner's first exchange is with
+it, and would otherwise take as much of the table as the joiner accepts. Each round a node also sends a ``Heartbeat`` to its
 ring successors (see :mod:`p2psync.gossip.membership`), and a ``Report`` of its
 versions held and measured throughput to the coordinator when they changed (at
 least every ``report_interval``): those figures change on every node with every
@@ -78,14 +87,18 @@ from p2psync.errors import CodecError
 from p2psync.errors import NotCoordinator
 from p2psync.gossip.coordinator_state import CoordinatorState, is_private
 from p2psync.gossip.config import GossipConfig
-from p2psync.gossip.index import BucketIndex
+from p2psync.gossip.index import BucketIndex, hex32
 from p2psync.gossip.membership import MemberTable
-from p2psync.gossip.items import BUCKETS, LEASES_PREFIX, MAX_VERSIONS, CoordEntry, MemberEntry
-from p2psync.gossip.messages import Buckets, Delta, Digest, Heartbeat, Message, Report, Syn
+from p2psync.gossip.items import BUCKETS, LEASES_PREFIX, LEAVES, MAX_VERSIONS, CoordEntry, MemberEntry, leaf_of
+from p2psync.gossip.messages import Buckets, Delta, Digest, Heartbeat, Leaves, Message, Report, Syn
 
 logger = logging.getLogger(__name__)
 
 Outgoing = list[tuple[str, Message]]
+
+LEAF_FROM = 32
+"""Keys per differing bucket (on average) from which an exchange compares leaf hashes first: a
+bucket's leaf hashes are 512 bytes, its keys and versions ~25 bytes each."""
 
 
 class GossipNode:
@@ -252,6 +265,8 @@ class GossipNode:
             return self._on_buckets(sender, msg)
         if isinstance(msg, Digest):
             return self._on_digest(now, sender, msg)
+        if isinstance(msg, Leaves):
+            return self._on_leaves(sender, msg)
         if isinstance(msg, Delta):
             return self._on_delta(now, sender, msg)
         if isinstance(msg, Heartbeat):
@@ -287,15 +302,60 @@ class GossipNode:
         diff = self.index.differing(msg.buckets)
         if not diff:
             return []
-        self.rng.shuffle(diff)
+        far = 2 * len(diff) > BUCKETS
+        if msg.accept and not far and sum(len(self.index.keys_in(b)) for b in diff) > LEAF_FROM * len(diff):
+            # Large tables, few differences: the differing leaves' keys only (a peer of an older build,
+            # which names no accept, does not know Leaves).
+            diff.sort()
+            hashes = "".join(hex32(h) for b in diff for h in self._leaf_hashes(b))
+            return [(sender, Leaves(self.id, tuple(diff), hashes, self.config.max_body_bytes))]
+        groups = [(b, self.index.keys_in(b)) for b in diff]
+        chosen, items = self._digest_items(groups, msg.accept, far)
+        return [(sender, Digest(self.id, tuple(chosen), tuple(items), self.config.max_body_bytes))]
+
+    def _on_leaves(self, sender: str, msg: Leaves) -> Outgoing:
+        """Answer a peer's leaf hashes with a Digest of the leaves that differ (the exchange then goes on
+        with the roles swapped: the peer answers with a Delta and a ``want``)."""
+        span = 8 * LEAVES
+        groups: dict[int, list[str]] = {}
+        for i, b in enumerate(dict.fromkeys(msg.buckets)):
+            theirs = msg.hashes[span * i:span * (i + 1)]
+            differ = {b * LEAVES + leaf for leaf, h in enumerate(self._leaf_hashes(b))
+                      if hex32(h) != theirs[8 * leaf:8 * leaf + 8]}
+            if differ:
+                for k in self.index.keys_in(b):
+                    g = b * LEAVES + leaf_of(k)
+                    if g in differ:
+                        groups.setdefault(g, []).append(k)
+                groups.update((g, []) for g in differ if g not in groups)  # keys only the peer holds
+        if not groups:
+            return []
+        far = 2 * len(groups) > LEAVES * len(msg.buckets)
+        chosen, items = self._digest_items(list(groups.items()), msg.accept, far)
+        return [(sender, Digest(self.id, (), tuple(items), self.config.max_body_bytes, tuple(chosen)))]
+
+    def _leaf_hashes(self, bucket: int) -> list[int]:
+        """XOR of the item hashes per leaf of ``bucket`` (computed when asked: an exchange between tables
+        that differ asks for a few buckets, and per-leaf hashes kept up to date would cost every node
+        4,096 more integers)."""
+        acc = [0] * LEAVES
+        members, coord = self.members.entries, self.coord.entries
+        for k in self.index.keys_in(bucket):
+            acc[leaf_of(k)] ^= (members[k[2:]] if k[0] == "m" else coord[k[2:]]).hash
+        return acc
+
+    def _digest_items(self, groups: list[tuple[int, list[str]]], accept: int,
+                      far: bool) -> tuple[list[int], list[tuple[str, tuple[int, ...]]]]:
+        """Whole groups (buckets or leaves) of keys, in random order, with their versions, while they fit
+        the item cap and the peer's ``accept``: the groups taken, sorted, and their items."""
+        self.rng.shuffle(groups)
+        cap = self.config.max_digest_items_far if far else self.config.max_digest_items
+        budget = self.config.message_budget(accept) - 200
         chosen: list[int] = []
         items: list[tuple[str, tuple[int, ...]]] = []
         size = 0
-        budget = self.config.message_budget(msg.accept) - 200
-        cap = self.config.max_digest_items_far if 2 * len(diff) > BUCKETS else self.config.max_digest_items
         members, coord = self.members.entries, self.coord.entries
-        for b in diff:
-            keys = self.index.keys_in(b)
+        for g, keys in groups:
             if chosen and len(items) + len(keys) > cap:
                 break
             # (inlined _item/item_version: a digest at 10,000 members lists ~500 items)
@@ -303,10 +363,10 @@ class GossipNode:
             more_size = sum(len(k) + 6 + 4 * len(v) for k, v in more)  # '["m:id",12,0,3],' with room
             if chosen and size + more_size > budget:
                 break
-            chosen.append(b)
+            chosen.append(g)
             items.extend(more)
             size += more_size
-        return [(sender, Digest(self.id, tuple(sorted(chosen)), tuple(items), self.config.max_body_bytes))]
+        return sorted(chosen), items
 
     def _item(self, key: str) -> MemberEntry | CoordEntry:
         if key.startswith("m:"):
@@ -344,6 +404,10 @@ class GossipNode:
                 # digest names every bucket: listing the whole table, 100,000 keys, and sorting it
                 # cost the coordinator, every joiner's seed, a tenth of a second each)
             send.extend(k for k in self.index.keys_in(b) if k not in theirs)
+        if msg.leaves and len(send) < self.config.max_entries:
+            leaves = set(msg.leaves)
+            for b in dict.fromkeys(g // LEAVES for g in msg.leaves):
+                send.extend(k for k in self.index.keys_in(b) if b * LEAVES + leaf_of(k) in leaves and k not in theirs)
         delta = self._delta(send, msg.accept, tuple(want[: self.config.max_entries]))
         return [] if delta is None else [(sender, delta)]
 

@@ -7,8 +7,10 @@ import json
 import pytest
 
 from p2psync.errors import CodecError
-from p2psync.gossip.items import BUCKETS, CoordEntry, MemberEntry
-from p2psync.gossip.messages import Buckets, Delta, Digest, Heartbeat, Report, Syn, decode, dumps, encode, loads, wire_size
+from p2psync.gossip.items import BUCKETS, LEAVES, CoordEntry, MemberEntry
+from p2psync.gossip.messages import (
+    Buckets, Delta, Digest, Heartbeat, Leaves, Report, Syn, decode, dumps, encode, loads, wire_size,
+)
 
 M = MemberEntry("n1", "10.0.0.1:7070", "rollout", "r01", "preemptible", 2, "suspect", 5, (3, 4), 1234.5, 1.25e8, 7.0)
 C = CoordEntry("plan/7", 9, "trainer", {"epoch": 3, "root": "trainer", "parents": {"n1": "trainer"}})
@@ -21,6 +23,8 @@ MESSAGES = [
     Heartbeat("n1", 2, 99),
     Report("n1", 3, (41, 42), 900.0, 1e8, 1764331200123),  # with the version of its lease entry
     Buckets("n1", "0" * 8 * BUCKETS),  # from a build before ``accept``
+    Leaves("n1", (3, 9), "0123abcd" * 2 * LEAVES, 1 << 20),
+    Digest("n1", (), (("m:n1", (2, 1, 5)),), 1 << 20, (3 * LEAVES + 7, 9 * LEAVES)),  # answers Leaves
 ]
 
 
@@ -60,6 +64,10 @@ BAD = {
     "negative count": {**encode(MESSAGES[0]), "count": -1},
     "short buckets": {**encode(MESSAGES[1]), "buckets": "00"},
     "negative accept": {**encode(MESSAGES[1]), "accept": -1},
+    "leaf hashes short of the buckets listed": {**encode(MESSAGES[7]), "hashes": "00" * 4 * LEAVES},
+    "leaf hashes not hex": {**encode(MESSAGES[7]), "hashes": "z" * 16 * LEAVES},
+    "leaves of a bucket out of range": {**encode(MESSAGES[7]), "buckets": [BUCKETS, 1]},
+    "leaf out of range": {**encode(MESSAGES[8]), "leaves": [BUCKETS * LEAVES]},
     "accept not an integer": {**encode(MESSAGES[3]), "accept": "1MiB"},
     "bucket out of range": {**encode(MESSAGES[2]), "buckets": [BUCKETS]},
     "digest item not a list": {**encode(MESSAGES[2]), "items": ["m:n1"]},

@@ -10,7 +10,7 @@ import pytest
 
 from p2psync.gossip import DetectorConfig, GossipConfig, GossipNode, NotCoordinator
 from p2psync.gossip.items import BUCKETS, CoordEntry
-from p2psync.gossip.messages import Buckets, Delta, Digest, dumps
+from p2psync.gossip.messages import Buckets, Delta, Digest, Syn, dumps
 from p2psync.gossip.sim import Faults, Sim, default_member
 
 
@@ -168,6 +168,58 @@ def test_answers_fit_the_body_the_peer_named_and_64_kib_when_it_named_none():
     joiner_digest = Digest(empty.id, tuple(range(BUCKETS)), ((empty.members.me.key, empty.members.me.version),), 1 << 20)
     (_, delta), = coordinator.receive(1.0, "peer", joiner_digest)
     assert 32 << 10 < len(dumps(delta)) <= 64 << 10
+
+
+def _two_copies(n: int) -> tuple[GossipNode, GossipNode]:
+    """Two members of an n-member cluster holding the same table (as ``Sim.cluster`` builds them)."""
+    entries = [default_member(i) for i in range(n)]
+    template = GossipNode(entries[0], coordinator=entries[0].id)
+    for e in entries[1:]:
+        template.members.merge(e, 0.0)
+    nodes = []
+    for e in entries[1:3]:
+        node = GossipNode(e, coordinator=entries[0].id)
+        node.copy_state_from(template)
+        nodes.append(node)
+    return nodes[0], nodes[1]
+
+
+def _exchange(a: GossipNode, b: GossipNode, older: bool = False) -> tuple[int, list[str]]:
+    """``a`` opens one exchange with ``b``, run to its end: bytes on the wire and the message types.
+    ``older``: ``b`` is a build from before ``accept`` (its messages name none)."""
+    by_addr = {a.members.me.address: a, b.members.me.address: b}
+    queue = [(b, a.members.me.address, Syn(a.id, a.index.root, a.index.count))]
+    total, kinds = 0, []
+    while queue:
+        node, src, msg = queue.pop(0)
+        total += len(dumps(msg))
+        kinds.append(type(msg).__name__)
+        for dest, out in node.receive(1.0, src, msg):
+            if older and node is b and hasattr(out, "accept"):
+                out = dataclasses.replace(out, accept=0)
+            queue.append((by_addr[dest], node.members.me.address, out))
+    return total, kinds
+
+
+def test_large_tables_that_differ_in_a_few_entries_compare_leaves_not_bucket_keys():
+    """At 10,000 members a bucket holds ~156 keys: two nodes that differ in five entries (each side
+    newer in some) agree after one exchange through leaf hashes, in under a third of the bytes of
+    listing the differing buckets' keys (512 at a time), which a peer of an older build still gets."""
+    sizes, exchanges = {}, {}
+    for older in (False, True):
+        a, b = _two_copies(10_000)
+        for node, ids in ((a, (11, 222, 3333)), (b, (44, 5555))):
+            for i in ids:
+                e = node.members.get(default_member(i).id)
+                node.members.merge(dataclasses.replace(e, rev=e.rev + 1, throughput=7.0), 1.0)
+        sizes[older] = exchanges[older] = 0
+        while a.index.root != b.index.root and exchanges[older] < 5:
+            size, kinds = _exchange(a, b, older)
+            assert ("Leaves" in kinds) != older
+            sizes[older] += size
+            exchanges[older] += 1
+        assert a.index.root == b.index.root
+    assert exchanges[False] == 1 and 3 * sizes[False] < sizes[True]
 
 
 def test_plan_shards_after_a_sequence_of_plans_equal_a_fresh_publish():
