@@ -33,7 +33,8 @@ from msgspec import Meta
 
 from p2psync.errors import CodecError
 from p2psync.gossip.items import (
-    BUCKETS, LEAVES, MAX_ITEMS, Count, CoordEntry, CoordWire, Figure, Id, ItemKey, MemberEntry, MemberWire, Versions, refused,
+    BUCKETS, LEAVES, MAX_ITEMS, Count, CoordEntry, CoordWire, Figure, Id, ItemKey, MemberEntry, MemberWire, Versions,
+    refused,
 )
 from p2psync.validate import convert, decode_json
 

@@ -14,7 +14,7 @@ Exchange, initiated each round with ``fanout`` random live peers::
     B -> A  Delta(entries A lacks or holds older, want=keys where A is newer)
     A -> B  Delta(wanted entries)
 
-Between large tables that differ in a few buckets (over ``LEAF_FROM``, 32, keys per
+Between large tables that differ in a few buckets (over ``exchange.LEAF_FROM``, 32, keys per
 differing bucket: from ~2,000 members), A answers Buckets with leaf hashes instead::
 
     A -> B  Leaves(64 leaf hashes of each differing bucket)
@@ -35,7 +35,10 @@ at most half the buckets (or leaves), and up to ``max_digest_items_far`` (16,384
 beyond, when A lists buckets, not leaves: after a partition heals nearly every entry
 differs, and one exchange then carries what dozens did. The coordinator's Deltas stay
 within ``coordinator_answer_bytes`` (64 KiB): every joiner's first exchange is with
-it, and would otherwise take as much of the table as the joiner accepts. Each round a node also sends a ``Heartbeat`` to its
+it, and would otherwise take as much of the table as the joiner accepts. The answers
+are :mod:`p2psync.gossip.exchange`'s.
+
+Each round a node also sends a ``Heartbeat`` to its
 ring successors (see :mod:`p2psync.gossip.membership`), and a ``Report`` of its
 versions held and measured throughput to the coordinator when they changed (at
 least every ``report_interval``): those figures change on every node with every
@@ -87,18 +90,20 @@ from p2psync.errors import CodecError
 from p2psync.errors import NotCoordinator
 from p2psync.gossip.coordinator_state import CoordinatorState, is_private
 from p2psync.gossip.config import GossipConfig
-from p2psync.gossip.index import BucketIndex, hex32
+from p2psync.gossip.exchange import Reconciler
+from p2psync.gossip.index import BucketIndex
 from p2psync.gossip.membership import MemberTable
-from p2psync.gossip.items import BUCKETS, LEASES_PREFIX, LEAVES, MAX_VERSIONS, CoordEntry, MemberEntry, leaf_of
+from p2psync.gossip.items import LEASES_PREFIX, MAX_VERSIONS, CoordEntry, MemberEntry
 from p2psync.gossip.messages import Buckets, Delta, Digest, Heartbeat, Leaves, Message, Report, Syn
 
 logger = logging.getLogger(__name__)
 
 Outgoing = list[tuple[str, Message]]
 
-LEAF_FROM = 32
-"""Keys per differing bucket (on average) from which an exchange compares leaf hashes first: a
-bucket's leaf hashes are 512 bytes, its keys and versions ~25 bytes each."""
+
+
+def _to(addr: str, msg: Message | None) -> Outgoing:
+    return [] if msg is None else [(addr, msg)]
 
 
 class GossipNode:
@@ -115,12 +120,14 @@ class GossipNode:
                  config: GossipConfig | None = None, seed: int = 0, now: float = 0.0,
                  verify: Callable[[CoordEntry], bool] | None = None,
                  sign: Callable[[CoordEntry], CoordEntry] | None = None) -> None:
-        self.config = config or GossipConfig()
+        cfg = config or GossipConfig()
         self.rng = random.Random(seed)
         self.index = BucketIndex()
-        self.members = MemberTable(me, self.index, self.config.detector)
+        self.members = MemberTable(me, self.index, cfg.detector)
         self.coord = CoordinatorState(me.id, coordinator, self.index, verify=verify, sign=sign,
-                                      tombstone_ttl=self.config.detector.tombstone_ttl)
+                                      tombstone_ttl=cfg.detector.tombstone_ttl)
+        self.reconciler = Reconciler(me.id, self.members, self.coord, cfg, self.rng)
+        """The exchange's answers (:mod:`p2psync.gossip.exchange`)."""
         self.report = Report(me.id, me.incarnation, me.versions, me.throughput, me.bandwidth)
         """This node's figures as last given to :meth:`update_self`."""
         self._report_due = True
@@ -142,6 +149,14 @@ class GossipNode:
         self._next_round = now + self.rng.random() * self.config.interval
         self._last_metrics = now
         self.stopped = False
+
+    @property
+    def config(self) -> GossipConfig:
+        return self.reconciler.config
+
+    @config.setter
+    def config(self, config: GossipConfig) -> None:
+        self.reconciler.config = config
 
     # ------------------------------------------------------------ timers
 
@@ -262,11 +277,11 @@ class GossipNode:
                 out.append((sender, Buckets(self.id, self.index.bucket_hex(), self.config.max_body_bytes)))
             return out
         if isinstance(msg, Buckets):
-            return self._on_buckets(sender, msg)
+            return _to(sender, self.reconciler.on_buckets(msg))
         if isinstance(msg, Digest):
-            return self._on_digest(now, sender, msg)
+            return _to(sender, self.reconciler.on_digest(msg))
         if isinstance(msg, Leaves):
-            return self._on_leaves(sender, msg)
+            return _to(sender, self.reconciler.on_leaves(msg))
         if isinstance(msg, Delta):
             return self._on_delta(now, sender, msg)
         if isinstance(msg, Heartbeat):
@@ -298,140 +313,6 @@ class GossipNode:
             return [(sender, Delta(self.id, want=("c:" + name,)))]
         return []
 
-    def _on_buckets(self, sender: str, msg: Buckets) -> Outgoing:
-        diff = self.index.differing(msg.buckets)
-        if not diff:
-            return []
-        far = 2 * len(diff) > BUCKETS
-        if msg.accept and not far and sum(len(self.index.keys_in(b)) for b in diff) > LEAF_FROM * len(diff):
-            # Large tables, few differences: the differing leaves' keys only (a peer of an older build,
-            # which names no accept, does not know Leaves).
-            diff.sort()
-            hashes = "".join(hex32(h) for b in diff for h in self._leaf_hashes(b))
-            return [(sender, Leaves(self.id, tuple(diff), hashes, self.config.max_body_bytes))]
-        groups = [(b, self.index.keys_in(b)) for b in diff]
-        chosen, items = self._digest_items(groups, msg.accept, far)
-        return [(sender, Digest(self.id, tuple(chosen), tuple(items), self.config.max_body_bytes))]
-
-    def _on_leaves(self, sender: str, msg: Leaves) -> Outgoing:
-        """Answer a peer's leaf hashes with a Digest of the leaves that differ (the exchange then goes on
-        with the roles swapped: the peer answers with a Delta and a ``want``)."""
-        span = 8 * LEAVES
-        groups: dict[int, list[str]] = {}
-        for i, b in enumerate(dict.fromkeys(msg.buckets)):
-            theirs = msg.hashes[span * i:span * (i + 1)]
-            differ = {b * LEAVES + leaf for leaf, h in enumerate(self._leaf_hashes(b))
-                      if hex32(h) != theirs[8 * leaf:8 * leaf + 8]}
-            if differ:
-                for k in self.index.keys_in(b):
-                    g = b * LEAVES + leaf_of(k)
-                    if g in differ:
-                        groups.setdefault(g, []).append(k)
-                groups.update((g, []) for g in differ if g not in groups)  # keys only the peer holds
-        if not groups:
-            return []
-        far = 2 * len(groups) > LEAVES * len(msg.buckets)
-        chosen, items = self._digest_items(list(groups.items()), msg.accept, far)
-        return [(sender, Digest(self.id, (), tuple(items), self.config.max_body_bytes, tuple(chosen)))]
-
-    def _leaf_hashes(self, bucket: int) -> list[int]:
-        """XOR of the item hashes per leaf of ``bucket`` (computed when asked: an exchange between tables
-        that differ asks for a few buckets, and per-leaf hashes kept up to date would cost every node
-        4,096 more integers)."""
-        acc = [0] * LEAVES
-        members, coord = self.members.entries, self.coord.entries
-        for k in self.index.keys_in(bucket):
-            acc[leaf_of(k)] ^= (members[k[2:]] if k[0] == "m" else coord[k[2:]]).hash
-        return acc
-
-    def _digest_items(self, groups: list[tuple[int, list[str]]], accept: int,
-                      far: bool) -> tuple[list[int], list[tuple[str, tuple[int, ...]]]]:
-        """Whole groups (buckets or leaves) of keys, in random order, with their versions, while they fit
-        the item cap and the peer's ``accept``: the groups taken, sorted, and their items."""
-        self.rng.shuffle(groups)
-        cap = self.config.max_digest_items_far if far else self.config.max_digest_items
-        budget = self.config.message_budget(accept) - 200
-        chosen: list[int] = []
-        items: list[tuple[str, tuple[int, ...]]] = []
-        size = 0
-        members, coord = self.members.entries, self.coord.entries
-        for g, keys in groups:
-            if chosen and len(items) + len(keys) > cap:
-                break
-            # (inlined _item/item_version: a digest at 10,000 members lists ~500 items)
-            more = [(k, members[k[2:]].version if k[0] == "m" else (coord[k[2:]].version,)) for k in keys]
-            more_size = sum(len(k) + 6 + 4 * len(v) for k, v in more)  # '["m:id",12,0,3],' with room
-            if chosen and size + more_size > budget:
-                break
-            chosen.append(g)
-            items.extend(more)
-            size += more_size
-        return sorted(chosen), items
-
-    def _item(self, key: str) -> MemberEntry | CoordEntry:
-        if key.startswith("m:"):
-            return self.members.entries[key[2:]]
-        return self.coord.entries[key[2:]]
-
-    def _has(self, key: str) -> tuple[int, ...] | None:
-        if key.startswith("m:"):
-            e = self.members.entries.get(key[2:])
-            return None if e is None else e.version
-        c = self.coord.entries.get(key[2:])
-        return None if c is None else (c.version,)
-
-    def _on_digest(self, now: float, sender: str, msg: Digest) -> Outgoing:
-        theirs = dict(msg.items)
-        send: list[str] = []
-        want: list[str] = []
-        members, coord = self.members.entries, self.coord.entries
-        for k, v in msg.items:
-            if k[0] == "m":
-                e = members.get(k[2:])
-                mine = None if e is None else e.version
-            else:
-                c = coord.get(k[2:])
-                mine = None if c is None else (c.version,)
-            if mine is None or v > mine:
-                if k[0] == "c" and not self.coord.holds(k[2:]):
-                    continue  # another node's lease entry (a peer that still lists them): not kept here
-                want.append(k)
-            elif mine > v:
-                send.append(k)
-        for b in msg.buckets:
-            if len(send) >= self.config.max_entries:
-                break  # a Delta carries no more; the rest comes in a later round (a joiner's first
-                # digest names every bucket: listing the whole table, 100,000 keys, and sorting it
-                # cost the coordinator, every joiner's seed, a tenth of a second each)
-            send.extend(k for k in self.index.keys_in(b) if k not in theirs)
-        if msg.leaves and len(send) < self.config.max_entries:
-            leaves = set(msg.leaves)
-            for b in dict.fromkeys(g // LEAVES for g in msg.leaves):
-                send.extend(k for k in self.index.keys_in(b) if b * LEAVES + leaf_of(k) in leaves and k not in theirs)
-        delta = self._delta(send, msg.accept, tuple(want[: self.config.max_entries]))
-        return [] if delta is None else [(sender, delta)]
-
-    def _delta(self, keys: list[str], accept: int, want: tuple[str, ...] = ()) -> Delta | None:
-        """The entries of ``keys`` (member entries first) and ``want`` that fit a peer taking ``accept`` bytes."""
-        members: list[MemberEntry] = []
-        coord: list[CoordEntry] = []
-        # Member status changes first: they are what the cluster waits on.
-        keys = sorted(keys, key=lambda k: (not k.startswith("m:"), k))[: self.config.max_entries]
-        budget = self.config.message_budget(accept)
-        if self.coord.is_coordinator:
-            budget = min(budget, self.config.message_budget(self.config.coordinator_answer_bytes))
-        budget -= 200 + sum(len(k) + 3 for k in want)
-        for k in keys:
-            it = self._item(k)
-            size = it.wire_bytes
-            if size > budget:
-                continue  # a later round, with a smaller item first
-            budget -= size
-            (members if isinstance(it, MemberEntry) else coord).append(it)  # type: ignore[arg-type]
-        if not members and not coord and not want:
-            return None
-        return Delta(self.id, tuple(members), tuple(coord), want, self.config.max_body_bytes if want else 0)
-
     def _on_delta(self, now: float, sender: str, msg: Delta) -> Outgoing:
         for e in msg.members:
             self.members.merge(e, now)
@@ -443,11 +324,7 @@ class GossipNode:
                 self.coord.merge(c, now)
             except NotCoordinator as exc:
                 logger.warning("dropping coordinator entry from %s: %s", sender, exc)
-        if not msg.want:
-            return []
-        have = [k for k in msg.want if self._has(k) is not None]
-        delta = self._delta(have, msg.accept)
-        return [] if delta is None else [(sender, delta)]
+        return _to(sender, self.reconciler.on_want(msg))
 
     # ------------------------------------------------------------ local changes
 
