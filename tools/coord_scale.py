@@ -10,10 +10,13 @@ nodes:
 
 - ``Syn`` s: each node opens ``fanout`` exchanges a round with peers drawn uniformly from its live
   members, so the coordinator gets about ``fanout`` of them (a Poisson draw). Idle, their roots
-  equal its own (no reply). Under churn a peer's root differs: the coordinator answers with its
-  bucket hashes and gets a ``Digest`` of one bucket in which the peer lacks the newest change (its own
-  items, one version older), and answers that with a ``Delta``. Its own ``fanout`` Syns a round get
-  a ``Buckets`` reply that differs in one bucket, answered with a ``Digest``.
+  equal its own (no reply). Under churn a peer's root differs in one key, which the peer holds one
+  version older: the coordinator answers with its bucket hashes, gets the peer's ``Leaves`` for that
+  bucket (one leaf differs), answers with a ``Digest`` of that leaf, gets a ``Delta`` that wants the
+  key and answers it. Its own ``fanout`` Syns a round get a ``Buckets`` reply that differs in one
+  bucket, answered with ``Leaves`` (a bucket holds ~1,560 keys at 100,000), and the peer's
+  ``Digest`` of the one differing leaf with a ``Delta``. (Between 64 and ~2,000 members a bucket
+  holds too few keys for ``Leaves``; the coordinator then answers Buckets with a ``Digest``.)
 - ``Heartbeat`` s from the members that precede it on the watcher ring (``watchers + slack``).
 - ``Report`` s, as members space them (``GossipNode.report_spacing``: ``live / report_budget``,
   500 s at 100,000): a member whose report is behind a new head sends it at its slot in the
@@ -50,7 +53,9 @@ from p2psync import keys
 from p2psync.control import plan_gossip
 from p2psync.control.live_plan import LivePlanner
 from p2psync.gossip import GossipNode
-from p2psync.gossip.messages import Buckets, Delta, Digest, Heartbeat, Message, Report, Syn, wire_size
+from p2psync.gossip.index import hex32
+from p2psync.gossip.items import BUCKETS, LEAVES, leaf_of
+from p2psync.gossip.messages import Buckets, Delta, Digest, Heartbeat, Leaves, Message, Report, Syn, wire_size
 from p2psync.gossip.signing import signer
 from p2psync.gossip.sim import default_member
 
@@ -100,17 +105,36 @@ class Harness:
         e = self.ids[self.rng.randrange(len(self.ids))]
         return e.id, e.address
 
-    def _older_digest(self, sender: str) -> Digest:
-        """A digest of one bucket as a peer that lacks the newest change in it holds it."""
+    def _one_older(self) -> tuple[int, str]:
+        """A bucket and the key in it that a peer holds one version older than the coordinator does."""
+        while not (keys_ := self.g.index.keys_in(b := self.rng.randrange(BUCKETS))):
+            pass
+        return b, keys_[self.rng.randrange(len(keys_))]
+
+    def _older_leaves(self, sender: str) -> tuple[Leaves, str]:
+        """The Leaves a peer that lacks the newest change of one key sends (that key's leaf differs),
+        and the key."""
         g = self.g
-        b = self.rng.randrange(64)
-        keys_ = g.index.keys_in(b)
+        b, key = self._one_older()
+        hashes = [hex32(h) for h in g.reconciler.leaf_hashes(b)]
+        leaf = leaf_of(key)
+        hashes[leaf] = "f" * 8 if hashes[leaf] != "f" * 8 else "0" * 8
+        return Leaves(sender, (b,), "".join(hashes), g.config.max_body_bytes), key
+
+    def _older_leaf_digest(self, sender: str, leaves: Leaves) -> Digest:
+        """A peer's Digest of the one leaf of ``leaves`` in which it holds a key one version older."""
+        g = self.g
+        b = leaves.buckets[0]
         members, coord = g.members.entries, g.coord.entries
+        mine = [hex32(h) for h in g.reconciler.leaf_hashes(b)]
+        theirs = [leaves.hashes[8 * i:8 * i + 8] for i in range(LEAVES)]
+        leaf = next((i for i in range(LEAVES) if mine[i] != theirs[i]), 0)
+        keys_ = [k for k in g.index.keys_in(b) if leaf_of(k) == leaf]
         items = [(k, members[k[2:]].version if k[0] == "m" else (coord[k[2:]].version,)) for k in keys_]
         if items:
             k, v = items[-1]
             items[-1] = (k, (*v[:-1], max(0, v[-1] - 1)))
-        return Digest(sender, (b,), tuple(items), g.config.max_body_bytes)
+        return Digest(sender, (), tuple(items), g.config.max_body_bytes, (b * LEAVES + leaf,))
 
     def round(self, churn: bool, events: float, new_head: bool) -> None:
         g, rng = self.g, self.rng
@@ -140,8 +164,10 @@ class Harness:
             sender, addr = self._peer()
             root = g.index.root if not churn else "0" * 16
             self._call(g.receive, self.now, addr, Syn(sender, root, g.index.count))
-            if churn:
-                self._call(g.receive, self.now, addr, self._older_digest(sender))
+            if churn:  # the peer answers Buckets with Leaves, and the coordinator's Digest with a want
+                leaves, key = self._older_leaves(sender)
+                self._call(g.receive, self.now, addr, leaves)
+                self._call(g.receive, self.now, addr, Delta(sender, want=(key,), accept=g.config.max_body_bytes))
         # Heartbeats from the members that precede the coordinator on the ring.
         self.heartbeat += 1
         c = g.config.detector
@@ -168,13 +194,16 @@ class Harness:
             self._call(g.receive, self.now, e.address, rep)
         # The coordinator's own round, and the answers its Syns get.
         out = self._call(g.tick, self.now)
-        if churn:
+        if churn:  # a peer's Buckets differ in one bucket; the coordinator's Leaves, in one leaf
             for addr, m in out:
                 if isinstance(m, Syn):
                     other = list(g.index.bucket_hex())
-                    b = rng.randrange(64)
+                    b = rng.randrange(BUCKETS)
                     other[8 * b] = "f" if other[8 * b] != "f" else "0"
-                    self._call(g.receive, self.now, addr, Buckets("peer", "".join(other), g.config.max_body_bytes))
+                    for _, answer in self._call(g.receive, self.now, addr,
+                                                Buckets("peer", "".join(other), g.config.max_body_bytes)):
+                        if isinstance(answer, Leaves):
+                            self._call(g.receive, self.now, addr, self._older_leaf_digest("peer", answer))
         # The plan step, as the gossip service runs it after a change (at most every replan_every s).
         if int(self.now) % self.replan_every:
             self.now += 1.0
@@ -217,7 +246,8 @@ def main() -> None:
     h = Harness(args.nodes, args.seed, regions, args.replan_every)
     t = time.process_time()
     h.round(False, 0.0, False)  # the first plan
-    out: dict[str, Any] = {"nodes": args.nodes, "regions": regions, "replan_every_s": args.replan_every, "seed": args.seed, "machine": platform.node(),
+    out: dict[str, Any] = {"nodes": args.nodes, "regions": regions, "replan_every_s": args.replan_every,
+                           "seed": args.seed, "machine": platform.node(),
                            "date": time.strftime("%Y-%m-%d"), "command": " ".join(["python", *sys.argv]),
                            "first_round_cpu_s": round(time.process_time() - t, 3)}
     log(f"{args.nodes} members, first plan: {out['first_round_cpu_s']} s CPU")

@@ -49,7 +49,7 @@ class Reconciler:
             # Large tables, few differences: the differing leaves' keys only (a peer of an older build,
             # which names no accept, does not know Leaves).
             diff.sort()
-            hashes = "".join(hex32(h) for b in diff for h in self._leaf_hashes(b))
+            hashes = "".join(hex32(h) for b in diff for h in self.leaf_hashes(b))
             return Leaves(self.id, tuple(diff), hashes, self.config.max_body_bytes)
         groups = [(b, self.index.keys_in(b)) for b in diff]
         chosen, items = self._digest_items(groups, msg.accept, far)
@@ -62,7 +62,7 @@ class Reconciler:
         groups: dict[int, list[str]] = {}
         for i, b in enumerate(dict.fromkeys(msg.buckets)):
             theirs = msg.hashes[span * i:span * (i + 1)]
-            differ = {b * LEAVES + leaf for leaf, h in enumerate(self._leaf_hashes(b))
+            differ = {b * LEAVES + leaf for leaf, h in enumerate(self.leaf_hashes(b))
                       if hex32(h) != theirs[8 * leaf:8 * leaf + 8]}
             if differ:
                 for k in self.index.keys_in(b):
@@ -76,7 +76,7 @@ class Reconciler:
         chosen, items = self._digest_items(list(groups.items()), msg.accept, far)
         return Digest(self.id, (), tuple(items), self.config.max_body_bytes, tuple(chosen))
 
-    def _leaf_hashes(self, bucket: int) -> list[int]:
+    def leaf_hashes(self, bucket: int) -> list[int]:
         """XOR of the item hashes per leaf of ``bucket`` (computed when asked: an exchange between tables
         that differ asks for a few buckets, and per-leaf hashes kept up to date would cost every node
         4,096 more integers)."""

@@ -118,6 +118,7 @@ lease_ttl = 12.0
     ("--gossip.suspect_after=0.5", "gossip.suspect_after"),
     ("--gossip.fanout=0", "gossip.fanout"),
     ("--gossip.report_budget=-5", "gossip.report_budget"),
+    ("--gossip.max_body_bytes=4096", "gossip.max_body_bytes"),
     ("--control.lease_ttl=-1", "control.lease_ttl"),
     ("--control.coordinator_url=10.0.0.1", "control.coordinator_url"),
     ("--control.max_staleness=-1", "control.max_staleness"),
