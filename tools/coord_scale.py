@@ -24,9 +24,8 @@ nodes:
   ``report_budget`` (200) a round after a new head, fewer between.
 - Churn (1 % of the nodes per minute): joins and graceful leaves arrive as the member entries a
   peer's ``Delta`` carries, and each joiner's first exchange is with its seed, the coordinator (its
-  table holds itself only: the coordinator answers with as many entries as fit
-  ``coordinator_answer_bytes``); every peer names the same ``accept`` as the coordinator; a new head
-  every ``--step-seconds``.
+  table holds itself only: the coordinator answers with ``coordinator_max_entries``, 256); every peer
+  names the same ``accept`` as the coordinator; a new head every ``--step-seconds``.
 
 Figures: process CPU per round of every call into the coordinator (receive, tick, plan step and
 publish), split into gossip and plan; bytes per second the coordinator sends (``wire_size`` of its

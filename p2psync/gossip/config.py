@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from p2psync.gossip.items import MAX_ITEMS
+from p2psync.gossip.items import MAX_ENTRY_BYTES, MAX_ITEMS
 from p2psync.gossip.membership import DetectorConfig
 from p2psync.gossip.messages import LEGACY_ACCEPT
 
@@ -28,10 +28,10 @@ class GossipConfig:
     max_digest_items_far: int = 16384
     """Keys and versions per Digest at most when two tables differ in more than half their buckets:
     after a partition heals (nearly every entry differs) or a node's long absence."""
-    coordinator_answer_bytes: int = 64 << 10
-    """The coordinator's Deltas are at most this large (or the peer's ``accept``, if smaller): it is
-    every joiner's seed (a joiner's first Digest names only itself, so the answer is as much of the
-    table as fits) and the root of the weight tree; a joiner gets the rest from other peers."""
+    coordinator_max_entries: int = 256
+    """The coordinator's Deltas carry at most this many entries, and 64 KiB whatever the peer takes:
+    it is every joiner's seed (a joiner's first Digest names only itself, so the answer is as much of
+    the table as fits) and the root of the weight tree; a joiner gets the rest from other peers."""
     max_body_bytes: int = 1 << 20
     """The largest gossip message this node takes (its server's limit on ``/v1/gossip``), named as
     ``accept`` in the messages it expects an answer to. What it sends a peer is bounded by the
@@ -66,10 +66,11 @@ class GossipConfig:
             raise ValueError("report_budget must be >= 0")
         if self.fanout < 1 or self.max_entries < 1 or self.max_digest_items < 1 or self.max_digest_items_far < 1:
             raise ValueError("fanout, max_entries, max_digest_items and max_digest_items_far must be >= 1")
-        if self.coordinator_answer_bytes < 4096:
-            raise ValueError("coordinator_answer_bytes must be >= 4096")
-        if self.max_body_bytes < 4096:
-            raise ValueError("max_body_bytes must be >= 4096")
+        if self.coordinator_max_entries < 1:
+            raise ValueError("coordinator_max_entries must be >= 1")
+        if self.max_body_bytes < LEGACY_ACCEPT:
+            raise ValueError(f"max_body_bytes must be >= {LEGACY_ACCEPT} (a coordinator entry may be "
+                             f"{MAX_ENTRY_BYTES} bytes)")
         if max(self.max_digest_items, self.max_digest_items_far, self.max_entries) > MAX_ITEMS:
             raise ValueError(f"max_entries and the digest item caps must be <= {MAX_ITEMS} (what a message may carry)")
 

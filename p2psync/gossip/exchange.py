@@ -16,11 +16,15 @@ from p2psync.gossip.coordinator_state import CoordinatorState
 from p2psync.gossip.index import BucketIndex, hex32
 from p2psync.gossip.items import BUCKETS, LEAVES, CoordEntry, MemberEntry, leaf_of
 from p2psync.gossip.membership import MemberTable
-from p2psync.gossip.messages import Buckets, Delta, Digest, Leaves
+from p2psync.gossip.messages import LEGACY_ACCEPT, Buckets, Delta, Digest, Leaves
 
 LEAF_FROM = 32
 """Keys per differing bucket (on average) from which an exchange compares leaf hashes first: a
 bucket's leaf hashes are 512 bytes, its keys and versions ~25 bytes each."""
+MIN_ENTRY_BYTES = 100
+"""A member entry's JSON is at least about this long: an answer of B bytes looks at most at B / 100
+entries (a joiner's digest names every bucket; listing and sorting 4,096 keys to send 340 cost the
+coordinator, every joiner's seed, 5x the time)."""
 
 
 class Reconciler:
@@ -141,13 +145,14 @@ class Reconciler:
                 want.append(k)
             elif mine > v:
                 send.append(k)
+        limit = self._answer_limits(msg.accept)[0]
         for b in msg.buckets:
-            if len(send) >= self.config.max_entries:
+            if len(send) >= limit:
                 break  # a Delta carries no more; the rest comes in a later round (a joiner's first
                 # digest names every bucket: listing the whole table, 100,000 keys, and sorting it
                 # cost the coordinator, every joiner's seed, a tenth of a second each)
             send.extend(k for k in self.index.keys_in(b) if k not in theirs)
-        if msg.leaves and len(send) < self.config.max_entries:
+        if msg.leaves and len(send) < limit:
             leaves = set(msg.leaves)
             for b in dict.fromkeys(g // LEAVES for g in msg.leaves):
                 send.extend(k for k in self.index.keys_in(b) if b * LEAVES + leaf_of(k) in leaves and k not in theirs)
@@ -157,15 +162,23 @@ class Reconciler:
         """The entries a peer's Delta asks for (its ``want``), those held here."""
         return self.delta([k for k in msg.want if self._has(k) is not None], msg.accept) if msg.want else None
 
+    def _answer_limits(self, accept: int) -> tuple[int, int]:
+        """(entries, JSON bytes) a Delta to a peer that takes ``accept`` bytes carries at most: the
+        coordinator's, ``coordinator_max_entries`` and 64 KiB whatever the peer takes (see
+        :class:`~p2psync.gossip.config.GossipConfig`)."""
+        budget, entries = self.config.message_budget(accept), self.config.max_entries
+        if self.coord.is_coordinator:
+            budget = min(budget, self.config.message_budget(LEGACY_ACCEPT))
+            entries = min(entries, self.config.coordinator_max_entries)
+        return min(entries, budget // MIN_ENTRY_BYTES + 1), budget
+
     def delta(self, keys: list[str], accept: int, want: tuple[str, ...] = ()) -> Delta | None:
         """The entries of ``keys`` (member entries first) and ``want`` that fit a peer taking ``accept`` bytes."""
         members: list[MemberEntry] = []
         coord: list[CoordEntry] = []
         # Member status changes first: they are what the cluster waits on.
-        keys = sorted(keys, key=lambda k: (not k.startswith("m:"), k))[: self.config.max_entries]
-        budget = self.config.message_budget(accept)
-        if self.coord.is_coordinator:
-            budget = min(budget, self.config.message_budget(self.config.coordinator_answer_bytes))
+        limit, budget = self._answer_limits(accept)
+        keys = sorted(keys, key=lambda k: (not k.startswith("m:"), k))[:limit]
         budget -= 200 + sum(len(k) + 3 for k in want)
         for k in keys:
             it = self._item(k)

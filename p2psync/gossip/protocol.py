@@ -33,9 +33,10 @@ to it (64 KiB when a peer of an older build names none; such a peer is never sen
 Digest lists at most ``max_digest_items`` (512) keys while the two tables differ in
 at most half the buckets (or leaves), and up to ``max_digest_items_far`` (16,384)
 beyond, when A lists buckets, not leaves: after a partition heals nearly every entry
-differs, and one exchange then carries what dozens did. The coordinator's Deltas stay
-within ``coordinator_answer_bytes`` (64 KiB): every joiner's first exchange is with
-it, and would otherwise take as much of the table as the joiner accepts. The answers
+differs, and one exchange then carries what dozens did. The coordinator's Deltas carry
+at most ``coordinator_max_entries`` (256) entries and 64 KiB: every joiner's first
+exchange is with it, and would otherwise take as much of the table as the joiner
+accepts. The answers
 are :mod:`p2psync.gossip.exchange`'s.
 
 Each round a node also sends a ``Heartbeat`` to its
