@@ -1,7 +1,7 @@
 """Gossip control plane: membership, failure detection and coordinator state (sans-IO).
 
 :class:`~p2psync.gossip.protocol.GossipNode` is the state machine a node drives, with the settings
-of :mod:`p2psync.gossip.config`;
+of :mod:`p2psync.gossip.config` and the exchange's answers (anti-entropy) in :mod:`p2psync.gossip.exchange`;
 :mod:`p2psync.gossip.items` the table's items (members, coordinator entries) and
 :mod:`p2psync.gossip.messages` the wire messages that carry them; :mod:`p2psync.gossip.sim`
 drives many nodes in one process for tests and scale figures.
