@@ -9,8 +9,8 @@ Shared by the coordinator (:mod:`p2psync.control.coordinator`) and its client
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import asyncio
+from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 from aiohttp import web

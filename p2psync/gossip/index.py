@@ -5,7 +5,9 @@ hashes of its items and the root is the XOR of all of them. Adding, replacing
 or removing an item is O(1) in hashing (plus a shift in a bucket's sorted key
 list), two nodes with the same items have the same root, and a differing root
 points at the few differing buckets, so an exchange ships only those buckets'
-keys and versions (see :mod:`p2psync.gossip.protocol`).
+keys and versions, or, between large tables, first their leaf hashes (XORs over
+the bucket's keys split by :func:`~p2psync.gossip.items.leaf_of`, computed when
+asked: :mod:`p2psync.gossip.exchange`).
 
 Keys are kept per bucket as sorted lists, not sets: a digest wants them sorted
 anyway, and a list costs a third of the memory (a 10,000-member table holds
