@@ -64,7 +64,11 @@ class Reconciler:
         with the roles swapped: the peer answers with a Delta and a ``want``)."""
         span = 8 * LEAVES
         groups: dict[int, list[str]] = {}
-        for i, b in enumerate(dict.fromkeys(msg.buckets)):
+        seen: set[int] = set()
+        for i, b in enumerate(msg.buckets):
+            if b in seen:
+                continue  # (a peer that lists a bucket twice: the first hashes count)
+            seen.add(b)
             theirs = msg.hashes[span * i:span * (i + 1)]
             differ = {b * LEAVES + leaf for leaf, h in enumerate(self.leaf_hashes(b))
                       if hex32(h) != theirs[8 * leaf:8 * leaf + 8]}
@@ -76,7 +80,7 @@ class Reconciler:
                 groups.update((g, []) for g in differ if g not in groups)  # keys only the peer holds
         if not groups:
             return None
-        far = 2 * len(groups) > LEAVES * len(msg.buckets)
+        far = 2 * len(groups) > LEAVES * len(seen)
         chosen, items = self._digest_items(list(groups.items()), msg.accept, far)
         return Digest(self.id, (), tuple(items), self.config.max_body_bytes, tuple(chosen))
 
