@@ -121,15 +121,15 @@ class Harness:
         return Leaves(sender, (b,), "".join(hashes), g.config.max_body_bytes), key
 
     def _older_leaf_digest(self, sender: str, leaves: Leaves) -> Digest:
-        """A peer's Digest of the one leaf of ``leaves`` in which it holds a key one version older."""
+        """The peer's Digest of the leaf, in the one bucket ``leaves`` lists, of a key it holds one version
+        older (drawn at random, as a change is)."""
         g = self.g
         b = leaves.buckets[0]
+        keys_ = g.index.keys_in(b)
+        leaf = leaf_of(keys_[self.rng.randrange(len(keys_))]) if keys_ else 0
         members, coord = g.members.entries, g.coord.entries
-        mine = [hex32(h) for h in g.reconciler.leaf_hashes(b)]
-        theirs = [leaves.hashes[8 * i:8 * i + 8] for i in range(LEAVES)]
-        leaf = next((i for i in range(LEAVES) if mine[i] != theirs[i]), 0)
-        keys_ = [k for k in g.index.keys_in(b) if leaf_of(k) == leaf]
-        items = [(k, members[k[2:]].version if k[0] == "m" else (coord[k[2:]].version,)) for k in keys_]
+        items = [(k, members[k[2:]].version if k[0] == "m" else (coord[k[2:]].version,))
+                 for k in keys_ if leaf_of(k) == leaf]
         if items:
             k, v = items[-1]
             items[-1] = (k, (*v[:-1], max(0, v[-1] - 1)))
